@@ -1,0 +1,87 @@
+"""``NPUDmaCopyBackend``: the one Python interface over every copy path.
+
+It chooses a ``CopyPath`` per direction once, at construction (not per call), from
+the platform and what is installed; ``NPU_OFFLOAD_COPY_PATH`` forces one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..platform import Platform
+from .base import CopyPath, Direction
+from .host import HostCopyPath
+
+logger = logging.getLogger(__name__)
+
+# name -> factory(platform, page_sizes) ; accelerator paths register themselves here
+_PATH_FACTORIES: dict[str, Callable[[Platform, "list[int]"], CopyPath]] = {
+    "host": lambda platform, pages: HostCopyPath(),
+}
+
+
+def register_path(name: str, factory: Callable[[Platform, "list[int]"], CopyPath]) -> None:
+    _PATH_FACTORIES[name] = factory
+
+
+def available_paths() -> tuple[str, ...]:
+    return tuple(_PATH_FACTORIES)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    load: str
+    store: str
+
+
+def default_choice(platform: Platform) -> BackendChoice:
+    if platform.kind == "cpu":
+        return BackendChoice("host", "host")
+    # accelerator choices are made by the native/SM modules when they are present
+    chooser = _CHOOSERS.get(platform.kind)
+    if chooser is None:
+        raise RuntimeError(f"no copy path is available for device kind {platform.kind!r}; build the native library")
+    return chooser(platform)
+
+
+_CHOOSERS: dict[str, Callable[[Platform], BackendChoice]] = {}
+
+
+def register_chooser(kind: str, chooser: Callable[[Platform], BackendChoice]) -> None:
+    _CHOOSERS[kind] = chooser
+
+
+class NPUDmaCopyBackend:
+    """Copies descriptor batches in either direction with the path chosen for it."""
+
+    ENV_FORCE = "NPU_OFFLOAD_COPY_PATH"
+
+    def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None):
+        self.platform = platform
+        forced = os.environ.get(self.ENV_FORCE)
+        if forced:
+            if forced not in _PATH_FACTORIES:
+                raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {available_paths()}")
+            choice = BackendChoice(forced, forced)
+        self.choice = choice or default_choice(platform)
+        pages = list(page_sizes or [])
+        self._paths: dict[Direction, CopyPath] = {}
+        for d, name in ((Direction.H2D, self.choice.load), (Direction.D2H, self.choice.store)):
+            if name not in _PATH_FACTORIES:
+                raise ValueError(f"copy path {name!r} is not one of {available_paths()}")
+            self._paths[d] = _PATH_FACTORIES[name](platform, pages)
+        logger.info("NPUDmaCopyBackend on %s: load=%s store=%s", platform.kind, self.choice.load, self.choice.store)
+
+    def path(self, direction: Direction) -> CopyPath:
+        return self._paths[Direction(direction)]
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Any, buffers=None) -> None:
+        """Enqueue the batch on ``stream`` (asynchronous; raises ``CopyError`` on a failed submit)."""
+        if len(sizes) == 0:
+            return
+        self._paths[Direction(direction)].copy(src, dst, sizes, Direction(direction), stream, buffers)

@@ -1,0 +1,58 @@
+"""The one copy contract: copy N (src, dst, size) descriptors on a stream.
+
+Every path (native batch DMA, SM/Triton, host memmove) implements ``CopyPath``;
+``NPUDmaCopyBackend`` picks one per direction.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+
+class Direction(enum.IntEnum):
+    """Same numbering as vLLM-Ascend's ``swap_blocks_batch`` op."""
+
+    H2D = 0  # load: host -> device
+    D2H = 1  # store: device -> host
+
+    @property
+    def is_load(self) -> bool:
+        return self is Direction.H2D
+
+
+class CopyPath(ABC):
+    """A way to execute a batch of copy descriptors asynchronously on a stream."""
+
+    name: str = ""
+
+    @abstractmethod
+    def copy(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        sizes: np.ndarray,
+        direction: Direction,
+        stream: Any,
+        buffers: Any = None,
+    ) -> None:
+        """Enqueue the copies on ``stream``; raise ``CopyError`` if submission fails.
+
+        ``src``/``dst``/``sizes`` are int64 arrays of equal length. ``buffers`` is the
+        pinned ``DescriptorBuffers`` they live in, for paths that upload descriptors
+        to the device (they must not be reused until the stream passes this copy).
+        """
+
+    def supports(self, direction: Direction) -> bool:
+        return True
+
+
+def check_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
+    if not (len(src) == len(dst) == len(sizes)):
+        raise ValueError(f"descriptor arrays differ in length: src={len(src)} dst={len(dst)} sizes={len(sizes)}")
+    if len(sizes) and sizes.min() <= 0:
+        i = int(np.argmin(sizes))
+        raise ValueError(f"descriptor {i} has size {int(sizes[i])}; sizes must be > 0")

@@ -1,0 +1,181 @@
+"""Ordered asynchronous transfers with exactly-once completion.
+
+Per direction, transfers execute in submission order: each job gets a stream from a
+small pool that first waits for the previous job's end event. Every job (loads too)
+also waits for the compute stream, which closes both known races: a store reading KV
+that the model is still writing, and a load overwriting a block that attention still
+reads. Completion is detected by polling end events; each job is reported exactly
+once, with bytes and seconds, and a failed copy is reported as ``success=False``
+rather than raised, so the caller can fail its requests instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .copy.backend import NPUDmaCopyBackend
+from .copy.base import Direction
+from .plan import DescriptorPool, Descriptors
+from .platform import Platform
+from .stats import TOTALS
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    direction: Direction
+    success: bool
+    num_bytes: int
+    seconds: float
+    num_descriptors: int = 0
+    error: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _InFlight:
+    job_id: int
+    direction: Direction
+    stream: Any
+    start: Any
+    end: Any
+    num_bytes: int
+    descriptors: Descriptors
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    bytes: dict = field(default_factory=lambda: {Direction.H2D: 0, Direction.D2H: 0})
+    seconds: dict = field(default_factory=lambda: {Direction.H2D: 0.0, Direction.D2H: 0.0})
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        platform: Platform,
+        backend: NPUDmaCopyBackend,
+        pool: DescriptorPool | None = None,
+        max_pooled_streams: int = 4,
+    ):
+        self.platform = platform
+        self.backend = backend
+        self.pool = pool or DescriptorPool(platform)
+        self._lock = threading.RLock()
+        self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
+        self._streams: dict[Direction, list[Any]] = {d: [] for d in Direction}
+        self._events: list[Any] = []
+        self._max_streams = max_pooled_streams
+        self._job_ids: set[int] = set()
+        self._done: list[TransferResult] = []
+        self._closed = False
+        self.stats = EngineStats()
+
+    # -- submission -------------------------------------------------------------------
+    def submit(self, job_id: int, direction: Direction, descriptors: Descriptors) -> None:
+        """Enqueue one transfer. Never blocks on the device; a failed submit is reported by ``poll``."""
+        direction = Direction(direction)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"transfer engine is shut down; job {job_id} rejected")
+            if job_id in self._job_ids:
+                raise ValueError(f"job id {job_id} is already in flight")
+            queue = self._queues[direction]
+            streams = self._streams[direction]
+            stream = streams.pop() if streams else self.platform.new_stream()
+            start = self._events.pop() if self._events else self.platform.new_event()
+            end = self._events.pop() if self._events else self.platform.new_event()
+            stream.wait_stream(self.platform.current_stream())
+            if queue:
+                stream.wait_event(queue[-1].end)
+            error = None
+            with self.platform.stream_context(stream):
+                start.record(stream)
+                try:
+                    self.backend.copy(
+                        descriptors.src, descriptors.dst, descriptors.sizes, direction, stream, descriptors.buffers
+                    )
+                except Exception as e:  # noqa: BLE001 - becomes a failed result
+                    error = f"{type(e).__name__}: {e}"
+                end.record(stream)
+            queue.append(
+                _InFlight(job_id, direction, stream, start, end, descriptors.total_bytes, descriptors, error)
+            )
+            self._job_ids.add(job_id)
+            self.stats.submitted += 1
+
+    # -- completion -------------------------------------------------------------------
+    def _finish(self, item: _InFlight) -> TransferResult:
+        error = item.error
+        ev_err = getattr(item.end, "error", None)
+        if error is None and ev_err is not None:
+            error = f"{type(ev_err).__name__}: {ev_err}"
+        try:
+            seconds = item.start.elapsed_time(item.end) * 1e-3
+        except Exception:  # noqa: BLE001 - timing is best effort
+            seconds = 0.0
+        self.pool.release(item.descriptors.buffers)
+        if len(self._streams[item.direction]) < self._max_streams:
+            self._streams[item.direction].append(item.stream)
+        self._events.extend((item.start, item.end))
+        self._job_ids.discard(item.job_id)
+        ok = error is None
+        TOTALS.record(item.direction.is_load, ok, item.num_bytes, seconds)
+        self.stats.completed += 1
+        if ok:
+            self.stats.bytes[item.direction] += item.num_bytes
+            self.stats.seconds[item.direction] += seconds
+        else:
+            self.stats.failed += 1
+        return TransferResult(
+            item.job_id, item.direction, ok, item.num_bytes if ok else 0, seconds, len(item.descriptors), error
+        )
+
+    def poll(self) -> list[TransferResult]:
+        """Results of transfers that finished since the last call, each exactly once."""
+        with self._lock:
+            out, self._done = self._done, []
+            for q in self._queues.values():
+                while q and q[0].end.query():
+                    out.append(self._finish(q.popleft()))
+            return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the given jobs (and, by ordering, those before them) have finished."""
+        wanted = set(job_ids)
+        with self._lock:
+            ends = [it.end for q in self._queues.values() for it in q if it.job_id in wanted]
+        for ev in ends:
+            ev.synchronize()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queues.values())
+
+    def drain(self) -> None:
+        """Wait for everything submitted; results stay available to ``poll``."""
+        with self._lock:
+            ends = [it.end for q in self._queues.values() for it in q]
+        for ev in ends:
+            ev.synchronize()
+        with self._lock:
+            for q in self._queues.values():
+                while q:
+                    self._done.append(self._finish(q.popleft()))
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        self.drain()
+        with self._lock:
+            self._closed = True

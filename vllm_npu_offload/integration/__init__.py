@@ -1,0 +1,1 @@
+"""Adapters: the only modules that import vLLM. Version differences live in ``compat``."""

@@ -1,0 +1,103 @@
+"""Validation of ``kv_connector_extra_config`` for NPUOffloadingSpec.
+
+Pure Python (no vLLM import) so it is tested directly. Keys keep upstream's meaning:
+
+- ``cpu_bytes_to_use``: total host bytes for offloaded KV, summed over all tensor-
+  parallel ranks (each rank allocates its share).
+- ``num_cpu_blocks`` (legacy vLLM-Ascend key): number of offloaded blocks; converted to
+  ``cpu_bytes_to_use = num_cpu_blocks * round_up(bytes_per_block_all_ranks *
+  blocks_per_chunk, alignment)``, i.e. exactly that many blocks fit.
+- ``block_size`` (tokens per offloaded block, a multiple of the engine block size) or
+  ``blocks_per_chunk`` (engine blocks per offloaded block); not both.
+- ``eviction_policy``: a registered cache policy (``lru``, ``arc``) unless
+  ``cache_policy_module_path`` names an out-of-tree one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ..errors import OffloadConfigError
+from ..memory import round_up
+
+SIZE_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks")
+
+
+def _positive_int(extra: Mapping[str, Any], key: str) -> int | None:
+    if key not in extra or extra[key] is None:
+        return None
+    raw = extra[key]
+    try:
+        val = int(raw)
+        if isinstance(raw, float) and raw != val:
+            raise ValueError
+        if isinstance(raw, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise OffloadConfigError(f"kv_connector_extra_config[{key!r}]={raw!r} must be a positive integer") from None
+    if val <= 0:
+        raise OffloadConfigError(f"kv_connector_extra_config[{key!r}]={raw!r} must be a positive integer (> 0)")
+    return val
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    cpu_bytes_to_use: int | None  # None until the KV size per block is known (legacy key)
+    num_cpu_blocks: int | None
+    blocks_per_chunk: int
+    eviction_policy: str
+
+
+def validate_extra_config(
+    extra: Mapping[str, Any],
+    engine_block_size: int | None = None,
+    allowed_policies: Iterable[str] = ("lru", "arc"),
+) -> OffloadOptions:
+    """Check every key we understand; raise ``OffloadConfigError`` naming the key and the allowed values."""
+    cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
+    num_blocks = _positive_int(extra, "num_cpu_blocks")
+    if cpu_bytes is None and num_blocks is None:
+        raise OffloadConfigError(
+            "kv_connector_extra_config needs 'cpu_bytes_to_use' (total host bytes for offloaded KV "
+            "across all tensor-parallel ranks, e.g. 8589934592 for 8 GiB) or the legacy 'num_cpu_blocks'"
+        )
+    if cpu_bytes is not None and num_blocks is not None:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config sets both 'cpu_bytes_to_use'={cpu_bytes} and 'num_cpu_blocks'={num_blocks}; "
+            "give only one"
+        )
+    block_size = _positive_int(extra, "block_size")
+    bpc = _positive_int(extra, "blocks_per_chunk")
+    if block_size is not None and bpc is not None:
+        raise OffloadConfigError("kv_connector_extra_config: give only one of 'block_size' and 'blocks_per_chunk'")
+    blocks_per_chunk = bpc or 1
+    if block_size is not None and engine_block_size:
+        if block_size % engine_block_size:
+            raise OffloadConfigError(
+                f"kv_connector_extra_config['block_size']={block_size} must be a multiple of the engine KV block "
+                f"size ({engine_block_size} tokens), e.g. {round_up(block_size, engine_block_size)}"
+            )
+        blocks_per_chunk = block_size // engine_block_size
+    policy = extra.get("eviction_policy", "lru")
+    allowed = tuple(allowed_policies)
+    if not extra.get("cache_policy_module_path") and policy not in allowed:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['eviction_policy']={policy!r} is not one of {allowed} "
+            "(or set 'cache_policy_module_path' for an out-of-tree policy)"
+        )
+    return OffloadOptions(cpu_bytes, num_blocks, blocks_per_chunk, str(policy))
+
+
+def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alignment: int = 1) -> int:
+    """Host bytes to use; converts the legacy ``num_cpu_blocks`` and rejects a size below one chunk."""
+    chunk = round_up(bytes_per_chunk_all_ranks, alignment)
+    if opts.num_cpu_blocks is not None:
+        return opts.num_cpu_blocks * chunk
+    assert opts.cpu_bytes_to_use is not None
+    if chunk > 0 and opts.cpu_bytes_to_use < chunk:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['cpu_bytes_to_use']={opts.cpu_bytes_to_use} is smaller than one offloaded "
+            f"block ({chunk} bytes across all ranks); use at least {chunk}"
+        )
+    return opts.cpu_bytes_to_use

