@@ -6,6 +6,7 @@ the platform and what is installed; ``NPU_OFFLOAD_COPY_PATH`` forces one.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -39,10 +40,25 @@ class BackendChoice:
     store: str
 
 
+# Accelerator paths live in their own modules, imported on first use so that a
+# machine without a toolkit never loads them. Each calls register_path/register_chooser.
+_ACCELERATOR_MODULES = {"cuda": "vllm_npu_offload.copy.cuda_paths", "npu": "vllm_npu_offload.copy.npu_paths"}
+
+
+def load_accelerator_paths(kind: str) -> None:
+    mod = _ACCELERATOR_MODULES.get(kind)
+    if mod is None:
+        return
+    try:
+        importlib.import_module(mod)
+    except ImportError as e:
+        logger.warning("copy paths for %s unavailable: %s", kind, e)
+
+
 def default_choice(platform: Platform) -> BackendChoice:
     if platform.kind == "cpu":
         return BackendChoice("host", "host")
-    # accelerator choices are made by the native/SM modules when they are present
+    load_accelerator_paths(platform.kind)
     chooser = _CHOOSERS.get(platform.kind)
     if chooser is None:
         raise RuntimeError(f"no copy path is available for device kind {platform.kind!r}; build the native library")
@@ -63,6 +79,7 @@ class NPUDmaCopyBackend:
 
     def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None):
         self.platform = platform
+        load_accelerator_paths(platform.kind)
         forced = os.environ.get(self.ENV_FORCE)
         if forced:
             if forced not in _PATH_FACTORIES:
