@@ -55,20 +55,21 @@ def load_accelerator_paths(kind: str) -> None:
         logger.warning("copy paths for %s unavailable: %s", kind, e)
 
 
-def default_choice(platform: Platform) -> BackendChoice:
+def default_choice(platform: Platform, page_sizes: "list[int] | None" = None) -> BackendChoice:
     if platform.kind == "cpu":
         return BackendChoice("host", "host")
     load_accelerator_paths(platform.kind)
     chooser = _CHOOSERS.get(platform.kind)
     if chooser is None:
         raise RuntimeError(f"no copy path is available for device kind {platform.kind!r}; build the native library")
-    return chooser(platform)
+    return chooser(platform, list(page_sizes or []))
 
 
-_CHOOSERS: dict[str, Callable[[Platform], BackendChoice]] = {}
+# kind -> chooser(platform, page_sizes) -> BackendChoice (may measure, e.g. CUDA calibration)
+_CHOOSERS: dict[str, Callable[[Platform, "list[int]"], BackendChoice]] = {}
 
 
-def register_chooser(kind: str, chooser: Callable[[Platform], BackendChoice]) -> None:
+def register_chooser(kind: str, chooser: Callable[[Platform, "list[int]"], BackendChoice]) -> None:
     _CHOOSERS[kind] = chooser
 
 
@@ -85,8 +86,8 @@ class NPUDmaCopyBackend:
             if forced not in _PATH_FACTORIES:
                 raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {available_paths()}")
             choice = BackendChoice(forced, forced)
-        self.choice = choice or default_choice(platform)
         pages = list(page_sizes or [])
+        self.choice = choice or default_choice(platform, pages)
         self._paths: dict[Direction, CopyPath] = {}
         for d, name in ((Direction.H2D, self.choice.load), (Direction.D2H, self.choice.store)):
             if name not in _PATH_FACTORIES:
