@@ -65,7 +65,6 @@ class TransferEngine:
         platform: Platform,
         backend: NPUDmaCopyBackend,
         pool: DescriptorPool | None = None,
-        max_pooled_streams: int = 4,
     ):
         self.platform = platform
         self.backend = backend
@@ -74,7 +73,6 @@ class TransferEngine:
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
         self._streams: dict[Direction, list[Any]] = {d: [] for d in Direction}
         self._events: list[Any] = []
-        self._max_streams = max_pooled_streams
         self._job_ids: set[int] = set()
         self._done: list[TransferResult] = []
         self._closed = False
@@ -124,8 +122,8 @@ class TransferEngine:
         except Exception:  # noqa: BLE001 - timing is best effort
             seconds = 0.0
         self.pool.release(item.descriptors.buffers)
-        if len(self._streams[item.direction]) < self._max_streams:
-            self._streams[item.direction].append(item.stream)
+        # Streams are kept (never dropped): their number is bounded by the peak in flight.
+        self._streams[item.direction].append(item.stream)
         self._events.extend((item.start, item.end))
         self._job_ids.discard(item.job_id)
         ok = error is None

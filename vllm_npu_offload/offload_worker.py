@@ -12,6 +12,7 @@ adapters in ``integration`` only translate vLLM's types into these.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,6 +57,14 @@ class GroupRef:
     page_bytes: int  # un-padded bytes actually copied per block
 
 
+_LIVE: "weakref.WeakSet[OffloadWorkerCore]" = weakref.WeakSet()
+
+
+def live_workers() -> list["OffloadWorkerCore"]:
+    """Worker cores alive in this process (diagnostics and tests, e.g. to inspect host KV)."""
+    return list(_LIVE)
+
+
 class OffloadWorkerCore:
     """Owns the host buffer, the planners per (group, direction) and the transfer engine."""
 
@@ -94,6 +103,7 @@ class OffloadWorkerCore:
                     pairs.append(TensorPair(src, dst, ref.page_bytes))
                 self._planners[(g, direction)] = CopyPlanner(pairs) if pairs else None
         self.num_groups = len(group_refs)
+        _LIVE.add(self)
         logger.info(
             "offload worker: %d tensors, %d groups, %d host chunks x %d blocks, %.1f MiB host (%s)",
             len(self.device_tensors), self.num_groups, num_chunks, blocks_per_chunk,

@@ -144,7 +144,11 @@ class NpuPlatform(_TorchAcceleratorPlatform):
 
 
 class CpuEvent:
-    """A marker on a CpuStream: set when the stream's worker reaches it."""
+    """A marker on a CpuStream: set when the stream reaches it.
+
+    As with cudaStreamWaitEvent, a wait captures the record current at the time of the
+    wait: re-recording a pooled event later does not move earlier waits.
+    """
 
     def __init__(self):
         self._done = threading.Event()
@@ -153,26 +157,25 @@ class CpuEvent:
         self.error: BaseException | None = None
 
     def record(self, stream: "CpuStream | None" = None) -> None:
-        self._done.clear()
+        done = threading.Event()
+        self._done = done
         self.error = None
-        if stream is None or stream.is_compute:
-            self._fire(None)
+        if stream is None:
+            self._fire(done, None)
         else:
-            stream._enqueue_marker(self)
+            stream._enqueue_marker(self, done)
 
-    def _fire(self, error: BaseException | None) -> None:
-        self.timestamp = time.perf_counter()
-        self.error = error
-        self._done.set()
+    def _fire(self, done: threading.Event, error: BaseException | None) -> None:
+        if done is self._done:
+            self.timestamp = time.perf_counter()
+            self.error = error
+        done.set()
 
     def query(self) -> bool:
         return self._done.is_set()
 
     def synchronize(self) -> None:
         self._done.wait()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
 
     def elapsed_time(self, end: "CpuEvent") -> float:
         """Milliseconds between this event and ``end`` (torch's convention)."""
@@ -182,14 +185,19 @@ class CpuEvent:
 
 
 class CpuStream:
-    """An in-order work queue served by one daemon thread.
+    """An in-order work queue for the CPU platform.
 
-    Work items that raise do not stop the stream: the error is attached to the next
-    event recorded on it, which is how the engine learns that a copy failed.
+    ``threaded=False`` (the default for transfers) runs work at submission in the
+    caller's thread: on a CPU "device" there is nothing to overlap with, and a Python
+    copy thread would only fight the model for the GIL. ``threaded=True`` serves the
+    queue from a daemon thread, which the tests use to exercise truly asynchronous
+    completion. Work that raises does not stop the stream: the error is attached to the
+    next event recorded on it, which is how the engine learns that a copy failed.
     """
 
-    def __init__(self, is_compute: bool = False, name: str = "npu-offload-cpu-stream"):
+    def __init__(self, is_compute: bool = False, threaded: bool = False, name: str = "npu-offload-cpu-stream"):
         self.is_compute = is_compute
+        self.threaded = threaded and not is_compute
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -202,39 +210,40 @@ class CpuStream:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
 
+    def _execute(self, kind: str, item) -> None:
+        if kind == "work":
+            try:
+                item()
+            except BaseException as e:  # noqa: BLE001 - reported through the next event
+                if self._pending_error is None:
+                    self._pending_error = e
+        elif kind == "marker":
+            event, done = item
+            err, self._pending_error = self._pending_error, None
+            event._fire(done, err)
+        elif kind == "wait":
+            item.wait()
+
     def _run(self) -> None:
         while True:
-            kind, item = self._q.get()
-            if kind == "work":
-                try:
-                    item()
-                except BaseException as e:  # noqa: BLE001 - reported through the next event
-                    if self._pending_error is None:
-                        self._pending_error = e
-            elif kind == "marker":
-                err, self._pending_error = self._pending_error, None
-                item._fire(err)
-            elif kind == "wait":
-                item.synchronize()
+            self._execute(*self._q.get())
+
+    def _put(self, kind: str, item) -> None:
+        if self.threaded:
+            self._ensure_thread()
+            self._q.put((kind, item))
+        else:
+            self._execute(kind, item)
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` after everything submitted before it (synchronously on the compute stream)."""
-        if self.is_compute:
-            fn()
-            return
-        self._ensure_thread()
-        self._q.put(("work", fn))
+        """Run ``fn`` after everything submitted before it."""
+        self._put("work", fn)
 
-    def _enqueue_marker(self, event: CpuEvent) -> None:
-        self._ensure_thread()
-        self._q.put(("marker", event))
+    def _enqueue_marker(self, event: CpuEvent, done: threading.Event) -> None:
+        self._put("marker", (event, done))
 
     def wait_event(self, event: CpuEvent) -> None:
-        if self.is_compute:
-            event.synchronize()
-            return
-        self._ensure_thread()
-        self._q.put(("wait", event))
+        self._put("wait", event._done)
 
     def wait_stream(self, other: "CpuStream") -> None:
         # Compute on the CPU platform is synchronous: whatever the model wrote is
@@ -256,14 +265,17 @@ class CpuPlatform(Platform):
 
     kind = "cpu"
 
-    def __init__(self):
+    def __init__(self, threaded_streams: bool | None = None):
         self._compute = CpuStream(is_compute=True)
+        if threaded_streams is None:
+            threaded_streams = os.environ.get("NPU_OFFLOAD_CPU_THREADED") == "1"
+        self.threaded_streams = threaded_streams
 
     def current_stream(self) -> CpuStream:
         return self._compute
 
     def new_stream(self) -> CpuStream:
-        return CpuStream()
+        return CpuStream(threaded=self.threaded_streams)
 
     def new_event(self) -> CpuEvent:
         return CpuEvent()

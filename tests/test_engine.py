@@ -1,0 +1,161 @@
+"""Transfer engine: order, exactly-once completion, failures, wait and shutdown."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_npu_offload.copy import BackendChoice, CopyPath, Direction, NPUDmaCopyBackend, register_path
+from vllm_npu_offload.engine import TransferEngine
+from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
+from vllm_npu_offload.platform import CpuPlatform
+
+
+@pytest.fixture(params=[False, True], ids=["inline", "threaded"])
+def platform(request):
+    return CpuPlatform(threaded_streams=request.param)
+
+
+def planner(src, dst, page):
+    return CopyPlanner([TensorPair(BlockLayout(src.data_ptr(), page, src.shape[0]),
+                                   BlockLayout(dst.data_ptr(), page, dst.shape[0]), page)])
+
+
+def test_in_order_exactly_once_and_bytes(platform):
+    rng = np.random.default_rng(0)
+    dev = torch.from_numpy(rng.integers(0, 256, (64, 96), dtype=np.uint8))
+    host = torch.zeros((64, 96), dtype=torch.uint8)
+    pool = DescriptorPool(platform)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform), pool)
+    store, load = planner(dev, host, 96), planner(host, dev, 96)
+    # store blocks to host, wipe the device, load them back: the load must see the store
+    eng.submit(1, Direction.D2H, store.plan(np.arange(32), np.arange(32) + 32, pool))
+    expected = dev.clone()
+    eng.wait([1])
+    dev.zero_()
+    eng.submit(2, Direction.H2D, load.plan(np.arange(32) + 32, np.arange(32), pool))
+    eng.wait([2])
+    seen = []
+    for _ in range(3):
+        seen += eng.poll()
+    assert sorted(r.job_id for r in seen) == [1, 2]
+    assert all(r.success and r.num_bytes == 32 * 96 and r.seconds >= 0 for r in seen)
+    assert torch.equal(dev[:32], expected[:32])
+    assert pool.num_free >= 1, "descriptor buffers come back after completion"
+
+
+def test_many_jobs_from_threads_complete_once(platform):
+    src = torch.arange(256, dtype=torch.uint8).repeat(128, 1)
+    dst = torch.zeros_like(src)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    pl = planner(src, dst, 256)
+    ids = iter(range(10_000))
+    lock = threading.Lock()
+    results = []
+
+    def producer():
+        for _ in range(200):
+            with lock:
+                j = next(ids)
+            eng.submit(j, Direction.D2H, pl.plan([j % 128], [j % 128]))
+            results.extend(eng.poll())
+
+    threads = [threading.Thread(target=producer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    eng.shutdown()
+    results += eng.poll()
+    jobs = [r.job_id for r in results]
+    assert len(jobs) == 800 and len(set(jobs)) == 800
+    assert torch.equal(dst, src)
+    assert eng.poll() == []
+
+
+class _FailOnThird(CopyPath):
+    name = "fail_third"
+
+    def __init__(self):
+        self.calls = 0
+
+    def copy(self, src, dst, sizes, direction, stream, buffers=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("injected copy failure")
+        from vllm_npu_offload.copy.host import HostCopyPath
+
+        HostCopyPath().copy(src, dst, sizes, direction, stream, buffers)
+
+
+def test_failed_copy_is_reported_not_raised(platform):
+    register_path("fail_third", lambda p, pages: _FailOnThird())
+    src = torch.ones((8, 16), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice("fail_third", "fail_third")))
+    pl = planner(src, dst, 16)
+    for j in range(5):
+        eng.submit(j, Direction.D2H, pl.plan([j], [j]))
+    eng.wait(range(5))
+    res = {r.job_id: r for r in eng.poll()}
+    assert sorted(res) == [0, 1, 2, 3, 4]
+    assert not res[2].success and "injected copy failure" in res[2].error and res[2].num_bytes == 0
+    assert all(res[j].success for j in (0, 1, 3, 4))
+    assert (dst[2] == 0).all() and (dst[[0, 1, 3, 4]] == 1).all()
+
+
+def test_async_stream_error_reaches_the_right_job():
+    platform = CpuPlatform(threaded_streams=True)
+    src = torch.ones((4, 16), dtype=torch.uint8)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    bad = CopyPlanner([TensorPair(BlockLayout(0, 16, 4), BlockLayout(src.data_ptr(), 16, 4), 16)])  # null source
+    dst = torch.zeros_like(src)  # keep a reference: the engine copies into raw addresses
+    good = planner(src, dst, 16)
+    eng.submit(1, Direction.H2D, good.plan([0], [0]))
+    eng.submit(2, Direction.H2D, bad.plan([0], [1]))
+    eng.submit(3, Direction.H2D, good.plan([2], [2]))
+    eng.shutdown()
+    res = {r.job_id: r for r in eng.poll()}
+    assert res[1].success and res[3].success
+    assert not res[2].success and "null address" in res[2].error
+
+
+def test_bad_submissions(platform):
+    src = torch.ones((4, 16), dtype=torch.uint8)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    dst = torch.zeros_like(src)
+    pl = planner(src, dst, 16)
+    eng.submit(7, Direction.D2H, pl.plan([0], [0]))
+    if platform.threaded_streams:
+        eng.wait([7])
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(8, Direction.D2H, pl.plan([0], [0]))
+    with pytest.raises(ValueError, match="NPU_OFFLOAD_COPY_PATH"):
+        import os
+
+        os.environ["NPU_OFFLOAD_COPY_PATH"] = "warp"
+        try:
+            NPUDmaCopyBackend(platform)
+        finally:
+            del os.environ["NPU_OFFLOAD_COPY_PATH"]
+
+
+def test_duplicate_job_id_rejected():
+    platform = CpuPlatform(threaded_streams=True)
+    src = torch.ones((4, 16), dtype=torch.uint8)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    dst = torch.zeros_like(src)
+    pl = planner(src, dst, 16)
+    gate = threading.Event()
+    stream_block = platform.new_event()
+    # hold the stream so job 1 stays in flight
+    eng._streams[Direction.D2H].append(platform.new_stream())
+    eng._streams[Direction.D2H][0].submit(gate.wait)
+    eng.submit(1, Direction.D2H, pl.plan([0], [0]))
+    with pytest.raises(ValueError, match="job id 1 is already in flight"):
+        eng.submit(1, Direction.D2H, pl.plan([1], [1]))
+    assert stream_block.query()
+    gate.set()
+    eng.shutdown()
