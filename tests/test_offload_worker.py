@@ -1,0 +1,101 @@
+"""OffloadWorkerCore: vLLM's (group sizes, block indices, chunks) mapping, byte-exact, on the CPU platform."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.errors import OffloadConfigError
+from vllm_npu_offload.memory import HostKVBuffer
+from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from vllm_npu_offload.platform import CpuPlatform
+
+
+def make_core(bpc, pages=(96, 40), padded=(96, 48), num_blocks=32, num_chunks=20, groups=None, threaded=False):
+    rng = np.random.default_rng(bpc)
+    tensors = [torch.from_numpy(rng.integers(0, 256, (num_blocks, p), dtype=np.uint8)) for p in padded]
+    dev = [DeviceKVTensor.from_block_view(t) for t in tensors]
+    refs = groups or [[GroupRef(i, pages[i]) for i in range(len(pages))]]
+    core = OffloadWorkerCore(dev, refs, bpc, num_chunks, CpuPlatform(threaded_streams=threaded))
+    return core, tensors
+
+
+def run(core, job, direction, dev_ids, sizes, indices, chunks):
+    core.submit(job, direction, np.array(dev_ids), sizes, indices, np.array(chunks))
+    core.wait([job])
+    res = core.poll()
+    assert [r.job_id for r in res] == [job] and res[0].success, res
+    return res[0]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_store_then_load_round_trip(bpc, threaded):
+    core, tensors = make_core(bpc, threaded=threaded)
+    # 7 device blocks starting at logical block index 1 of the request -> skip 1 sub-block when bpc > 1
+    dev_ids = [5, 9, 2, 30, 31, 0, 17]
+    skip = 1 % bpc
+    n_chunks = -(-(len(dev_ids) + skip) // bpc)
+    chunks = [11, 3, 7, 19, 0, 14, 8][:n_chunks]
+    original = [t.clone() for t in tensors]
+    r = run(core, 1, Direction.D2H, dev_ids, [7], [1], chunks)
+    assert r.num_bytes == 7 * (96 + 40)
+    for t in tensors:
+        t.fill_(0xEE)  # poison the device
+    back = [3, 4, 10, 11, 12, 25, 26]
+    run(core, 2, Direction.H2D, back, [7], [1], chunks)
+    for t, o, page in zip(tensors, original, (96, 40)):
+        assert torch.equal(t[back][:, :page], o[dev_ids][:, :page])
+        others = np.setdiff1d(np.arange(32), back)
+        assert (t[others] == 0xEE).all()
+    # host placement: sub-block j of chunk c is host block c*bpc + j
+    host0 = core.host_view(0)
+    expanded = (np.array(chunks)[:, None] * bpc + np.arange(bpc)).ravel()[skip : skip + 7]
+    assert torch.equal(host0[expanded][:, :96], original[0][dev_ids][:, :96])
+    core.shutdown()
+
+
+def test_two_groups_each_with_own_refs():
+    groups = [[GroupRef(0, 96)], [GroupRef(1, 40)]]
+    core, tensors = make_core(2, groups=groups)
+    original = [t.clone() for t in tensors]
+    # group 0: 3 blocks from logical index 0 (2 chunks); group 1: 2 blocks from index 3 (skip 1 -> 2 chunks)
+    run(core, 1, Direction.D2H, [1, 2, 3, 10, 11], [3, 2], [0, 3], [4, 5, 6, 7])
+    for t in tensors:
+        t.zero_()
+    run(core, 2, Direction.H2D, [20, 21, 22, 23, 24], [3, 2], [0, 3], [4, 5, 6, 7])
+    assert torch.equal(tensors[0][[20, 21, 22]][:, :96], original[0][[1, 2, 3]][:, :96])
+    assert torch.equal(tensors[1][[23, 24]][:, :40], original[1][[10, 11]][:, :40])
+    assert (tensors[0][[23, 24]] == 0).all() and (tensors[1][[20, 21, 22]] == 0).all()
+
+
+def test_bad_transfers_raise_and_leak_nothing():
+    core, _ = make_core(1)
+    free_before = core.pool.num_free
+    with pytest.raises(ValueError, match="host chunk id out of range"):
+        core.submit(1, Direction.D2H, np.array([1]), [1], [0], np.array([20]))
+    with pytest.raises(ValueError, match="do not add up"):
+        core.submit(1, Direction.D2H, np.array([1, 2]), [1], [0], np.array([0]))
+    with pytest.raises(ValueError, match="src block id 32 out of range"):
+        core.submit(1, Direction.D2H, np.array([32]), [1], [0], np.array([0]))
+    with pytest.raises(ValueError, match="1 KV groups"):
+        core.submit(1, Direction.D2H, np.array([1]), [1, 0], [0, 0], np.array([0]))
+    assert core.pool.num_free >= free_before
+    assert core.engine.in_flight() == 0
+
+
+def test_host_memory_is_exact():
+    buf = HostKVBuffer(CpuPlatform(), [4096, 1000, 24], 1000)
+    exact = (4096 + 1000 + 24) * 1000
+    assert exact <= buf.nbytes <= exact + 256 * 3
+    assert buf.tensor.nbytes == buf.nbytes
+    assert [r.offset % 256 for r in buf.regions] == [0, 0, 0]
+    with pytest.raises(OffloadConfigError, match="num_blocks > 0"):
+        HostKVBuffer(CpuPlatform(), [16], 0)
+    with pytest.raises(OffloadConfigError, match="positive"):
+        HostKVBuffer(CpuPlatform(), [0], 4)
+
+
+def test_core_rejects_zero_chunks():
+    with pytest.raises(OffloadConfigError, match="num_chunks must be > 0"):
+        make_core(1, num_chunks=0)
