@@ -7,9 +7,10 @@
  * - Arguments are validated like the documented API: count <= destMax, batch attribute
  *   locations consistent (host id 0 <-> device id = aclrtGetDevice), rsv zero,
  *   attrsIndexes[0] == 0 and increasing, memcpy kind H2D or D2H, aligned host registration.
- * - Failure injection: ACL_EMU_FAIL_AT=k (or acl_emu_set_fail_at(k)) fails batch descriptor
- *   k (setting failIndex; nothing is copied) and the k-th aclrtMemcpyAsync call since
- *   acl_emu_reset() (earlier calls have copied). The code returned is ACL_EMU_FAIL_CODE
+ * - Failure injection: ACL_EMU_FAIL_AT=k (or acl_emu_set_fail_at(k)) fails the k-th
+ *   descriptor (0-based) submitted since acl_emu_reset(), counted across calls: in a batch
+ *   call it sets failIndex to its position in that call and nothing of that call is copied;
+ *   as an aclrtMemcpyAsync call, the earlier calls have copied. The code returned is ACL_EMU_FAIL_CODE
  *   (default ACL_ERROR_RT_INTERNAL_ERROR).
  * - Counters (acl_emu_count) and the last stream seen let tests check which path ran.
  * It is compiled against the same ACL headers, so its signatures are checked by the compiler.
@@ -27,7 +28,7 @@
 static int32_t g_device;
 static long long g_fail_at = -1;
 static int g_fail_set;
-static long long g_loop_calls;
+static long long g_seen; /* descriptors submitted since reset (loop calls + batch entries) */
 static long long g_counts[5]; /* memcpy_async, batch_v1, batch_v2, host_register, host_unregister */
 static void *g_last_stream;
 static __thread char g_msg[256];
@@ -57,7 +58,7 @@ EMU_API void acl_emu_set_fail_at(long long k) { g_fail_at = k, g_fail_set = 1; }
 EMU_API void acl_emu_set_device(int32_t dev) { g_device = dev; }
 EMU_API void *acl_emu_last_stream(void) { return g_last_stream; }
 EMU_API void acl_emu_reset(void) {
-    g_fail_at = -1, g_fail_set = 0, g_loop_calls = 0, g_last_stream = NULL, g_device = 0;
+    g_fail_at = -1, g_fail_set = 0, g_seen = 0, g_last_stream = NULL, g_device = 0;
     memset(g_counts, 0, sizeof(g_counts));
     g_msg[0] = 0;
 }
@@ -80,7 +81,7 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
                           aclrtStream stream) {
     g_counts[0]++;
     g_last_stream = stream;
-    long long call = g_loop_calls++;
+    long long call = g_seen++;
     if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)
         return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld not supported", "memcpy kind", (long long)kind);
     if (!dst || !src) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "NULL address", call);
@@ -123,10 +124,11 @@ static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes,
                         (long long)i);
         }
     }
-    long long k = fail_at();
-    if (k >= 0 && (size_t)k < n) {
-        if (failIndex) *failIndex = (size_t)k;
-        return fail(injected_code(), "emulation: %s at descriptor %lld", "injected failure", k);
+    long long first = g_seen, k = fail_at();
+    g_seen += (long long)n;
+    if (k >= first && k < first + (long long)n) {
+        if (failIndex) *failIndex = (size_t)(k - first);
+        return fail(injected_code(), "emulation: %s at descriptor %lld", "injected failure", k - first);
     }
     for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
     return ACL_SUCCESS;

@@ -156,10 +156,10 @@ def build(src_dir: Path, out_dir: Path, required: bool = False) -> list[str]:
     return [LIBRARY]
 
 
-def build_emulation(src_dir: Path, out_dir: Path) -> Path:
+def build_emulation(src_dir: Path, out_dir: Path, include: Path | None = None) -> Path:
     """Build the ACL test double (tests only; never installed)."""
     cc = find_compiler()
-    include, _ = find_acl_include()
+    include = include or find_acl_include()[0]
     out = Path(out_dir) / EMULATION
     # The emulation exports the ACL names themselves: default visibility.
     _compile(cc, include, [Path(src_dir) / "acl_emulation.c"], out, [], ("-fvisibility=default",))

@@ -59,16 +59,20 @@ def _raise(err: AclError, what: str) -> None:
     raise AclCopyError(msg, err.call.decode(errors="replace"), idx, fail, err.acl_code, err.status)
 
 
-@functools.lru_cache(maxsize=None)
-def load_library() -> ctypes.CDLL:
-    """The built library; ImportError (with how to build it) when it is not there."""
-    path = library_path(LIBRARY_NAME)
+def load_library(path: "str | os.PathLike | None" = None) -> ctypes.CDLL:
+    """The built library (``path`` or the one ``library_path`` finds); ImportError when not built."""
+    path = path or library_path(LIBRARY_NAME)
     if path is None:
         raise ImportError(
             f"lib{LIBRARY_NAME}.so is not built; run `python csrc_npu/build.py` (needs ACL headers) "
             "or reinstall with NPU_OFFLOAD_BUILD_NPU=1"
         )
-    lib = ctypes.CDLL(str(path))
+    return _open(os.fspath(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _open(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
     i64p, err_p = ctypes.c_void_p, ctypes.POINTER(AclError)
     common = [i64p, i64p, i64p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.npu_offload_acl_copy_batch.argtypes = [*common, ctypes.c_int64, err_p]
@@ -84,28 +88,30 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
-def build_mode() -> str:
+def build_mode(lib: ctypes.CDLL | None = None) -> str:
     """``"batch"`` or ``"loop"``: what the build toggle compiled in."""
-    return load_library().npu_offload_acl_build_mode().decode()
+    return (lib or load_library()).npu_offload_acl_build_mode().decode()
 
 
-def batch_form() -> tuple[int, str]:
+def batch_form(lib: ctypes.CDLL | None = None) -> tuple[int, str]:
     """(1 = aclrtMemcpyBatchAsync, 2 = ...V2, 0 = unusable) and why not when 0. Loads ACL."""
     err = AclError()
-    form = load_library().npu_offload_acl_batch_form(ctypes.byref(err))
+    form = (lib or load_library()).npu_offload_acl_batch_form(ctypes.byref(err))
     return form, "" if form else err.message.decode(errors="replace")
 
 
-def set_batch_form(form: int) -> None:
+def set_batch_form(form: int, lib: ctypes.CDLL | None = None) -> None:
     """Force the batch symbol: 0 auto (failIndex form if exported), 1 failIndex form, 2 V2 form."""
-    if load_library().npu_offload_acl_set_batch_form(int(form)) != OK:
+    if (lib or load_library()).npu_offload_acl_set_batch_form(int(form)) != OK:
         raise ValueError(f"batch form {form!r} is not one of 0 (auto), 1 (aclrtMemcpyBatchAsync), 2 (V2)")
 
 
-def probe() -> str:
+def probe(lib: ctypes.CDLL | None = None) -> str:
     """Empty when libascendcl and aclrtMemcpyAsync resolve, else why not."""
     err = AclError()
-    return "" if load_library().npu_offload_acl_probe(ctypes.byref(err)) == OK else err.message.decode(errors="replace")
+    if (lib or load_library()).npu_offload_acl_probe(ctypes.byref(err)) == OK:
+        return ""
+    return err.message.decode(errors="replace")
 
 
 def acl_host_register(ptr: int, nbytes: int) -> bool:
@@ -134,11 +140,11 @@ def _as_int64(a: np.ndarray, name: str) -> np.ndarray:
 class AclCopyPath(CopyPath):
     """One C entry point (batch or loop) behind the CopyPath contract."""
 
-    def __init__(self, platform: Platform | None, batch: bool):
+    def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None):
         self.platform = platform
         self.batch = batch
         self.name = "acl_batch" if batch else "acl_loop"
-        self._lib = load_library()
+        self._lib = lib or load_library()
         self._max_batch = int(os.environ.get(ENV_MAX_BATCH, "0") or 0)
         if self._max_batch < 0:
             raise ValueError(f"{ENV_MAX_BATCH}={self._max_batch} must be >= 0 (0 = no limit)")
@@ -177,10 +183,12 @@ def library_info() -> str:
         lib = load_library()
     except (ImportError, OSError) as e:
         return f"not built ({e})"
-    line = f"built, mode={build_mode()}, {lib.npu_offload_acl_build_info().decode()}, {library_path(LIBRARY_NAME)}"
-    why = probe()
+    line = f"built, mode={build_mode(lib)}, {lib.npu_offload_acl_build_info().decode()}, {lib._name}"
+    why = probe(lib)
     if why:
         return line + f"; runtime: {why}"
-    form, why = batch_form()
+    if build_mode(lib) != "batch":
+        return line + "; runtime: ACL library resolved, per-copy loop"
+    form, why = batch_form(lib)
     used = {1: "aclrtMemcpyBatchAsync", 2: "aclrtMemcpyBatchAsyncV2"}.get(form, f"loop only ({why})")
     return line + f"; runtime: ACL library resolved, batch via {used}"
