@@ -296,3 +296,27 @@ def test_chooser_and_backend_with_emulation(built, emu, monkeypatch):
     monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(built[0]["1"].parent))
     monkeypatch.setenv("NPU_OFFLOAD_ACL_LIBRARY", "/nonexistent/libascendcl.so")  # already loaded: no effect
     assert npu_paths.choose(plat, []).load == "acl_batch"
+
+
+def test_info_command_reports_mode(built, emu):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NPU_OFFLOAD_NATIVE_DIR=str(built[0]["0"].parent), NPU_OFFLOAD_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "-m", "vllm_npu_offload", "info"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert "version" in out and "device" in out and "cpu" in out
+    assert "mode=loop" in out and "ACL library resolved" in out
+
+
+def test_info_providers_are_extensible():
+    from vllm_npu_offload import info
+
+    info.register_info_provider("test line", lambda: "hello")
+    info.register_info_provider("broken", lambda: 1 / 0)
+    try:
+        text = info.format_info()
+        assert "hello" in text and "ZeroDivisionError" in text
+    finally:
+        del info.PROVIDERS[-2:]
