@@ -45,7 +45,8 @@ def _pip_commands() -> list[list[str]]:
 def _download(dest: Path) -> Path:
     errors = []
     for pip in _pip_commands():
-        cmd = [*pip, "download", "--no-deps", *WHEEL_TAGS, f"torch-npu=={TORCH_NPU_VERSION}", "-d", str(dest), "-q"]
+        cmd = [*pip, "download", "--no-deps", *WHEEL_TAGS, f"torch-npu=={TORCH_NPU_VERSION}", "-d", str(dest), "-q",
+               "--timeout", "30", "--retries", "2"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(dest.glob(f"torch_npu-{TORCH_NPU_VERSION}-*.whl"))
         if r.returncode == 0 and wheels:

@@ -10,7 +10,9 @@
 
 #define NPU_PAGE 4096u
 
+#ifdef NPU_OFFLOAD_DECLARED_HOST_REGISTER_V2
 static uintptr_t page_floor(uintptr_t p) { return p & ~(uintptr_t)(NPU_PAGE - 1); }
+#endif
 
 NPU_OFFLOAD_API int npu_offload_acl_host_register(void *ptr, uint64_t size, npu_offload_acl_error *err) {
     npu_err_clear(err);
