@@ -19,4 +19,7 @@ CORE_MODULES = (
     "vllm_npu_offload.errors",
     "vllm_npu_offload.stats",
     "vllm_npu_offload.offload_worker",
+    "vllm_npu_offload.layouts",
+    "vllm_npu_offload.copy.npu_native",
+    "vllm_npu_offload.copy.npu_paths",
 )

@@ -135,12 +135,19 @@ class NpuPlatform(_TorchAcceleratorPlatform):
         return int(stream.npu_stream)
 
     def pin(self, tensor: torch.Tensor) -> bool:
-        # aclrtHostRegisterV2 is resolved by the native library when present.
-        try:
-            from .copy.native import acl_host_register
-        except ImportError:
-            return False
+        # aclrtHostRegisterV2 (exact size, like cudaHostRegister) through the native
+        # library; False (pageable fallback) when it is not built or ACL refuses.
+        if tensor.numel() == 0:
+            return True
+        from .copy.npu_native import acl_host_register
+
         return acl_host_register(tensor.data_ptr(), tensor.nbytes)
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        if tensor.numel():
+            from .copy.npu_native import acl_host_unregister
+
+            acl_host_unregister(tensor.data_ptr())
 
 
 class CpuEvent:

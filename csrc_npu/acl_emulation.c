@@ -1,0 +1,170 @@
+/*
+ * TEST DOUBLE -- NOT ASCEND SOFTWARE. An emulation of the few ACL runtime entry points
+ * that libnpu_offload_acl calls, with host-memory semantics, built as
+ * libacl_emulation.so for CPU-only CI (point NPU_OFFLOAD_ACL_LIBRARY at it).
+ *
+ * - Copies really happen (memcpy) at submit time; "device" memory is host memory.
+ * - Arguments are validated like the documented API: count <= destMax, batch attribute
+ *   locations consistent (host id 0 <-> device id = aclrtGetDevice), rsv zero,
+ *   attrsIndexes[0] == 0 and increasing, memcpy kind H2D or D2H, aligned host registration.
+ * - Failure injection: ACL_EMU_FAIL_AT=k (or acl_emu_set_fail_at(k)) fails the k-th
+ *   descriptor (0-based) submitted since acl_emu_reset(), counted across calls: in a batch
+ *   call it sets failIndex to its position in that call and nothing of that call is copied;
+ *   as an aclrtMemcpyAsync call, the earlier calls have copied. The code returned is ACL_EMU_FAIL_CODE
+ *   (default ACL_ERROR_RT_INTERNAL_ERROR).
+ * - Counters (acl_emu_count) and the last stream seen let tests check which path ran.
+ * It is compiled against the same ACL headers, so its signatures are checked by the compiler.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <acl/acl_rt.h>
+#include <acl/error_codes/rt_error_codes.h>
+
+#define EMU_API __attribute__((visibility("default")))
+
+static int32_t g_device;
+static long long g_fail_at = -1;
+static int g_fail_set;
+static long long g_seen; /* descriptors submitted since reset (loop calls + batch entries) */
+static long long g_counts[5]; /* memcpy_async, batch_v1, batch_v2, host_register, host_unregister */
+static void *g_last_stream;
+static __thread char g_msg[256];
+static void *g_registered[64];
+
+static const char *const COUNT_NAMES[] = {"aclrtMemcpyAsync", "aclrtMemcpyBatchAsync", "aclrtMemcpyBatchAsyncV2",
+                                          "aclrtHostRegisterV2", "aclrtHostUnregister"};
+
+static aclError fail(aclError code, const char *fmt, const char *what, long long i) {
+    snprintf(g_msg, sizeof(g_msg), fmt, what, i);
+    return code;
+}
+
+static long long fail_at(void) {
+    if (g_fail_set) return g_fail_at;
+    const char *env = getenv("ACL_EMU_FAIL_AT");
+    return (env && *env) ? atoll(env) : -1;
+}
+
+static aclError injected_code(void) {
+    const char *env = getenv("ACL_EMU_FAIL_CODE");
+    return (env && *env) ? (aclError)atoi(env) : ACL_ERROR_RT_INTERNAL_ERROR;
+}
+
+/* ---- test controls -------------------------------------------------------------------- */
+EMU_API void acl_emu_set_fail_at(long long k) { g_fail_at = k, g_fail_set = 1; }
+EMU_API void acl_emu_set_device(int32_t dev) { g_device = dev; }
+EMU_API void *acl_emu_last_stream(void) { return g_last_stream; }
+EMU_API void acl_emu_reset(void) {
+    g_fail_at = -1, g_fail_set = 0, g_seen = 0, g_last_stream = NULL, g_device = 0;
+    memset(g_counts, 0, sizeof(g_counts));
+    g_msg[0] = 0;
+}
+EMU_API long long acl_emu_count(const char *name) {
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(name, COUNT_NAMES[i])) return g_counts[i];
+    return -1;
+}
+
+/* ---- ACL entry points ----------------------------------------------------------------- */
+const char *aclGetRecentErrMsg(void) { return g_msg; }
+
+aclError aclrtGetDevice(int32_t *deviceId) {
+    if (!deviceId) return fail(ACL_ERROR_INVALID_PARAM, "%s is NULL%lld", "deviceId", 0);
+    *deviceId = g_device;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
+                          aclrtStream stream) {
+    g_counts[0]++;
+    g_last_stream = stream;
+    long long call = g_seen++;
+    if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld not supported", "memcpy kind", (long long)kind);
+    if (!dst || !src) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "NULL address", call);
+    if (count > destMax)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "count exceeds destMax", call);
+    if (call == fail_at()) return fail(injected_code(), "emulation: %s at call %lld", "injected failure", call);
+    memcpy(dst, src, count);
+    return ACL_SUCCESS;
+}
+
+static int is_loc(aclrtMemLocation l, aclrtMemLocationType type, uint32_t id) {
+    return l.type == type && l.id == id;
+}
+
+static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t n,
+                      aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs, size_t *failIndex) {
+    if (failIndex) *failIndex = SIZE_MAX;
+    if (!dsts || !destMaxs || !srcs || !sizes || !attrs || !attrsIndexes || n == 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (n=%lld)", "NULL array or empty batch", (long long)n);
+    if (numAttrs == 0 || numAttrs > n || attrsIndexes[0] != 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (numAttrs=%lld)", "bad attrsIndexes/numAttrs",
+                    (long long)numAttrs);
+    for (size_t a = 0; a < numAttrs; a++) {
+        aclrtMemcpyBatchAttr *at = &attrs[a];
+        if (a && attrsIndexes[a] <= attrsIndexes[a - 1])
+            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "attrsIndexes not increasing at", (long long)a);
+        for (size_t r = 0; r < sizeof(at->rsv); r++)
+            if (at->rsv[r]) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "rsv non-zero in attr", (long long)a);
+        uint32_t dev = (uint32_t)g_device;
+        int h2d = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_HOST, 0) && is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev);
+        int d2h = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev) && is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_HOST, 0);
+        if (!h2d && !d2h)
+            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld (need host id 0 <-> current device)",
+                        "inconsistent src/dst locations in attr", (long long)a);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!dsts[i] || !srcs[i] || sizes[i] == 0 || sizes[i] > destMaxs[i]) {
+            if (failIndex) *failIndex = i;
+            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "bad address/size/destMax at descriptor",
+                        (long long)i);
+        }
+    }
+    long long first = g_seen, k = fail_at();
+    g_seen += (long long)n;
+    if (k >= first && k < first + (long long)n) {
+        if (failIndex) *failIndex = (size_t)(k - first);
+        return fail(injected_code(), "emulation: %s at descriptor %lld", "injected failure", k - first);
+    }
+    for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t numBatches,
+                               aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs,
+                               size_t *failIndex, aclrtStream stream) {
+    g_counts[1]++;
+    g_last_stream = stream;
+    if (!failIndex) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "failIndex is NULL", 0);
+    return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, failIndex);
+}
+
+aclError aclrtMemcpyBatchAsyncV2(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t numBatches,
+                                 aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes, size_t numAttrs,
+                                 aclrtStream stream) {
+    g_counts[2]++;
+    g_last_stream = stream;
+    return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, NULL);
+}
+
+aclError aclrtHostRegisterV2(void *ptr, uint64_t size, uint32_t flag) {
+    g_counts[3]++;
+    if (!ptr || size == 0 || ((uintptr_t)ptr & 4095u))
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "unaligned or empty range at", (long long)(uintptr_t)ptr);
+    if (!(flag & ACL_HOST_REG_PINNED))
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "flag lacks ACL_HOST_REG_PINNED:", (long long)flag);
+    for (int i = 0; i < 64; i++)
+        if (!g_registered[i]) return g_registered[i] = ptr, ACL_SUCCESS;
+    return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "too many registrations", 0);
+}
+
+aclError aclrtHostUnregister(void *ptr) {
+    g_counts[4]++;
+    for (int i = 0; i < 64; i++)
+        if (ptr && g_registered[i] == ptr) return g_registered[i] = NULL, ACL_SUCCESS;
+    return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "pointer was not registered:", (long long)(uintptr_t)ptr);
+}

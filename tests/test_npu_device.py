@@ -1,0 +1,123 @@
+"""Real Ascend NPU: byte-exact round trips through NPUDmaCopyBackend (acl_batch, acl_loop).
+
+Skipped unless torch_npu imports, an NPU is visible and csrc_npu was built
+(`python csrc_npu/build.py`). Run by scripts/npu_check.sh on an Ascend machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_npu_offload._native import library_path
+from vllm_npu_offload.copy.base import Direction
+
+
+def _npu_ready() -> str:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed"
+    try:
+        import torch_npu  # noqa: F401
+
+        if not torch.npu.is_available():
+            return "no NPU visible"
+    except Exception as e:  # torch_npu without CANN fails at import
+        return f"torch_npu does not load: {e}"
+    if library_path("npu_offload_acl") is None:
+        return "libnpu_offload_acl.so is not built (python csrc_npu/build.py)"
+    return ""
+
+
+REASON = _npu_ready()
+pytestmark = [pytest.mark.npu, pytest.mark.skipif(bool(REASON), reason=REASON or "ok")]
+PATHS = ["acl_batch", "acl_loop"]
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from vllm_npu_offload.platform import get_platform
+
+    return get_platform("npu")
+
+
+def _backend(platform, name):
+    from vllm_npu_offload.copy import npu_native
+    from vllm_npu_offload.copy.backend import BackendChoice, NPUDmaCopyBackend
+
+    if name == "acl_batch" and npu_native.build_mode() != "batch":
+        pytest.skip("library built with VLLM_ASCEND_ENABLE_BATCH_MEMCPY=0")
+    if name == "acl_batch" and not npu_native.batch_form()[0]:
+        pytest.skip(f"batch API not exported by this CANN: {npu_native.batch_form()[1]}")
+    return NPUDmaCopyBackend(platform, [], BackendChoice(name, name))
+
+
+def _slots(rng, sizes):
+    perm = rng.permutation(len(sizes))
+    starts = np.concatenate(([0], np.cumsum(sizes[perm] + 32)[:-1]))
+    off = np.empty(len(sizes), np.int64)
+    off[perm] = starts
+    return off
+
+
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize("sizes", [[4096] * 64, [1, 3, 511, 4097, 28 * 1024, 65537, 2 << 20]])
+def test_round_trip_both_directions(platform, name, sizes):
+    backend = _backend(platform, name)
+    rng = np.random.default_rng(len(sizes))
+    sizes = np.asarray(sizes, np.int64)
+    total = int(sizes.sum() + 32 * len(sizes))
+    src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8)).pin_memory()
+    back = torch.zeros(total, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(total, dtype=torch.uint8, device=platform.device)
+    h_off, d_off = _slots(rng, sizes), _slots(np.random.default_rng(7), sizes)
+    stream = platform.new_stream()
+    stream.wait_stream(platform.current_stream())  # dev is zeroed on the compute stream
+    backend.copy(src.data_ptr() + h_off, dev.data_ptr() + d_off, sizes, Direction.H2D, stream)
+    backend.copy(dev.data_ptr() + d_off, back.data_ptr() + h_off, sizes, Direction.D2H, stream)
+    stream.synchronize()
+    mask = torch.zeros(total, dtype=torch.bool)
+    for o, n in zip(h_off.tolist(), sizes.tolist()):
+        mask[o : o + n] = True
+    assert torch.equal(back[mask], src[mask]) and not back[~mask].any()
+
+
+def test_exact_pinning_with_host_register(platform):
+    t = torch.zeros(5 * 4096 + 123, dtype=torch.uint8)
+    assert platform.pin(t), "aclrtHostRegisterV2 failed (CANN >= 8.5 and kernel > 5.10 needed)"
+    platform.unpin(t)
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_worker_core_ascend_layout(platform, name):
+    """Per-layer (K, V) and MLA (512, 64) tuples on the NPU, through OffloadWorkerCore."""
+    from vllm_npu_offload.layouts import build_worker_core
+
+    nb, bs = 8, 128
+    dt, dv = torch.bfloat16, platform.device
+    caches = {
+        "l0": (torch.randn(nb, bs, 4, 128, dtype=dt, device=dv), torch.randn(nb, bs, 4, 128, dtype=dt, device=dv)),
+        "l1": (torch.randn(nb, bs, 1, 512, dtype=dt, device=dv), torch.randn(nb, bs, 1, 64, dtype=dt, device=dv)),
+    }
+    backend = _backend(platform, name)
+    core = build_worker_core(caches, nb, 1, 16, backend=backend)
+    try:
+        ref = {k: [t.cpu() for t in v] for k, v in caches.items()}
+        ids = np.array([6, 1, 2, 3], np.int64)
+        platform.synchronize()
+        core.submit(1, Direction.D2H, ids, [4], [0], np.array([9, 4, 5, 6]))
+        core.wait([1])
+        for v in caches.values():
+            for t in v:
+                t.zero_()
+        platform.synchronize()
+        core.submit(2, Direction.H2D, ids, [4], [0], np.array([9, 4, 5, 6]))
+        core.wait([2])
+        platform.synchronize()
+        for k, v in caches.items():
+            for t, r in zip(v, ref[k]):
+                assert torch.equal(t.cpu()[ids].view(torch.uint8), r[ids].view(torch.uint8))
+    finally:
+        core.shutdown()

@@ -1,0 +1,194 @@
+"""ctypes wrapper of ``libnpu_offload_acl.so``: the ``acl_batch`` and ``acl_loop`` copy paths.
+
+The library is plain C with every ACL symbol resolved at run time, so loading it never
+needs CANN; a missing ``libascendcl.so`` (or symbol) surfaces as a ``CopyError`` from
+the first copy, naming what is missing. Streams are raw ``aclrtStream`` handles taken
+from the platform (torch_npu's ``.npu_stream``, which flushes its task queue first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from .._native import library_path
+from ..errors import CopyError
+from ..platform import Platform
+from .base import CopyPath, Direction, check_descriptors
+
+LIBRARY_NAME = "npu_offload_acl"
+ENV_MAX_BATCH = "NPU_OFFLOAD_ACL_MAX_BATCH"  # descriptors per aclrtMemcpyBatchAsync call; unset = all
+
+# Status codes of the C library (csrc_npu/npu_offload_acl.h).
+OK, ACL_FAILED, MISSING, BAD_ARGUMENT, NOT_BUILT = range(5)
+
+
+class AclError(ctypes.Structure):
+    """Mirror of ``npu_offload_acl_error``."""
+
+    _fields_ = [
+        ("acl_code", ctypes.c_int32),
+        ("status", ctypes.c_int32),
+        ("index", ctypes.c_int64),
+        ("fail_index", ctypes.c_int64),
+        ("call", ctypes.c_char * 64),
+        ("message", ctypes.c_char * 512),
+    ]
+
+
+class AclCopyError(CopyError):
+    """A CopyError that also carries ACL's return code, failIndex and the library status."""
+
+    def __init__(self, message: str, call: str, index: int | None, fail_index: int | None, acl_code: int, status: int):
+        super().__init__(message, call, index)
+        self.fail_index = fail_index
+        self.acl_code = acl_code
+        self.status = status
+
+
+def _raise(err: AclError, what: str) -> None:
+    idx = err.index if err.index >= 0 else None
+    fail = err.fail_index if err.fail_index >= 0 else None
+    msg = f"{what}: {err.message.decode(errors='replace')}"
+    if idx is not None:
+        msg += f" [descriptor {idx}" + (f", failIndex {fail}]" if fail is not None else "]")
+    raise AclCopyError(msg, err.call.decode(errors="replace"), idx, fail, err.acl_code, err.status)
+
+
+def load_library(path: "str | os.PathLike | None" = None) -> ctypes.CDLL:
+    """The built library (``path`` or the one ``library_path`` finds); ImportError when not built."""
+    path = path or library_path(LIBRARY_NAME)
+    if path is None:
+        raise ImportError(
+            f"lib{LIBRARY_NAME}.so is not built; run `python csrc_npu/build.py` (needs ACL headers) "
+            "or reinstall with NPU_OFFLOAD_BUILD_NPU=1"
+        )
+    return _open(os.fspath(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _open(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    i64p, err_p = ctypes.c_void_p, ctypes.POINTER(AclError)
+    common = [i64p, i64p, i64p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.npu_offload_acl_copy_batch.argtypes = [*common, ctypes.c_int64, err_p]
+    lib.npu_offload_acl_copy_loop.argtypes = [*common, err_p]
+    lib.npu_offload_acl_batch_form.argtypes = [err_p]
+    lib.npu_offload_acl_set_batch_form.argtypes = [ctypes.c_int]
+    lib.npu_offload_acl_probe.argtypes = [err_p]
+    lib.npu_offload_acl_host_register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, err_p]
+    lib.npu_offload_acl_host_unregister.argtypes = [ctypes.c_void_p, err_p]
+    for fn in ("npu_offload_acl_build_mode", "npu_offload_acl_build_info"):
+        getattr(lib, fn).restype = ctypes.c_char_p
+        getattr(lib, fn).argtypes = []
+    return lib
+
+
+def build_mode(lib: ctypes.CDLL | None = None) -> str:
+    """``"batch"`` or ``"loop"``: what the build toggle compiled in."""
+    return (lib or load_library()).npu_offload_acl_build_mode().decode()
+
+
+def batch_form(lib: ctypes.CDLL | None = None) -> tuple[int, str]:
+    """(1 = aclrtMemcpyBatchAsync, 2 = ...V2, 0 = unusable) and why not when 0. Loads ACL."""
+    err = AclError()
+    form = (lib or load_library()).npu_offload_acl_batch_form(ctypes.byref(err))
+    return form, "" if form else err.message.decode(errors="replace")
+
+
+def set_batch_form(form: int, lib: ctypes.CDLL | None = None) -> None:
+    """Force the batch symbol: 0 auto (failIndex form if exported), 1 failIndex form, 2 V2 form."""
+    if (lib or load_library()).npu_offload_acl_set_batch_form(int(form)) != OK:
+        raise ValueError(f"batch form {form!r} is not one of 0 (auto), 1 (aclrtMemcpyBatchAsync), 2 (V2)")
+
+
+def probe(lib: ctypes.CDLL | None = None) -> str:
+    """Empty when libascendcl and aclrtMemcpyAsync resolve, else why not."""
+    err = AclError()
+    if (lib or load_library()).npu_offload_acl_probe(ctypes.byref(err)) == OK:
+        return ""
+    return err.message.decode(errors="replace")
+
+
+def acl_host_register(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``[ptr, ptr+nbytes)`` (widened to 4 KiB pages) with aclrtHostRegisterV2. False on failure."""
+    try:
+        lib = load_library()
+    except (ImportError, OSError):
+        return False
+    err = AclError()
+    return lib.npu_offload_acl_host_register(ctypes.c_void_p(ptr), nbytes, ctypes.byref(err)) == OK
+
+
+def acl_host_unregister(ptr: int) -> None:
+    err = AclError()
+    if load_library().npu_offload_acl_host_unregister(ctypes.c_void_p(ptr), ctypes.byref(err)) != OK:
+        _raise(err, "unpinning host memory")
+
+
+def _as_int64(a: np.ndarray, name: str) -> np.ndarray:
+    if a.dtype != np.int64 or not a.flags.c_contiguous:
+        raise TypeError(f"{name} descriptors must be a C-contiguous int64 array, got {a.dtype} "
+                        f"(contiguous={a.flags.c_contiguous})")
+    return a
+
+
+class AclCopyPath(CopyPath):
+    """One C entry point (batch or loop) behind the CopyPath contract."""
+
+    def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None):
+        self.platform = platform
+        self.batch = batch
+        self.name = "acl_batch" if batch else "acl_loop"
+        self._lib = lib or load_library()
+        self._max_batch = int(os.environ.get(ENV_MAX_BATCH, "0") or 0)
+        if self._max_batch < 0:
+            raise ValueError(f"{ENV_MAX_BATCH}={self._max_batch} must be >= 0 (0 = no limit)")
+
+    def stream_handle(self, stream: Any) -> int:
+        """An int is taken as a raw aclrtStream (tests); anything else goes through the platform."""
+        if isinstance(stream, int):
+            return stream
+        if self.platform is None:
+            raise CopyError(f"{self.name}: no platform to turn {type(stream).__name__} into an aclrtStream",
+                            self.name)
+        return self.platform.raw_stream_handle(stream)
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Any,
+             buffers=None) -> None:
+        check_descriptors(src, dst, sizes)
+        direction = Direction(direction)
+        n = len(sizes)
+        if n == 0:
+            return
+        s, d, z = _as_int64(src, "src"), _as_int64(dst, "dst"), _as_int64(sizes, "sizes")
+        handle = ctypes.c_void_p(self.stream_handle(stream))
+        err = AclError()
+        args = (s.ctypes.data, d.ctypes.data, z.ctypes.data, n, int(direction), handle)
+        if self.batch:
+            rc = self._lib.npu_offload_acl_copy_batch(*args, self._max_batch, ctypes.byref(err))
+        else:
+            rc = self._lib.npu_offload_acl_copy_loop(*args, ctypes.byref(err))
+        if rc != OK:
+            _raise(err, f"{self.name} {direction.name} copy of {n} descriptors failed")
+
+
+def library_info() -> str:
+    """One line for ``python -m vllm_npu_offload info``."""
+    try:
+        lib = load_library()
+    except (ImportError, OSError) as e:
+        return f"not built ({e})"
+    line = f"built, mode={build_mode(lib)}, {lib.npu_offload_acl_build_info().decode()}, {lib._name}"
+    why = probe(lib)
+    if why:
+        return line + f"; runtime: {why}"
+    if build_mode(lib) != "batch":
+        return line + "; runtime: ACL library resolved, per-copy loop"
+    form, why = batch_form(lib)
+    used = {1: "aclrtMemcpyBatchAsync", 2: "aclrtMemcpyBatchAsyncV2"}.get(form, f"loop only ({why})")
+    return line + f"; runtime: ACL library resolved, batch via {used}"

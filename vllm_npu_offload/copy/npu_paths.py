@@ -1,0 +1,46 @@
+"""Registers the Ascend copy paths (``acl_batch``, ``acl_loop``) and the ``npu`` chooser.
+
+Imported by ``NPUDmaCopyBackend`` the first time an NPU platform is used. The choice
+is made once: the batch path when it was compiled in and libascendcl exports
+``aclrtMemcpyBatchAsync`` (or its V2 form), else the per-copy loop, for both directions
+(ACL batches have no access-order option, so loads and stores use the same call).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..platform import Platform
+from . import npu_native
+from .backend import BackendChoice, register_chooser, register_path
+
+logger = logging.getLogger(__name__)
+
+
+def _batch_path(platform: Platform, page_sizes: list[int]) -> npu_native.AclCopyPath:
+    if npu_native.build_mode() != "batch":
+        raise RuntimeError(
+            "copy path 'acl_batch' was not built (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=0 or headers without "
+            "aclrtMemcpyBatchAsync); use 'acl_loop' or rebuild with VLLM_ASCEND_ENABLE_BATCH_MEMCPY=1"
+        )
+    return npu_native.AclCopyPath(platform, batch=True)
+
+
+def _loop_path(platform: Platform, page_sizes: list[int]) -> npu_native.AclCopyPath:
+    return npu_native.AclCopyPath(platform, batch=False)
+
+
+def choose(platform: Platform, page_sizes: list[int]) -> BackendChoice:
+    """Batch when built and resolvable at run time, else loop."""
+    npu_native.load_library()  # ImportError with build instructions when it is missing
+    if npu_native.build_mode() == "batch":
+        form, why = npu_native.batch_form()
+        if form:
+            return BackendChoice("acl_batch", "acl_batch")
+        logger.warning("acl_batch unavailable at run time (%s); using the aclrtMemcpyAsync loop", why)
+    return BackendChoice("acl_loop", "acl_loop")
+
+
+register_path("acl_batch", _batch_path)
+register_path("acl_loop", _loop_path)
+register_chooser("npu", choose)
