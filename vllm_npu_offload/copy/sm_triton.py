@@ -129,6 +129,11 @@ class SmCopyPath(CopyPath):
         n = len(sizes)
         if n == 0:
             return
+        bad = np.flatnonzero((src == 0) | (dst == 0))
+        if len(bad):  # the kernel would fault and poison the context: refuse up front
+            i = int(bad[0])
+            raise CopyError(f"sm copy: descriptor {i} has a null address (src={int(src[i]):#x}, "
+                            f"dst={int(dst[i]):#x}); addresses must be nonzero", "sm.copy", i)
         jobs, vecs = tile_shape(self.page, self.tile_bytes)
         device = self.platform.device
         try:
