@@ -18,17 +18,20 @@ def _ints(s: str) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma list of {','.join(CONFIGS)} ('' = none, e.g. with --sweep only)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions (median reported)")
     ap.add_argument("--sweep", nargs="?", const="1,4,16,64,256", default=None,
                     help="block counts to sweep (default list 1,4,16,64,256)")
     ap.add_argument("--sweep-configs", default="llama-8b,qwen2.5-0.5b,llama-70b-tp4")
-    ap.add_argument("--interference", action="store_true", help="GEMM slowdown per path")
-    ap.add_argument("--sm-variants", action="store_true", help="SM path over grid sizes and tile bytes")
+    ap.add_argument("--interference", action="store_true", help="GEMM slowdown per path (for --configs)")
+    ap.add_argument("--sm-variants", action="store_true", help="SM path over grid sizes and tile bytes (--configs)")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table (only interference/variants)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
     run(a.device, [c for c in a.configs.split(",") if c], a.reps, _ints(a.sweep) if a.sweep else None,
-        [c for c in a.sweep_configs.split(",") if c], a.interference, a.sm_variants, a.json)
+        [c for c in a.sweep_configs.split(",") if c], a.interference, a.sm_variants, a.json,
+        table=not a.no_table)
 
 
 if __name__ == "__main__":

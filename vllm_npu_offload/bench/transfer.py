@@ -277,10 +277,11 @@ def format_interference(res: dict[str, Any]) -> str:
 
 def run(kind: str | None = None, configs: list[str] | None = None, reps: int = 20, sweep: list[int] | None = None,
         sweep_configs: list[str] | None = None, do_interference: bool = False, do_sm_variants: bool = False,
-        json_path: str | None = None, printer=print) -> dict[str, Any]:
+        json_path: str | None = None, printer=print, table: bool = True) -> dict[str, Any]:
+    """Benchmark ``configs`` (None = all) and write the report to ``json_path``; returns it."""
     platform = get_platform(kind)
     load_accelerator_paths(platform.kind)
-    names = configs or list(CONFIGS)
+    names = list(CONFIGS) if configs is None else configs
     for n in names + (sweep_configs or []):
         if n not in CONFIGS:
             raise ValueError(f"unknown config {n!r}; allowed: {sorted(CONFIGS)}")
@@ -296,7 +297,7 @@ def run(kind: str | None = None, configs: list[str] | None = None, reps: int = 2
     except Exception as e:  # noqa: BLE001
         report["native"] = {"error": str(e)}
     printer(f"device: {report['device']} ({platform.kind}); native: {report['native']}")
-    for n in names:
+    for n in names if table else []:
         res = bench_config(platform, CONFIGS[n], reps=reps)
         report["configs"].append(res)
         printer(format_config(res))
