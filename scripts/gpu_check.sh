@@ -3,6 +3,7 @@
 # Builds libnpu_offload_cuda.so in place, runs the gpu tests, then the transfer
 # benchmark (tables + interference + block sweep + SM tuning grid). Logs and JSON go
 # to $OUT (default ./gpu_out). Each step has its own time limit; ~5-8 min on an H100.
+# STEPS="build tests" runs only those steps.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu_out}
@@ -15,8 +16,10 @@ export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 declare -a SUMMARY=()
 T0=$(date +%s)
 
+STEPS=${STEPS:-env build tests bench interference sweep sm_variants}  # a subset re-runs parts
 step() {  # step NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local t=$(date +%s)
   echo; echo "=================== $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
