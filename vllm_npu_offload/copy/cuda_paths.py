@@ -105,7 +105,7 @@ def _synthetic_batch(page_sizes: list[int], host: torch.Tensor, dev: torch.Tenso
     pages = np.array(sorted(set(page_sizes)), dtype=np.int64)
     stride = int((pages.max() + 255) // 256 * 256)
     slots = min(host.numel(), dev.numel()) // stride
-    n = int(max(16, min(slots // 2, CAL_BYTES // int(pages.mean()))))
+    n = int(max(16, min(slots // 2, 8192, CAL_BYTES // int(pages.mean()))))
     rng = np.random.default_rng(seed)
     hs = rng.choice(slots, n, replace=False).astype(np.int64) * stride + host.data_ptr()
     ds = rng.choice(slots, n, replace=False).astype(np.int64) * stride + dev.data_ptr()
