@@ -68,6 +68,14 @@ class Platform(ABC):
     def synchronize(self) -> None:
         return None
 
+    def device_name(self) -> str:
+        """A stable name of the device model (keys calibration caches)."""
+        return self.kind
+
+    def multiprocessor_count(self) -> int:
+        """SMs / AI cores of the device (0 when not applicable); caps SM copy grids."""
+        return 0
+
 
 class _TorchAcceleratorPlatform(Platform):
     """Shared code for CUDA and NPU: both follow the torch.cuda stream/event API."""
@@ -119,6 +127,12 @@ class CudaPlatform(_TorchAcceleratorPlatform):
     def unpin(self, tensor: torch.Tensor) -> None:
         if tensor.numel():
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
+
+    def multiprocessor_count(self) -> int:
+        return int(torch.cuda.get_device_properties().multi_processor_count)
 
 
 class NpuPlatform(_TorchAcceleratorPlatform):

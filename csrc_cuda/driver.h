@@ -1,0 +1,66 @@
+/* Internal: the driver entry points resolved at run time, and error formatting. */
+#ifndef NPO_DRIVER_H
+#define NPO_DRIVER_H
+
+#include <cuda.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef NPO_BATCH_MEMCPY
+#define NPO_BATCH_MEMCPY 0
+#endif
+#if NPO_BATCH_MEMCPY && (!defined(CUDA_VERSION) || CUDA_VERSION < 12080)
+#error "NPO_BATCH_MEMCPY=1 needs cuda.h from CUDA >= 12.8 (CUmemcpyAttributes)"
+#endif
+
+typedef CUresult (*npo_cuMemcpyAsync_t)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*npo_cuGetErrorString_t)(CUresult, const char **);
+typedef CUresult (*npo_cuGetErrorName_t)(CUresult, const char **);
+typedef CUresult (*npo_cuCtxGetCurrent_t)(CUcontext *);
+typedef CUresult (*npo_cuCtxSetCurrent_t)(CUcontext);
+typedef CUresult (*npo_cuStreamGetCtx_t)(CUstream, CUcontext *);
+#if NPO_BATCH_MEMCPY
+/* CUDA 12.8/12.9 ABI: failIdx before the stream. */
+typedef CUresult (*npo_cuMemcpyBatchAsync_v1_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *,
+                                                size_t *, size_t, size_t *, CUstream);
+/* CUDA 13 ABI (cuMemcpyBatchAsync_v2): no failIdx. */
+typedef CUresult (*npo_cuMemcpyBatchAsync_v2_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *,
+                                                size_t *, size_t, CUstream);
+#endif
+
+typedef struct {
+    int status;         /* 0 resolved, NPO_ERR_NO_DRIVER otherwise */
+    int driver_version; /* cuDriverGetVersion */
+    int mode;           /* NPO_MODE_* */
+    char error[256];    /* why status != 0 */
+    npo_cuMemcpyAsync_t memcpy_async;
+    npo_cuGetErrorString_t get_error_string;
+    npo_cuGetErrorName_t get_error_name;
+    npo_cuCtxGetCurrent_t ctx_get_current;
+    npo_cuCtxSetCurrent_t ctx_set_current;
+    npo_cuStreamGetCtx_t stream_get_ctx;
+#if NPO_BATCH_MEMCPY
+    npo_cuMemcpyBatchAsync_v1_t batch_v1;
+    npo_cuMemcpyBatchAsync_v2_t batch_v2;
+#endif
+} npo_driver;
+
+/* The resolved driver (resolution runs once, thread-safe). Never NULL. */
+const npo_driver *npo_driver_get(void);
+
+/* Write "<call> failed at descriptor <index>: <NAME>: <text>" into msg; returns rc. */
+int npo_fail(const npo_driver *drv, int rc, const char *call, long long index, char *msg, size_t msg_len);
+
+/* Like snprintf into msg for library errors; returns rc. */
+int npo_failf(int rc, char *msg, size_t msg_len, const char *fmt, ...);
+
+/* Common entry checks: driver resolved, arrays present, a context current on this
+ * thread (taken from the stream when the caller's thread has none). */
+int npo_prepare(const npo_driver **drv, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
+                void *stream, const char *call, char *msg, size_t msg_len);
+
+/* The per-descriptor loop (used by loop_copy and as the batch fallback). */
+int npo_loop_range(const npo_driver *drv, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t begin,
+                   size_t end, CUstream stream, char *msg, size_t msg_len);
+
+#endif /* NPO_DRIVER_H */

@@ -1,0 +1,1 @@
+"""Benchmarks (core only: torch/numpy/triton); ``scripts/`` wraps them."""

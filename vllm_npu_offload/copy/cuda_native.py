@@ -1,0 +1,128 @@
+"""ctypes wrapper over ``libnpu_offload_cuda.so``: the DMA (copy engine) paths.
+
+``dma`` submits a batch with cuMemcpyBatchAsync (chunked in C); ``dma_loop`` issues
+one cuMemcpyAsync per descriptor (the pre-batching baseline, kept for benchmarks).
+The library is plain C, so it works with any torch build; the driver is resolved
+inside it at run time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+from .._native import library_path
+from ..errors import CopyError
+from ..platform import Platform
+from .base import CopyPath, Direction, check_descriptors
+
+LIB_BASENAME = "npu_offload_cuda"
+ABI_VERSION = 1
+MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
+_MSG_LEN = 512
+
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+
+
+class NativeCudaLib:
+    """The loaded library with typed entry points."""
+
+    def __init__(self, path: str):
+        self.path = path
+        lib = ctypes.CDLL(path)
+        copy_args = [_u64p, _u64p, _u64p, ctypes.c_size_t]
+        lib.npo_cuda_batch_copy.argtypes = copy_args + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_loop_copy.argtypes = copy_args + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_runtime_mode.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+        for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
+                   "npo_cuda_abi_version"):
+            getattr(lib, fn).restype = ctypes.c_int
+        abi = lib.npo_cuda_abi_version()
+        if abi != ABI_VERSION:
+            raise ImportError(f"{path} has ABI version {abi}, this package needs {ABI_VERSION}; rebuild it")
+        self._lib = lib
+        self._tls = threading.local()
+
+    @property
+    def built_batch(self) -> bool:
+        return bool(self._lib.npo_cuda_built_mode())
+
+    def runtime_mode(self) -> tuple[int, int, str]:
+        """(mode, driver_version, error): mode < 0 means the driver could not be resolved."""
+        ver = ctypes.c_int(0)
+        buf = ctypes.create_string_buffer(_MSG_LEN)
+        mode = self._lib.npo_cuda_runtime_mode(ctypes.byref(ver), buf, _MSG_LEN)
+        return mode, ver.value, buf.value.decode(errors="replace") if mode < 0 else ""
+
+    def describe(self) -> dict:
+        mode, ver, err = self.runtime_mode()
+        return {
+            "library": self.path,
+            "built": "batch" if self.built_batch else "loop",
+            "runtime": MODE_NAMES.get(mode, "unavailable"),
+            "driver_version": ver,
+            "error": err,
+        }
+
+    def _msg(self) -> ctypes.Array:
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = self._tls.buf = ctypes.create_string_buffer(_MSG_LEN)
+        return buf
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream_handle: int, batch: bool,
+             src_order_any: bool = False) -> None:
+        n = len(sizes)
+        if n == 0:
+            return
+        arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src, dst, sizes)]
+        ptrs = [a.ctypes.data_as(_u64p) for a in arrs]
+        buf = self._msg()
+        if batch:
+            rc = self._lib.npo_cuda_batch_copy(*ptrs, n, int(src_order_any), stream_handle or None, buf, _MSG_LEN)
+        else:
+            rc = self._lib.npo_cuda_loop_copy(*ptrs, n, stream_handle or None, buf, _MSG_LEN)
+        if rc != 0:
+            msg = buf.value.decode(errors="replace")
+            m = re.search(r"descriptor (\d+)", msg)
+            call = msg.split(" ", 1)[0].rstrip(":")
+            raise CopyError(f"{msg} (rc={rc}, {n} descriptors)", call, int(m.group(1)) if m else None)
+
+
+_LIB: NativeCudaLib | None = None
+_LIB_LOCK = threading.Lock()
+
+
+def load_library() -> NativeCudaLib:
+    """The loaded library (cached); ImportError naming how to build it when absent."""
+    global _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            path = library_path(LIB_BASENAME)
+            if path is None:
+                raise ImportError(
+                    f"lib{LIB_BASENAME}.so not found; build it with `python csrc_cuda/build.py` or "
+                    "`pip install .` on a machine with the CUDA toolkit (or set NPU_OFFLOAD_NATIVE_DIR)"
+                )
+            _LIB = NativeCudaLib(str(path))
+        return _LIB
+
+
+class CudaDmaCopyPath(CopyPath):
+    """Copy-engine path: one cuMemcpyBatchAsync per chunk, or a cuMemcpyAsync loop."""
+
+    def __init__(self, platform: Platform, batch: bool = True, lib: NativeCudaLib | None = None):
+        self.platform = platform
+        self.batch = batch
+        self.name = "dma" if batch else "dma_loop"
+        self.lib = lib or load_library()
+
+    def copy(self, src, dst, sizes, direction: Direction, stream: Any, buffers=None) -> None:
+        check_descriptors(src, dst, sizes)
+        # ANY is only safe when the source is stable pinned host memory: loads.
+        self.lib.copy(src, dst, sizes, self.platform.raw_stream_handle(stream), self.batch,
+                      src_order_any=Direction(direction).is_load)

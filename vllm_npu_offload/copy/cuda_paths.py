@@ -1,0 +1,183 @@
+"""CUDA copy paths and the calibrated per-direction choice.
+
+Registers ``dma`` (cuMemcpyBatchAsync), ``dma_loop`` (cuMemcpyAsync per descriptor),
+``sm`` (Triton) and the ``cuda`` chooser. Which path wins depends on the page size,
+the GPU and the link (batch DMA collapses below ~28 KiB host->device; SM copies do
+not), so the chooser measures both on the real GPU with the real page sizes at first
+use, for a few ms, and caches the winner per (GPU, direction, page sizes) in
+``~/.cache/vllm_npu_offload/copy_calibration.json``. ``NPU_OFFLOAD_CALIBRATE=0`` uses
+the size heuristic instead; ``NPU_OFFLOAD_COPY_PATH`` (backend.py) forces a path.
+
+A "split" path (part of a batch on SMs, part on the copy engines, concurrently) is
+not offered: either path alone already reaches ~90% of the link on the pages
+measured, so splitting adds a second stream and event joins for no gain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..platform import Platform
+from . import sm_triton
+from .backend import BackendChoice, register_chooser, register_path
+from .base import Direction
+
+logger = logging.getLogger(__name__)
+
+ENV_CALIBRATE = "NPU_OFFLOAD_CALIBRATE"
+ENV_CACHE_DIR = "NPU_OFFLOAD_CACHE_DIR"
+CACHE_FILE = "copy_calibration.json"
+CALIBRATION_VERSION = 2
+SM_MAX_PAGE = 64 * 1024  # heuristic: above this, copy engines are at the link limit already
+CAL_BYTES = 16 * 1024 * 1024  # bytes per calibration transfer
+CAL_REPS = 5
+
+
+def _dma(platform: Platform, pages, batch: bool):
+    from .cuda_native import CudaDmaCopyPath
+
+    return CudaDmaCopyPath(platform, batch=batch)
+
+
+register_path("dma", lambda platform, pages: _dma(platform, pages, True))
+register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
+register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
+
+
+def dma_available() -> str | None:
+    """None when the native library loads and the driver resolves, else why not."""
+    try:
+        from .cuda_native import load_library
+
+        mode, _, err = load_library().runtime_mode()
+        return (err or f"driver mode {mode}") if mode < 0 else None
+    except (ImportError, OSError) as e:
+        return str(e)
+
+
+def heuristic_choice(page_sizes: list[int], have_dma: bool, have_sm: bool) -> BackendChoice:
+    """Without a measurement: SM copies for KV-sized pages, the copy engines for big ones."""
+    if not have_dma and not have_sm:
+        raise RuntimeError(
+            "no CUDA copy path is usable: libnpu_offload_cuda.so is missing (build it with "
+            "`python csrc_cuda/build.py`) and triton is not installed"
+        )
+    big = bool(page_sizes) and max(page_sizes) > SM_MAX_PAGE
+    name = "sm" if have_sm and (not have_dma or not big) else "dma"
+    return BackendChoice(name, name)
+
+
+def cache_path() -> Path:
+    root = os.environ.get(ENV_CACHE_DIR)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm_npu_offload"
+    return Path(root) / CACHE_FILE
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_cache(path: Path, key: str, entry: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_cache(path)
+        data[key] = entry
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: concurrent workers never see a torn file
+    except OSError as e:
+        logger.warning("could not write calibration cache %s: %s", path, e)
+
+
+def _synthetic_batch(page_sizes: list[int], host: torch.Tensor, dev: torch.Tensor, direction: Direction, seed: int = 0):
+    """Scattered descriptors cycling through the distinct page sizes, ~CAL_BYTES in all."""
+    pages = np.array(sorted(set(page_sizes)), dtype=np.int64)
+    stride = int((pages.max() + 255) // 256 * 256)
+    slots = min(host.numel(), dev.numel()) // stride
+    n = int(max(16, min(slots // 2, 8192, CAL_BYTES // int(pages.mean()))))
+    rng = np.random.default_rng(seed)
+    hs = rng.choice(slots, n, replace=False).astype(np.int64) * stride + host.data_ptr()
+    ds = rng.choice(slots, n, replace=False).astype(np.int64) * stride + dev.data_ptr()
+    sizes = pages[np.arange(n) % len(pages)]
+    return (hs, ds, sizes) if direction.is_load else (ds, hs, sizes)
+
+
+def time_paths(paths: dict, stream, src, dst, sizes, direction: Direction, reps: int) -> dict[str, float]:
+    """Best wall seconds (copy + synchronisation) per path, runs interleaved so that
+    clock ramps and other transient noise hit every candidate alike."""
+    for path in paths.values():  # warm-up: JIT compile, first touch
+        for _ in range(2):
+            path.copy(src, dst, sizes, direction, stream)
+            stream.synchronize()
+    best = {name: float("inf") for name in paths}
+    for _ in range(reps):
+        for name, path in paths.items():
+            t0 = time.perf_counter()
+            path.copy(src, dst, sizes, direction, stream)
+            stream.synchronize()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def calibrate(platform: Platform, page_sizes: list[int], direction: Direction, names: list[str]) -> dict:
+    """Measure each candidate on this GPU; returns {"choice", "gbps": {name: GB/s}}."""
+    from .backend import _PATH_FACTORIES
+
+    span = 2 * CAL_BYTES + 2 * max(page_sizes) * 64
+    host = platform.empty_pinned(span, torch.uint8)
+    dev = torch.empty(span, dtype=torch.uint8, device=platform.device)
+    stream = platform.new_stream()
+    src, dst, sizes = _synthetic_batch(page_sizes, host, dev, direction)
+    nbytes = float(sizes.sum())
+    paths = {name: _PATH_FACTORIES[name](platform, page_sizes) for name in names}
+    best = time_paths(paths, stream, src, dst, sizes, direction, CAL_REPS)
+    gbps = {name: nbytes / sec / 1e9 for name, sec in best.items()}
+    del host, dev
+    return {"choice": max(gbps, key=gbps.get), "gbps": gbps, "descriptors": len(sizes), "time": time.time()}
+
+
+_MEMO: dict[str, str] = {}
+
+
+def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
+    """The faster of ``dma`` and ``sm`` per direction, measured once per GPU and page sizes."""
+    why_no_dma = dma_available()
+    have_dma, have_sm = why_no_dma is None, sm_triton.HAS_TRITON
+    if not have_dma:
+        logger.warning("CUDA DMA path unavailable (%s); using the SM copy path", why_no_dma)
+    fallback = heuristic_choice(page_sizes, have_dma, have_sm)
+    if not (have_dma and have_sm) or not page_sizes or os.environ.get(ENV_CALIBRATE, "1") == "0":
+        return fallback
+    pages = sorted(set(int(p) for p in page_sizes))
+    path = cache_path()
+    picks = {}
+    for d in Direction:
+        key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
+               f"|sm{os.environ.get(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS)}")
+        if key not in _MEMO:
+            entry = _load_cache(path).get(key)
+            if entry is None:
+                try:
+                    entry = calibrate(platform, pages, d, ["dma", "sm"])
+                except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
+                    logger.warning("copy path calibration failed (%s); using the heuristic", e)
+                    return fallback
+                _store_cache(path, key, entry)
+                logger.info("calibrated %s: %s", key, entry["gbps"])
+            _MEMO[key] = entry["choice"]
+        picks[d] = _MEMO[key]
+    return BackendChoice(load=picks[Direction.H2D], store=picks[Direction.D2H])
+
+
+register_chooser("cuda", choose_cuda)
