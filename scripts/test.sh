@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=$(bash scripts/setup_env.sh)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+# ACL headers from the torch-npu wheel, so csrc_npu is compiled and emulated in CI (no CANN here).
+if [ -z "${NPU_OFFLOAD_ACL_INCLUDE:-}" ]; then
+  NPU_OFFLOAD_ACL_INCLUDE=$(python3 csrc_npu/fetch_headers.py 2>/dev/null) && export NPU_OFFLOAD_ACL_INCLUDE \
+    || echo "[test] could not fetch torch-npu headers; NPU build tests will skip" >&2
+fi
+exec "$PY" -m pytest -q -p no:cacheprovider tests "$@"
