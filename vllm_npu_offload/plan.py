@@ -70,14 +70,22 @@ class Descriptors:
 
 
 def _check_ids(name: str, ids: np.ndarray, limit: int) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+    # one reduction: negatives wrap to huge values when viewed as unsigned
+    if ids.size and int(ids.view(np.uint64).max()) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][0]
         raise ValueError(f"{name} block id {int(bad)} out of range [0, {limit})")
 
 
-def _run_starts(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
-    brk = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
-    return np.concatenate(([0], np.flatnonzero(brk) + 1))
+def _run_starts(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray | None:
+    """Indices where a new run of consecutive ids starts; None if every run is one block."""
+    brk = (src_ids[1:] - src_ids[:-1]) != 1
+    brk |= (dst_ids[1:] - dst_ids[:-1]) != 1
+    if brk.all():
+        return None
+    starts = np.empty(int(np.count_nonzero(brk)) + 1, np.int64)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(brk) + 1
+    return starts
 
 
 def _affine(base: np.ndarray, stride: np.ndarray, uniform: int | None, ids: np.ndarray, out: np.ndarray) -> None:
@@ -152,10 +160,7 @@ class CopyPlanner:
     def _runs_of(self, src_ids, dst_ids):
         if self._runs is None or len(src_ids) < 2:
             return None
-        starts = _run_starts(src_ids, dst_ids)
-        if len(starts) == len(src_ids):
-            return None  # no run longer than one block
-        return starts
+        return _run_starts(src_ids, dst_ids)
 
     def count(self, src_ids, dst_ids) -> int:
         src_ids, dst_ids = self._ids(src_ids, dst_ids)

@@ -8,9 +8,8 @@ use, for a few ms, and caches the winner per (GPU, direction, page sizes) in
 ``~/.cache/vllm_npu_offload/copy_calibration.json``. ``NPU_OFFLOAD_CALIBRATE=0`` uses
 the size heuristic instead; ``NPU_OFFLOAD_COPY_PATH`` (backend.py) forces a path.
 
-A "split" path (part of a batch on SMs, part on the copy engines, concurrently) is
-not offered: either path alone already reaches ~90% of the link on the pages
-measured, so splitting adds a second stream and event joins for no gain.
+``splitNN`` paths run NN% of a batch's bytes on the copy engines and the rest on the
+SMs at the same time (copy/split.py); they are calibration candidates too.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ logger = logging.getLogger(__name__)
 ENV_CALIBRATE = "NPU_OFFLOAD_CALIBRATE"
 ENV_CACHE_DIR = "NPU_OFFLOAD_CACHE_DIR"
 CACHE_FILE = "copy_calibration.json"
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 SM_MAX_PAGE = 64 * 1024  # heuristic: above this, copy engines are at the link limit already
 CAL_BYTES = 16 * 1024 * 1024  # bytes per calibration transfer
 CAL_REPS = 5
@@ -49,6 +48,17 @@ def _dma(platform: Platform, pages, batch: bool):
 register_path("dma", lambda platform, pages: _dma(platform, pages, True))
 register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
 register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
+SPLIT_SHARES = (25, 40)
+
+
+def _split(platform: Platform, pages, share: int):
+    from .split import SplitCopyPath
+
+    return SplitCopyPath(platform, sm_triton.SmCopyPath(platform, pages), _dma(platform, pages, True), share / 100)
+
+
+for _share in SPLIT_SHARES:
+    register_path(f"split{_share}", lambda platform, pages, s=_share: _split(platform, pages, s))
 
 
 def dma_available() -> str | None:
@@ -151,7 +161,7 @@ _MEMO: dict[str, str] = {}
 
 
 def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
-    """The faster of ``dma`` and ``sm`` per direction, measured once per GPU and page sizes."""
+    """The fastest of ``dma``, ``sm`` and the splits per direction, measured once per GPU and page sizes."""
     why_no_dma = dma_available()
     have_dma, have_sm = why_no_dma is None, sm_triton.HAS_TRITON
     if not have_dma:
@@ -169,7 +179,7 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
             entry = _load_cache(path).get(key)
             if entry is None:
                 try:
-                    entry = calibrate(platform, pages, d, ["dma", "sm"])
+                    entry = calibrate(platform, pages, d, ["dma", "sm"] + [f"split{s}" for s in SPLIT_SHARES])
                 except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
                     logger.warning("copy path calibration failed (%s); using the heuristic", e)
                     return fallback
