@@ -31,6 +31,7 @@ def test_loads_from_host_equal_offload_off(offload_llm, reference):
     from vllm_npu_offload.demo.run import conversation, run_turns
     from vllm_npu_offload.stats import TOTALS
 
+    TOTALS.reset()  # totals are process-wide; earlier unit tests inject failures
     parts = conversation(TURNS, 150, 40, seed=3)
     r1 = run_turns(offload_llm, parts, 12, reset_before_turn=False, reference=reference)
     _, store = TOTALS.snapshot()

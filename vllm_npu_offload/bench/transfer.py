@@ -56,7 +56,7 @@ CONFIGS = {
     )
 }
 
-ACCEL_PATHS = ("dma_loop", "dma", "sm", "split25", "split40")
+ACCEL_PATHS = ("dma_loop", "dma", "sm")
 
 
 class KVRig:

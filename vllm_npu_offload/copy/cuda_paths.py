@@ -8,8 +8,10 @@ use, for a few ms, and caches the winner per (GPU, direction, page sizes) in
 ``~/.cache/vllm_npu_offload/copy_calibration.json``. ``NPU_OFFLOAD_CALIBRATE=0`` uses
 the size heuristic instead; ``NPU_OFFLOAD_COPY_PATH`` (backend.py) forces a path.
 
-``splitNN`` paths run NN% of a batch's bytes on the copy engines and the rest on the
-SMs at the same time (copy/split.py); they are calibration candidates too.
+A "split" path (part of a batch on the copy engines, the rest on SMs, concurrently)
+was measured on an H200 and lost to ``sm`` alone on every config (docs/benchmarks.md):
+the SM kernel, not the link, is the limit, and the slow DMA half decides when a job
+ends. So it is not offered.
 """
 
 from __future__ import annotations
@@ -48,19 +50,6 @@ def _dma(platform: Platform, pages, batch: bool):
 register_path("dma", lambda platform, pages: _dma(platform, pages, True))
 register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
 register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
-SPLIT_SHARES = (25, 40)
-
-
-def _split(platform: Platform, pages, share: int):
-    from .split import SplitCopyPath
-
-    return SplitCopyPath(platform, sm_triton.SmCopyPath(platform, pages), _dma(platform, pages, True), share / 100)
-
-
-for _share in SPLIT_SHARES:
-    register_path(f"split{_share}", lambda platform, pages, s=_share: _split(platform, pages, s))
-
-
 def dma_available() -> str | None:
     """None when the native library loads and the driver resolves, else why not."""
     try:
@@ -161,7 +150,7 @@ _MEMO: dict[str, str] = {}
 
 
 def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
-    """The fastest of ``dma``, ``sm`` and the splits per direction, measured once per GPU and page sizes."""
+    """The faster of ``dma`` and ``sm`` per direction, measured once per GPU and page sizes."""
     why_no_dma = dma_available()
     have_dma, have_sm = why_no_dma is None, sm_triton.HAS_TRITON
     if not have_dma:
@@ -179,7 +168,7 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
             entry = _load_cache(path).get(key)
             if entry is None:
                 try:
-                    entry = calibrate(platform, pages, d, ["dma", "sm"] + [f"split{s}" for s in SPLIT_SHARES])
+                    entry = calibrate(platform, pages, d, ["dma", "sm"])
                 except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
                     logger.warning("copy path calibration failed (%s); using the heuristic", e)
                     return fallback
