@@ -82,3 +82,13 @@ int npu_acl_missing(npu_offload_acl_error *err, const char *symbol, const char *
     return npu_err_set(err, NPU_OFFLOAD_MISSING, "dlsym", 0, -1, -1, "%s does not export %s%s%s", g_library,
                        symbol, why && *why ? "; " : "", why ? why : "");
 }
+
+int npu_copy_begin(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                   int64_t n, int direction, const npu_acl_symbols **acl) {
+    npu_err_clear(err);
+    *acl = NULL;
+    int rc = npu_check_descriptors(err, src, dst, sizes, n, direction);
+    if (rc != NPU_OFFLOAD_OK || n == 0) return rc;
+    *acl = npu_acl_load(err);
+    return *acl ? NPU_OFFLOAD_OK : NPU_OFFLOAD_MISSING;
+}

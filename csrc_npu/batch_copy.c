@@ -72,11 +72,9 @@ static int submit(const npu_acl_symbols *acl, int form, void **dsts, size_t *siz
 NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t *dst, const int64_t *sizes,
                                                int64_t n, int direction, void *stream, int64_t max_per_call,
                                                npu_offload_acl_error *err) {
-    npu_err_clear(err);
-    int rc = npu_check_descriptors(err, src, dst, sizes, n, direction);
-    if (rc != NPU_OFFLOAD_OK || n == 0) return rc;
-    const npu_acl_symbols *acl = npu_acl_load(err);
-    if (!acl) return NPU_OFFLOAD_MISSING;
+    const npu_acl_symbols *acl;
+    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
+    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
     int form = pick_form(acl, err);
     if (!form) return NPU_OFFLOAD_MISSING;
     if (!acl->get_device) return npu_acl_missing(err, "aclrtGetDevice", "");

@@ -9,11 +9,9 @@
 NPU_OFFLOAD_API int npu_offload_acl_copy_loop(const int64_t *src, const int64_t *dst, const int64_t *sizes,
                                               int64_t n, int direction, void *stream,
                                               npu_offload_acl_error *err) {
-    npu_err_clear(err);
-    int rc = npu_check_descriptors(err, src, dst, sizes, n, direction);
-    if (rc != NPU_OFFLOAD_OK || n == 0) return rc;
-    const npu_acl_symbols *acl = npu_acl_load(err);
-    if (!acl) return NPU_OFFLOAD_MISSING;
+    const npu_acl_symbols *acl;
+    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
+    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
     if (!acl->memcpy_async) return npu_acl_missing(err, "aclrtMemcpyAsync", "");
     aclrtMemcpyKind kind = direction == NPU_OFFLOAD_H2D ? ACL_MEMCPY_HOST_TO_DEVICE : ACL_MEMCPY_DEVICE_TO_HOST;
     for (int64_t i = 0; i < n; i++) {

@@ -61,6 +61,10 @@ typedef struct {
 
 /* acl_symbols.c */
 const npu_acl_symbols *npu_acl_load(npu_offload_acl_error *err);
+/* Shared start of every copy call: clear err, validate the descriptors, load ACL.
+ * Returns NPU_OFFLOAD_OK with *acl set (NULL when n == 0: nothing to do), else a status. */
+int npu_copy_begin(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                   int64_t n, int direction, const npu_acl_symbols **acl);
 int npu_acl_missing(npu_offload_acl_error *err, const char *symbol, const char *why);
 
 /* errors.c */
