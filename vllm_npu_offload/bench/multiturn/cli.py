@@ -20,10 +20,12 @@ from . import BenchError
 from .dists import dist_from_spec
 
 WORKLOAD = dict(conversations=24, turns="uniform:6,9", system="500", prefix="lognormal:1000,5000",
-                user="uniform:120,160", answer="uniform:80,120", max_context=None)
-# --tiny: sized for 2 CPU cores; 8 histories of ~1.2k tokens overflow the 96-block (3k-token) device cache
-TINY_WORKLOAD = dict(conversations=8, turns="5", system="256", prefix="64", user="48", answer="16",
-                     max_context=1800)
+                user="uniform:120,160", answer="uniform:80,120", max_context=None, clients=4)
+# --tiny: sized for 2 CPU cores. 8 open conversations growing to ~800 tokens (3.5k unique in all)
+# overflow the 64-block (2k-token) device cache, so each history is evicted before its next turn.
+TINY_WORKLOAD = dict(conversations=8, turns="6", system="256", prefix="64", user="64", answer="16",
+                     max_context=1400, clients=2)
+TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN = 64, 1536
 
 
 def _add_workload(ap: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def _add_workload(ap: argparse.ArgumentParser) -> None:
 
 def _add_driver(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("load")
-    g.add_argument("--clients", "-k", type=int, default=4, help="concurrent clients K")
+    g.add_argument("--clients", "-k", type=int, help="concurrent clients K (default 4; 2 with --tiny)")
     g.add_argument("--max-active", type=int, default=None, help="open conversations at once (default 2K)")
     g.add_argument("--warmup", type=int, default=2, help="throwaway requests before timing")
     g.add_argument("--max-requests", type=int, default=None, help="stop after this many requests")
@@ -66,7 +68,8 @@ def _add_server(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--server-model", help="model path/name for the started vLLM servers")
     g.add_argument("--server-args", default="", help="extra api_server flags, one quoted string, e.g. "
                    "\"--max-model-len 8192 --gpu-memory-utilization 0.9\"")
-    g.add_argument("--cpu-bytes", type=int, default=8 << 30, help="host bytes for offloaded KV (offload on)")
+    g.add_argument("--cpu-bytes", type=int, help="host bytes for offloaded KV with offload on "
+                   "(default 8 GiB; 256 MiB with --tiny)")
     g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     g.add_argument("--python", default=sys.executable, help="interpreter that has vLLM")
 
@@ -136,7 +139,7 @@ def _driver_cfg(a: argparse.Namespace, url: str):
 def _fill_workload(a: argparse.Namespace, tiny: bool) -> None:
     """Unset workload flags take the defaults (the small --tiny ones with --tiny)."""
     for k, v in (TINY_WORKLOAD if tiny else WORKLOAD).items():
-        if getattr(a, k) is None:
+        if getattr(a, k, 0) is None:
             setattr(a, k, v)
 
 
@@ -144,14 +147,17 @@ def _server_factories(a: argparse.Namespace, work: Path) -> dict:
     from .launcher import tiny_server_setup, vllm_server
 
     if a.tiny:
-        model, args, env = tiny_server_setup(work, max_model_len=2048, gpu_blocks=96)
+        model, args, env = tiny_server_setup(work, TINY_MAX_MODEL_LEN, TINY_GPU_BLOCKS)
         block = 32
     else:
         if not a.server_model:
             raise BenchError("compare needs --url-off and --url-on, --server-model MODEL, or --tiny")
         model, args, env, block = a.server_model, [], {}, None
     args = args + shlex.split(a.server_args)
-    mk = lambda off: partial(vllm_server, model, args, offload=not off, cpu_bytes=a.cpu_bytes, block_size=block,
+    cpu_bytes = a.cpu_bytes or ((256 << 20) if a.tiny else (8 << 30))
+    if cpu_bytes < (1 << 20):
+        raise BenchError(f"--cpu-bytes = {cpu_bytes}: too small for offloaded KV (use >= 1 MiB)")
+    mk = lambda off: partial(vllm_server, model, args, offload=not off, cpu_bytes=cpu_bytes, block_size=block,
                              env=env, startup_timeout_s=a.startup_timeout, python=a.python,
                              log_path=work / f"server-{'off' if off else 'on'}.log",
                              label="offload-off" if off else "offload-on")
