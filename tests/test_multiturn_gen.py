@@ -128,3 +128,30 @@ def test_cli_generate(tmp_path):
     assert p.returncode == 0, p.stderr
     convs = json.loads(out.read_text())["conversations"]
     assert len(convs) == 3 and all(len(c["messages"]) == 5 for c in convs)
+
+
+def test_report_and_plot_from_fake_runs(tmp_path):
+    from vllm_npu_offload.bench.multiturn.client import RequestResult
+    from vllm_npu_offload.bench.multiturn.plot import plot_ttft_by_turn
+    from vllm_npu_offload.bench.multiturn.report import format_compare, format_summary, summarize
+    from vllm_npu_offload.bench.multiturn.server_metrics import delta
+
+    def fake(label, scale):
+        res = [RequestResult(f"c{c}", t, 0, 0.0, 10.0 * scale * (t + 1), 2.0, 50.0 * scale, 100 + 20 * t, 8, 8,
+                             "usage", True) for c in range(3) for t in range(4)]
+        res.append(RequestResult("c9", 0, 1, error="HTTP 500: boom"))
+        srv = delta({"prefix_queries": 10, "prefix_hits": 5}, {"prefix_queries": 110, "prefix_hits": 55,
+                                                                "offload_load_bytes": 2**21})
+        return summarize({"label": label, "url": "u", "model": "m", "results": res, "runtime_s": 2.0,
+                          "warmup_s": 0.0, "planned": 13, "skipped": 0, "clients": 2, "max_active": 3,
+                          "server": srv})
+
+    off, on = fake("offload-off", 1.0), fake("offload-on", 0.5)
+    assert off["completed"] == 12 and off["failed"] == 1 and off["requests_per_s"] == 6.0
+    assert off["ttft_ms"]["p50"] == 25.0 and off["server"]["prefix_hit_rate"] == 0.5
+    text = format_summary(off)
+    assert "12 / 13" in text and "HTTP 500: boom" in text and "| server prefix hit %" in text
+    table = format_compare(off, on)
+    assert "| ttft_ms p50 turn 3" in table and "0.50x" in table and "offload loaded MiB" in table
+    png = plot_ttft_by_turn([off, on], tmp_path / "p.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -59,6 +59,8 @@ def test_every_request_accounted_and_consistent(run):
     assert s["requests_per_s"] > 0 and s["output_tokens_per_s"] > 0
     assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"] <= s["latency_ms"]["max"]
     assert sorted(s["ttft_by_turn"]) == [str(t) for t in range(TURNS)]
+    srv = run["server"]  # scraped from /metrics: offload engaged (stores to host happened)
+    assert srv["prefix_queries"] > 0 and srv["offload_store_bytes"] > 0, srv
 
 
 def test_cli_run_and_compare_against_urls(server_url, tmp_path):

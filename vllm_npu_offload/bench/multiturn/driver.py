@@ -17,6 +17,7 @@ from typing import Any
 from . import BenchError
 from .client import RequestResult, chat, make_http_client, server_model
 from .generate import Conversation, VOCAB_WORDS
+from .server_metrics import delta, scrape
 
 
 @dataclass
@@ -134,6 +135,7 @@ async def run_load(convs: list[Conversation], cfg: DriverConfig, label: str = "r
         results: list[RequestResult] = []
         state = {"issued": 0, "skipped": 0, "outstanding": planned}
         prog = _Progress(planned, label, cfg.progress)
+        before = await scrape(http, cfg.url)
         t0 = time.perf_counter()
 
         def finish_conv(c: _Conv) -> None:
@@ -174,7 +176,8 @@ async def run_load(convs: list[Conversation], cfg: DriverConfig, label: str = "r
 
         await asyncio.gather(*(client(i) for i in range(cfg.clients)))
         runtime = time.perf_counter() - t0
+        server = delta(before, await scrape(http, cfg.url)) if before else {}
     planned_total = len(results) + state["skipped"]
     return {"label": label, "url": cfg.url, "model": model, "results": results, "runtime_s": runtime,
             "warmup_s": warmup_s, "planned": planned_total, "skipped": state["skipped"],
-            "clients": cfg.clients, "max_active": max_active}
+            "clients": cfg.clients, "max_active": max_active, "server": server}

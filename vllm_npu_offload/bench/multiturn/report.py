@@ -37,6 +37,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / rt,
         "tokens_from": sorted({r.tokens_from for r in ok}),
         "errors": sorted({r.error for r in res if not r.ok})[:5],
+        "server": run.get("server", {}),
     }
     for m in METRICS:
         s[m] = _dist([float(getattr(r, m)) for r in ok])
@@ -50,6 +51,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 def _fmt(x: float) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
+    if float(x).is_integer() and abs(x) < 1000:
+        return str(int(x))
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
 
 
@@ -66,6 +69,11 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, float]]:
     for m in METRICS:
         for k in ("mean",) + tuple(f"p{p}" for p in PCTS):
             rows.append((f"{m} {k}", s[m].get(k, float("nan"))))
+    srv, nan = s.get("server") or {}, float("nan")
+    rows += [("server prefix hit %", 100 * srv.get("prefix_hit_rate", nan)),
+             ("server offload hit %", 100 * srv.get("external_hit_rate", nan)),
+             ("offload loaded MiB", srv.get("offload_load_bytes", nan) / 2**20),
+             ("offload stored MiB", srv.get("offload_store_bytes", nan) / 2**20)]
     return rows
 
 
@@ -87,6 +95,8 @@ def format_compare(off: dict[str, Any], on: dict[str, Any]) -> str:
             rows.append([name, f"{off['completed']} / {off['planned']}", f"{on['completed']} / {on['planned']}", ""])
             continue
         ratio = b / a if a and not (math.isnan(a) or math.isnan(b)) else float("nan")
+        if name.startswith(("server", "offload")):
+            ratio = float("nan")  # counters, not a speed: a ratio would mislead
         rows.append([name, _fmt(a), _fmt(b), "-" if math.isnan(ratio) else f"{ratio:.2f}x"])
     turns = sorted(set(off["ttft_by_turn"]) & set(on["ttft_by_turn"]), key=int)
     for t in turns:
