@@ -155,3 +155,34 @@ def test_report_and_plot_from_fake_runs(tmp_path):
     assert "| ttft_ms p50 turn 3" in table and "0.50x" in table and "offload loaded MiB" in table
     png = plot_ttft_by_turn([off, on], tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("body,timeout,msg", [
+    ("echo boom >&2; exit 3", 30, "exited with code 3"),
+    ("sleep 60", 1.5, "not healthy after"),
+])
+def test_launcher_failures_are_bounded_and_cleaned_up(tmp_path, body, timeout, msg):
+    """A server that dies or never gets healthy: clear error with the log tail, process group gone."""
+    import os
+
+    from vllm_npu_offload.bench.multiturn.launcher import vllm_server
+
+    fake = tmp_path / "fakepython"
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\n{body}\n")
+    fake.chmod(0o755)
+    t = time.monotonic()
+    with pytest.raises(BenchError, match=msg):
+        with vllm_server("m", python=str(fake), startup_timeout_s=timeout, log_path=tmp_path / "s.log"):
+            pass
+    assert time.monotonic() - t < 25
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_client_side_imports_neither_vllm_nor_torch():
+    code = ("import sys; import vllm_npu_offload.bench.multiturn.cli, vllm_npu_offload.bench.multiturn.compare, "
+            "vllm_npu_offload.bench.multiturn.launcher; "
+            "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

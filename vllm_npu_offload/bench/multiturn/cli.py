@@ -6,9 +6,6 @@ nothing waits without a bound (request, health and shutdown timeouts)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
 import shlex
 import signal
 import sys
