@@ -1,1 +1,1 @@
-"""Benchmarks (core only: torch/numpy/triton); ``scripts/`` wraps them."""
+"""Benchmarks; ``scripts/`` wraps them. ``transfer``: torch/numpy/triton. ``multiturn``: HTTP client only."""
