@@ -119,6 +119,8 @@ def test_connector_plain_tensors_take_upstream_path(tiny_model, monkeypatch):
         register(caches)
         conn.shutdown()
     a, b = seen
-    key = [(t.tensor.data_ptr(), tuple(t.tensor.shape), t.tensor.stride(), t.page_size_bytes) for t in a.tensors]
-    assert key == [(t.tensor.data_ptr(), tuple(t.tensor.shape), t.tensor.stride(), t.page_size_bytes) for t in b.tensors]
+    def key(c):
+        return [(t.tensor.data_ptr(), tuple(t.tensor.shape), t.tensor.stride(), t.page_size_bytes) for t in c.tensors]
+
+    assert key(a) == key(b)
     assert a.group_data_refs == b.group_data_refs

@@ -40,7 +40,9 @@ SPEC_EXTRA = {"spec_name": "NPUOffloadingSpec", "spec_module_path": "vllm_npu_of
 init_none_hash(sha256)
 
 
-def vllm_config(model: str, extra: dict, connector: str = "OffloadingConnector", module: str | None = None) -> VllmConfig:
+def vllm_config(
+    model: str, extra: dict, connector: str = "OffloadingConnector", module: str | None = None
+) -> VllmConfig:
     model_config = ModelConfig(model=model, dtype="float32", seed=0)
     return VllmConfig(
         model_config=model_config,
@@ -67,7 +69,12 @@ def kv_cache_config(num_blocks: int, layers: list[str], heads: int, head_size: i
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[KVCacheTensor(size=num_blocks * page_bytes, shared_by=[name]) for name in layers],
-        kv_cache_groups=[KVCacheGroupSpec(layers, FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=torch.float32))],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                layers,
+                FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=torch.float32),
+            )
+        ],
     )
 
 

@@ -131,7 +131,9 @@ def test_handlers_report_only_their_direction(tiny_model):
     caches = stacked_caches()
     canon = compat.CanonicalKVCaches(
         tensors=[
-            compat.CanonicalKVCacheTensor(torch.empty(0, dtype=torch.int8).set_(t.untyped_storage()).view(NB, PAGE), PAGE)
+            compat.CanonicalKVCacheTensor(
+                torch.empty(0, dtype=torch.int8).set_(t.untyped_storage()).view(NB, PAGE), PAGE
+            )
             for t in caches.values()
         ],
         group_data_refs=[[compat.CanonicalKVCacheRef(0, PAGE), compat.CanonicalKVCacheRef(1, PAGE)]],
@@ -186,7 +188,8 @@ def test_legacy_num_cpu_blocks_sizing(tiny_model):
     assert "num_cpu_blocks" not in spec.extra_config
     assert spec.get_manager() is spec.get_manager()
     # scheduler side before the KV size is known: a placeholder, no error
-    empty = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), kv_cache_config(0, LAYERS, HEADS, HEAD, PAGE))
+    no_kv_yet = kv_cache_config(0, LAYERS, HEADS, HEAD, PAGE)
+    empty = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), no_kv_yet)
     assert empty.num_blocks == 0
 
 

@@ -83,7 +83,9 @@ def _legacy_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     bound = dict(zip(params, args), **kwargs)
     missing = [p for p in params if bound.get(p) is None]
     if missing or len(bound) != 2:
-        raise TypeError(f"NPUOffloadingSpec on vLLM {VLLM_VERSION} takes (vllm_config, kv_cache_config); got {missing=}")
+        raise TypeError(
+            f"NPUOffloadingSpec on vLLM {VLLM_VERSION} takes (vllm_config, kv_cache_config); missing {missing}"
+        )
     return bound["vllm_config"], bound["kv_cache_config"]
 
 

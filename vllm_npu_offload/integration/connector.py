@@ -72,7 +72,10 @@ def canonical_kv_caches(kv_caches: Mapping, kv_cache_config):
         for src, d in zip(layout.sources, layout.tensors)
     ]
     refs = [
-        [compat.CanonicalKVCacheRef(tensor_idx=r.tensor_idx, page_size_bytes=r.page_bytes) for r in layout.group_refs(g.layer_names)]
+        [
+            compat.CanonicalKVCacheRef(tensor_idx=r.tensor_idx, page_size_bytes=r.page_bytes)
+            for r in layout.group_refs(g.layer_names)
+        ]
         for g in compat.offloaded_groups(kv_cache_config)
     ]
     return compat.CanonicalKVCaches(tensors=tensors, group_data_refs=refs)

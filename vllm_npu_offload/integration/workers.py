@@ -37,7 +37,8 @@ def to_vllm_results(results) -> list:
     for r in results:
         if not r.success:
             logger.error("KV offload job %d (%s) failed: %s", r.job_id, r.direction.name, r.error)
-        out.append(compat.make_transfer_result(r.job_id, r.success, r.num_bytes, r.seconds, DIRECTION_NAMES[r.direction]))
+        name = DIRECTION_NAMES[r.direction]
+        out.append(compat.make_transfer_result(r.job_id, r.success, r.num_bytes, r.seconds, name))
     return out
 
 
