@@ -1,16 +1,23 @@
 """The one place that knows which vLLM offloading API generation is installed.
 
 - ``"config"`` (vLLM >= 0.26): ``OffloadingSpec(config: OffloadingConfig)``, ``get_worker()``
-  returning an ``OffloadingWorker`` with ``submit_store`` / ``submit_load``.
+  returning an ``OffloadingWorker`` with ``submit_store`` / ``submit_load``; chunk geometry in
+  ``blocks_per_chunk`` / ``num_chunks``.
 - ``"worker"`` (vLLM 0.25): ``OffloadingSpec(vllm_config, kv_cache_config)`` with ``get_worker()``.
 - ``"handlers"`` (vLLM 0.21-0.24): ``OffloadingSpec(vllm_config, kv_cache_config)`` with
   ``get_handlers()`` yielding per-direction ``OffloadingHandler`` objects.
+
+The two older generations read ``kv_connector_extra_config`` from ``vllm_config`` and call the
+chunk geometry ``block_size_factor`` / ``num_blocks``; everything else in ``integration`` is
+written against the helpers below.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
+from typing import Any
 
 import vllm
 from vllm.v1.kv_offload import base as _base
@@ -27,6 +34,8 @@ else:
 OffloadingSpec = _base.OffloadingSpec
 GPULoadStoreSpec = _base.GPULoadStoreSpec
 CanonicalKVCaches = _base.CanonicalKVCaches
+CanonicalKVCacheTensor = _base.CanonicalKVCacheTensor
+CanonicalKVCacheRef = _base.CanonicalKVCacheRef
 
 if API == "handlers":
     from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult  # noqa: F401
@@ -54,3 +63,127 @@ def make_transfer_result(job_id: int, success: bool, num_bytes: int, seconds: fl
     if API == "handlers":
         return TransferResult(job_id, success, num_bytes, seconds, direction_name)
     return TransferResult(job_id=job_id, success=success, transfer_size=num_bytes, transfer_time=seconds)
+
+
+# -- spec construction ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecInputs:
+    """What ``NPUOffloadingSpec.__init__`` needs to know before the base class runs."""
+
+    extra: dict  # a private copy of kv_connector_extra_config
+    engine_block_size: int | None  # tokens per engine block if all KV groups agree
+    bytes_per_block: int  # KV bytes of one engine block summed over all ranks; 0 = not known yet
+    blocks_per_chunk: int | None  # fixed by vLLM (config API); None = take it from the extra config
+
+
+def _legacy_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    params = ("vllm_config", "kv_cache_config")
+    bound = dict(zip(params, args), **kwargs)
+    missing = [p for p in params if bound.get(p) is None]
+    if missing or len(bound) != 2:
+        raise TypeError(
+            f"NPUOffloadingSpec on vLLM {VLLM_VERSION} takes (vllm_config, kv_cache_config); missing {missing}"
+        )
+    return bound["vllm_config"], bound["kv_cache_config"]
+
+
+def spec_inputs(args: tuple, kwargs: dict) -> SpecInputs:
+    """Read the extra config and the KV geometry from the spec's constructor arguments."""
+    if API == "config":
+        (config,) = list(args) + list(kwargs.values())
+        sizes = {g.tokens_per_block for g in config.groups}
+        bpc = config.cache.blocks_per_chunk
+        return SpecInputs(
+            dict(config.extra_config),
+            sizes.pop() if len(sizes) == 1 else None,
+            config.worker_kv_bytes_per_block * config.parallel.world_size,
+            bpc,
+        )
+    vllm_config, kv_cache_config = _legacy_args(args, kwargs)
+    par = vllm_config.parallel_config
+    cp = par.decode_context_parallel_size * par.prefill_context_parallel_size
+    sizes = {g.kv_cache_spec.block_size * cp for g in kv_cache_config.kv_cache_groups}
+    per_block = 0
+    if kv_cache_config.num_blocks > 0 and par.world_size > 0:  # the same formula as CPUOffloadingSpec 0.21-0.25
+        per_block = sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+        per_block *= par.world_size
+    return SpecInputs(
+        dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}),
+        sizes.pop() if len(sizes) == 1 else None,
+        per_block,
+        None,
+    )
+
+
+def base_extra(extra: dict, engine_block_size: int | None, blocks_per_chunk: int) -> dict:
+    """``extra`` as the installed base class must read it (it only knows its own keys)."""
+    out = {k: v for k, v in extra.items() if k != "num_cpu_blocks"}
+    if API != "config" and "blocks_per_chunk" in out:
+        # 0.21-0.25 know only 'block_size'; without this they would keep block_size_factor=1.
+        del out["blocks_per_chunk"]
+        if engine_block_size:
+            out["block_size"] = blocks_per_chunk * engine_block_size
+    return out
+
+
+class ExtraConfigOverride:
+    """Lets a spec hand its base class a private extra config.
+
+    vLLM 0.21-0.25's ``OffloadingSpec.__init__`` does ``self.extra_config =
+    vllm_config.kv_transfer_config.kv_connector_extra_config`` and ``CPUOffloadingSpec`` reads
+    ``cpu_bytes_to_use`` right after; editing the user's dict in place would leak into every
+    other spec built from the same config (scheduler and workers), so the assignment is
+    redirected to ``_extra_override`` instead.
+    """
+
+    _extra_override: dict | None = None
+
+    @property
+    def extra_config(self) -> dict:
+        return self.__dict__["_npu_extra_config"]
+
+    @extra_config.setter
+    def extra_config(self, value: dict) -> None:
+        self.__dict__["_npu_extra_config"] = self._extra_override if self._extra_override is not None else value
+
+
+def init_base(spec, args: tuple, kwargs: dict, extra: dict) -> None:
+    """Run ``CPUOffloadingSpec.__init__`` on ``spec`` with ``extra`` as its extra config."""
+    if API == "config":
+        (config,) = list(args) + list(kwargs.values())
+        CPUOffloadingSpec.__init__(spec, dataclasses.replace(config, extra_config=extra))
+        return
+    spec._extra_override = extra
+    try:
+        CPUOffloadingSpec.__init__(spec, *_legacy_args(args, kwargs))
+    finally:
+        spec._extra_override = None
+
+
+def chunk_geometry(spec) -> tuple[int, int]:
+    """``(engine blocks per host chunk, host chunks)`` of an initialised ``CPUOffloadingSpec``."""
+    if API == "config":
+        return spec.blocks_per_chunk, spec.num_chunks
+    return spec.block_size_factor, spec.num_blocks
+
+
+# -- connector --------------------------------------------------------------------------
+
+
+def offloaded_groups(kv_cache_config) -> list:
+    """The KV-cache groups the upstream connector worker offloads, in its order."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+    except ImportError:  # before 0.26: every group
+        return list(kv_cache_config.kv_cache_groups)
+    return [kv_cache_config.kv_cache_groups[i] for i in get_offloading_group_ids(kv_cache_config)]
+
+
+def hand_canonical_to_spec(connector_worker, kv_caches) -> None:
+    """What ``OffloadingConnectorWorker.register_kv_caches`` does last with its ``CanonicalKVCaches``."""
+    if hasattr(connector_worker, "_init_worker"):  # >= 0.25: spec.get_worker()
+        connector_worker._init_worker(kv_caches)
+    else:  # 0.21-0.24: spec.get_handlers() into the worker's handler router
+        connector_worker._register_handlers(kv_caches)

@@ -1,0 +1,279 @@
+"""NPUOffloadingSpec / NPUOffloadingConnector against the real vLLM 0.23.0 code (CPU tensors, no model).
+
+Store and load jobs go through vLLM 0.23's Scheduler (scheduler-role OffloadingConnector with
+the real CPUOffloadingManager) and a worker-role connector; bytes are checked block by block.
+Run in the venv built by scripts/setup_v023.sh.
+"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+if not vllm.__version__.startswith("0.23"):
+    pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
+
+import torch  # noqa: E402
+from harness import BLOCK, Engine, host_block, kv_cache_config, vllm_config  # noqa: E402
+from kv_arena import ALIGN, Arena  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
+
+from vllm_npu_offload.copy.base import Direction  # noqa: E402
+from vllm_npu_offload.errors import OffloadConfigError  # noqa: E402
+from vllm_npu_offload.integration import compat  # noqa: E402
+from vllm_npu_offload.integration.connector import NPUOffloadingConnector  # noqa: E402
+from vllm_npu_offload.integration.spec import NPUOffloadingSpec  # noqa: E402
+
+NB = 24  # device blocks
+HEADS, HEAD = 2, 32
+PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K+V bytes per block and layer (float32)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks
+
+
+def test_api_generation():
+    assert compat.API == "handlers"
+    assert compat.OffloadingHandler is not None and compat.OffloadingWorker is None
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def stacked_caches() -> dict:
+    """Upstream layout: one (num_blocks, 2, block, heads, head) tensor per layer."""
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD, generator=g) for n in LAYERS}
+
+
+def parts_of(kv_caches: dict) -> list[torch.Tensor]:
+    return [p for v in kv_caches.values() for p in (v if isinstance(v, (tuple, list)) else (v,))]
+
+
+def block_bytes(parts: list[torch.Tensor], b: int) -> list[torch.Tensor]:
+    return [p[b].contiguous().reshape(-1).view(torch.uint8).clone() for p in parts]
+
+
+def round_trip(eng: Engine, kv_caches: dict, bpc: int) -> None:
+    """Store PROMPT, wipe the device KV and the prefix cache, run PROMPT again: loads must restore the bytes."""
+    parts = parts_of(kv_caches)
+    eng.run(PROMPT)
+    stores = [j for j in eng.jobs if j.direction is Direction.D2H]
+    assert stores and all(j.direction is Direction.D2H for j in eng.jobs)
+    stored = {}  # host block -> device bytes it must hold
+    for job in stores:
+        for i, dev in enumerate(job.device_blocks):
+            stored[host_block(job.chunks, i, bpc)] = block_bytes(parts, dev)
+    assert len(stored) == len(PROMPT) // BLOCK
+    core = eng.core
+    for idx, dt in enumerate(core.device_tensors):
+        (part,) = [p for p in parts if p.data_ptr() == dt.base]
+        pi = next(i for i, p in enumerate(parts) if p is part)
+        for hb, want in stored.items():  # the host buffer itself holds the stored blocks
+            assert torch.equal(core.host_view(idx)[hb][: want[pi].numel()], want[pi])
+
+    for p in parts:
+        p.zero_()
+    eng.reset_device_prefix_cache()
+    n_store = len(eng.jobs)
+    eng.run(PROMPT)
+    loads = [j for j in eng.jobs[n_store:] if j.direction is Direction.H2D]
+    assert loads, "nothing was loaded from host"
+    loaded = set()
+    for job in loads:
+        for i, dev in enumerate(job.device_blocks):
+            want = stored[host_block(job.chunks, i, bpc)]
+            got = block_bytes(parts, dev)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"device block {dev} differs after load"
+            loaded.add(dev)
+    assert len(loaded) == len(PROMPT) // BLOCK
+    for b in set(range(NB)) - loaded:  # nothing else was written
+        assert all(int(x.count_nonzero()) == 0 for x in block_bytes(parts, b))
+
+    stats = eng.worker.get_kv_connector_stats()
+    assert stats is not None and {"GPU_to_CPU", "CPU_to_GPU"} <= set(stats.data)
+
+
+# -- spec inside the upstream OffloadingConnector ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, bpc, num_blocks",
+    [
+        ({"cpu_bytes_to_use": 32 * PAGE * 2}, 1, 32),
+        ({"cpu_bytes_to_use": 32 * PAGE * 2, "blocks_per_chunk": 2}, 2, 16),
+        ({"num_cpu_blocks": 12, "block_size": 2 * BLOCK}, 2, 12),
+    ],
+    ids=["cpu_bytes", "blocks_per_chunk", "legacy_num_cpu_blocks"],
+)
+def test_store_load_through_real_scheduler(tiny_model, extra, bpc, num_blocks):
+    vc = vllm_config(tiny_model, extra)
+    user_extra = dict(vc.kv_transfer_config.kv_connector_extra_config)
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    caches = stacked_caches()
+    eng = Engine.build(vc, kcc, caches, OffloadingConnector)
+    assert isinstance(eng.spec, NPUOffloadingSpec)
+    assert (eng.spec.block_size_factor, eng.spec.num_blocks) == (bpc, num_blocks)
+    sched_cfg = eng.sched.connector.connector_scheduler.config  # built from the scheduler-side spec
+    assert sched_cfg.block_size_factor == bpc
+    assert type(eng.manager).__name__ == "CPUOffloadingManager"
+    assert vc.kv_transfer_config.kv_connector_extra_config == user_extra  # never edited in place
+    assert eng.core.num_chunks == num_blocks and eng.core.blocks_per_chunk == bpc
+    round_trip(eng, caches, bpc)
+    store, load = eng.spec._npu_handlers
+    eng.worker.shutdown()
+    assert store.shared._closed and load.shared is store.shared
+
+
+def test_handlers_report_only_their_direction(tiny_model):
+    from vllm.v1.kv_offload.worker.worker import OffloadingHandler
+
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 8 * PAGE * 2})
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    spec = NPUOffloadingSpec(vc, kcc)
+    caches = stacked_caches()
+    canon = compat.CanonicalKVCaches(
+        tensors=[
+            compat.CanonicalKVCacheTensor(
+                torch.empty(0, dtype=torch.int8).set_(t.untyped_storage()).view(NB, PAGE), PAGE
+            )
+            for t in caches.values()
+        ],
+        group_data_refs=[[compat.CanonicalKVCacheRef(0, PAGE), compat.CanonicalKVCacheRef(1, PAGE)]],
+    )
+    (s_src, s_dst, store), (l_src, l_dst, load) = list(spec.get_handlers(canon))
+    assert (s_src, s_dst, l_src, l_dst) == (
+        compat.GPULoadStoreSpec, compat.CPULoadStoreSpec, compat.CPULoadStoreSpec, compat.GPULoadStoreSpec,
+    )
+    assert isinstance(store, OffloadingHandler) and isinstance(load, OffloadingHandler)
+    gpu = compat.GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0])
+    assert store.transfer_async(10, (gpu, compat.CPULoadStoreSpec([5, 1])))
+    assert load.transfer_async(11, (compat.CPULoadStoreSpec([5]), compat.GPULoadStoreSpec([9], [1], [0])))
+    store.wait({10})
+    load.wait({10, 11})  # both handlers may be asked for every id (OffloadingWorker fans out)
+    (lr,) = load.get_finished()
+    assert (lr.job_id, lr.success, lr.transfer_type, lr.transfer_size) == (11, True, ("CPU", "GPU"), 2 * PAGE)
+    (sr,) = store.get_finished()
+    assert (sr.job_id, sr.transfer_type, sr.transfer_size) == (10, ("GPU", "CPU"), 4 * PAGE)
+    assert store.get_finished() == [] and load.get_finished() == []
+    for t in caches.values():
+        assert torch.equal(t[9], t[3])
+    store.shutdown()
+    load.shutdown()  # the shared core shuts down once
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({}, "needs 'cpu_bytes_to_use'"),
+        ({"cpu_bytes_to_use": 0}, r"\['cpu_bytes_to_use'\]=0 must be a positive integer"),
+        ({"cpu_bytes_to_use": -5}, r"\['cpu_bytes_to_use'\]=-5 must be a positive integer"),
+        ({"cpu_bytes_to_use": "lots"}, r"\['cpu_bytes_to_use'\]='lots' must be a positive integer"),
+        ({"num_cpu_blocks": 0}, r"\['num_cpu_blocks'\]=0 must be a positive integer"),
+        ({"num_cpu_blocks": 4, "cpu_bytes_to_use": 1 << 30}, "give only one"),
+        ({"cpu_bytes_to_use": 1 << 30, "block_size": 24}, r"\['block_size'\]=24 must be a multiple of the engine"),
+        ({"cpu_bytes_to_use": 1 << 30, "block_size": 32, "blocks_per_chunk": 2}, "only one of 'block_size'"),
+        ({"cpu_bytes_to_use": 1 << 30, "eviction_policy": "mru"}, r"\['eviction_policy'\]='mru' is not one of"),
+        ({"cpu_bytes_to_use": 100}, "smaller than one offloaded block"),
+    ],
+)
+def test_bad_config_errors(tiny_model, extra, match):
+    vc = vllm_config(tiny_model, extra)
+    with pytest.raises(OffloadConfigError, match=match):
+        NPUOffloadingSpec(vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE))
+
+
+def test_legacy_num_cpu_blocks_sizing(tiny_model):
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    spec = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), kcc)
+    assert (spec.num_blocks, spec.block_size_factor) == (10, 1)
+    assert spec.extra_config["cpu_bytes_to_use"] == 10 * PAGE * len(LAYERS)
+    assert "num_cpu_blocks" not in spec.extra_config
+    assert spec.get_manager() is spec.get_manager()
+    # scheduler side before the KV size is known: a placeholder, no error
+    no_kv_yet = kv_cache_config(0, LAYERS, HEADS, HEAD, PAGE)
+    empty = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), no_kv_yet)
+    assert empty.num_blocks == 0
+
+
+# -- NPUOffloadingConnector with vLLM-Ascend-style K/V tuples ---------------------------
+
+
+def ascend_caches(arena: Arena, kind: str) -> dict:
+    if kind == "kv":  # K and V as separate tensors
+        shapes = [(NB, BLOCK, HEADS, HEAD), (NB, BLOCK, HEADS, HEAD)]
+    else:  # MLA: nope 512 + rope 64, different page sizes
+        shapes = [(NB, BLOCK, 1, 512), (NB, BLOCK, 1, 64)]
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for n in LAYERS:
+        parts = tuple(arena.tensor(s) for s in shapes)
+        for p in parts:
+            p.copy_(torch.randn(p.shape, generator=g))
+        out[n] = parts
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kv", "mla"])
+def test_connector_canonicalises_ascend_tuples(tiny_model, kind):
+    heads, head = (HEADS, HEAD) if kind == "kv" else (1, 576)
+    page = 2 * BLOCK * HEADS * HEAD * 4 if kind == "kv" else BLOCK * 576 * 4
+    vc = vllm_config(
+        tiny_model,
+        {"cpu_bytes_to_use": 16 * page * len(LAYERS)},
+        connector="NPUOffloadingConnector",
+        module="vllm_npu_offload.integration.connector",
+    )
+    kcc = kv_cache_config(NB, LAYERS, heads, head, page)
+    arena = Arena(10 * ALIGN)
+    caches = ascend_caches(arena, kind)
+    eng = Engine.build(vc, kcc, caches, NPUOffloadingConnector)
+    assert isinstance(eng.sched.connector, NPUOffloadingConnector)  # loaded via kv_connector_module_path
+    assert len(eng.core.device_tensors) == 2 * len(LAYERS)
+    assert {d.base for d in eng.core.device_tensors} == {p.data_ptr() for p in parts_of(caches)}
+    round_trip(eng, caches, 1)
+    assert arena.outside_untouched()
+    eng.worker.shutdown()
+
+
+def test_upstream_connector_rejects_tuples(tiny_model):
+    """Why NPUOffloadingConnector exists: 0.23's worker asserts one tensor per attention layer."""
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    caches = ascend_caches(Arena(10 * ALIGN), "kv")
+    with pytest.raises(AssertionError):
+        Engine.build(vc, kcc, caches, OffloadingConnector)
+
+
+def test_connector_plain_tensors_take_upstream_path(tiny_model, monkeypatch):
+    """Plain tensors go through upstream's register_kv_caches unchanged (same CanonicalKVCaches)."""
+    seen = []
+    orig = NPUOffloadingSpec.get_handlers
+
+    def spy(self, kv_caches):
+        seen.append(kv_caches)
+        return orig(self, kv_caches)
+
+    monkeypatch.setattr(NPUOffloadingSpec, "get_handlers", spy)
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    caches = stacked_caches()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    for cls in (OffloadingConnector, NPUOffloadingConnector):
+        with set_current_vllm_config(vc):
+            cls(vc, KVConnectorRole.WORKER, kcc).register_kv_caches(caches)
+    a, b = seen
+    assert [(t.tensor.data_ptr(), t.tensor.shape, t.page_size_bytes) for t in a.tensors] == [
+        (t.tensor.data_ptr(), t.tensor.shape, t.page_size_bytes) for t in b.tensors
+    ]
+    assert a.group_data_refs == b.group_data_refs
+
+
+def test_connector_rejects_bad_layer_values(tiny_model):
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
+    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+    caches = {n: (torch.zeros(NB, BLOCK, HEADS, HEAD), "v") for n in LAYERS}
+    with pytest.raises(OffloadConfigError, match="allowed: a tensor or a non-empty tuple/list of tensors"):
+        Engine.build(vc, kcc, caches, NPUOffloadingConnector)
+    wrong = {n: (torch.zeros(NB - 1, BLOCK, HEADS, HEAD),) * 2 for n in LAYERS}
+    with pytest.raises(OffloadConfigError, match=f"leading dimension must be num_blocks={NB}"):
+        Engine.build(vc, kcc, wrong, NPUOffloadingConnector)

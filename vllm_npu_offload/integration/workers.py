@@ -1,0 +1,119 @@
+"""Thin vLLM-facing wrappers around one shared ``OffloadWorkerCore``.
+
+vLLM >= 0.25 asks the spec for one ``OffloadingWorker`` (``submit_store`` / ``submit_load``);
+0.21-0.24 ask for one ``OffloadingHandler`` per direction, routed by medium pair. Both only
+translate vLLM's load/store specs into ``OffloadWorkerCore.submit`` and its results back into
+vLLM's ``TransferResult``; the copying itself is the same code on every version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..copy.base import Direction
+from ..offload_worker import OffloadWorkerCore
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+DIRECTION_NAMES = {Direction.D2H: ("GPU", "CPU"), Direction.H2D: ("CPU", "GPU")}
+
+
+def submit(core: OffloadWorkerCore, job_id: int, direction: Direction, gpu_spec, cpu_spec) -> bool:
+    core.submit(
+        job_id,
+        direction,
+        gpu_spec.block_ids,
+        list(gpu_spec.group_sizes),
+        list(gpu_spec.block_indices),
+        cpu_spec.block_ids,
+    )
+    return True
+
+
+def to_vllm_results(results) -> list:
+    out = []
+    for r in results:
+        if not r.success:
+            logger.error("KV offload job %d (%s) failed: %s", r.job_id, r.direction.name, r.error)
+        name = DIRECTION_NAMES[r.direction]
+        out.append(compat.make_transfer_result(r.job_id, r.success, r.num_bytes, r.seconds, name))
+    return out
+
+
+class SharedCore:
+    """One core polled on behalf of several handlers: each result is kept for its direction."""
+
+    def __init__(self, core: OffloadWorkerCore):
+        self.core = core
+        self._pending: dict[Direction, list] = {d: [] for d in Direction}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, direction: Direction) -> list:
+        with self._lock:
+            for r in self.core.poll():
+                self._pending[r.direction].append(r)
+            out, self._pending[direction] = self._pending[direction], []
+        return out
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.core.shutdown()
+
+
+class NPUOffloadingWorker(compat.OffloadingWorker or object):
+    """vLLM >= 0.25: both directions through one worker object."""
+
+    def __init__(self, core: OffloadWorkerCore):
+        self.core = core
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        return submit(self.core, job_id, Direction.D2H, src_spec, dst_spec)
+
+    def submit_load(self, job_id, src_spec, dst_spec, *args, **kwargs) -> bool:
+        return submit(self.core, job_id, Direction.H2D, dst_spec, src_spec)
+
+    def get_finished(self) -> list:
+        return to_vllm_results(self.core.poll())
+
+    def wait(self, job_ids) -> None:
+        self.core.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class NPUTransferHandler(compat.OffloadingHandler or object):
+    """vLLM 0.21-0.24: one direction; ``get_finished`` returns only this direction's jobs."""
+
+    def __init__(self, shared: SharedCore, direction: Direction):
+        self.shared = shared
+        self.direction = direction
+
+    def transfer_async(self, job_id: int, spec) -> bool:
+        src, dst = spec
+        gpu, cpu = (src, dst) if self.direction is Direction.D2H else (dst, src)
+        return submit(self.shared.core, job_id, self.direction, gpu, cpu)
+
+    def get_finished(self) -> list:
+        return to_vllm_results(self.shared.take(self.direction))
+
+    def wait(self, job_ids) -> None:
+        self.shared.core.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.shared.shutdown()
+
+
+def handler_pair(core: OffloadWorkerCore) -> tuple[NPUTransferHandler, NPUTransferHandler]:
+    """(store handler, load handler) sharing ``core``."""
+    shared = SharedCore(core)
+    return NPUTransferHandler(shared, Direction.D2H), NPUTransferHandler(shared, Direction.H2D)
+
+
+__all__ = ["NPUOffloadingWorker", "NPUTransferHandler", "SharedCore", "handler_pair"]
