@@ -68,6 +68,7 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
         if role == KVConnectorRole.WORKER and self.worker_handler is not None:
             cap = self.worker_handler.cpu_capacity_bytes
             self.worker_handler = NPUSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cap)
+        self._no_host_hit: set[str] = set()
         self._can_abandon = self.scheduler_manager is not None and all(
             hasattr(self.scheduler_manager, a) for a in _ABANDON_ATTRS
         )
@@ -95,7 +96,39 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
         return super().shutdown()
 
     # -- scheduler side -------------------------------------------------------------------
+    # A request whose host load failed is recomputed on the device: vLLM's recompute
+    # path puts it back in the waiting queue, and without this the same CPU hit would
+    # be offered (and fail) again, forever, if the failure persists.
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self._no_host_hit:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._no_host_hit.discard(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._no_host_hit.discard(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def _failed_load_requests(self, connector_output) -> set[str]:
+        failed = set(connector_output.failed_recving or ())
+        bad = set(connector_output.invalid_block_ids or ())
+        if bad and self.scheduler_manager is not None:
+            for attr in ("_reqs_to_load", "_abandoned_reqs_to_load"):
+                for req_id, state in getattr(self.scheduler_manager, attr, {}).items():
+                    tm = getattr(state, "transfer_meta", None)
+                    if tm is not None and bad.intersection(tm.gpu_block_ids):
+                        failed.add(req_id)
+        return failed
+
     def update_connector_output(self, connector_output) -> None:
+        if self.scheduler_manager is not None:
+            failed_loads = self._failed_load_requests(connector_output)
+            if failed_loads:
+                logger.warning("simple offload: host loads failed for %s; recomputing them", sorted(failed_loads))
+                self._no_host_hit |= failed_loads
         meta = connector_output.kv_connector_worker_meta
         if self.scheduler_manager is not None and isinstance(meta, NPUSimpleWorkerMetadata):
             failed = meta.failed_store_events
