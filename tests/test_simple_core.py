@@ -352,3 +352,31 @@ def test_out_of_range_block_fails_cleanly():
     assert core.take_store_results() == (set(), {0})
     core.shutdown()
     assert np.all(core.in_flight() == (0, 0))
+
+
+def test_many_steps_on_cpu_engine_do_not_deadlock():
+    """Regression: the engine recycles end events; a CPU stream that waited on a
+    recycled event waited for its *next* record and deadlocked after ~100 steps."""
+    kv = torch.randn(2, 16, 4, 2, 8)
+    core, tr = _cpu_core(kv)
+
+    def run():
+        for i in range(300):
+            ids = [i % 16, (i + 3) % 16]
+            core.bind(StepPlan(load_event=i, load_host_blocks=ids, load_device_blocks=ids,
+                               load_event_to_reqs={i: [f"r{i}"]},
+                               store_event=i, store_device_blocks=ids, store_host_blocks=ids))
+            core.launch(H2D)
+            core.launch(D2H)
+            core.collect()
+        core.flush()
+        core.collect()
+        core.take_load_errors()
+        core.take_store_results()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(60)
+    assert not th.is_alive(), "transfers deadlocked"
+    assert core.is_idle()
+    core.shutdown()

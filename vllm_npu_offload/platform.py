@@ -144,7 +144,12 @@ class NpuPlatform(_TorchAcceleratorPlatform):
 
 
 class CpuEvent:
-    """A marker on a CpuStream: set when the stream's worker reaches it."""
+    """A marker on a CpuStream: set when the stream's worker reaches it.
+
+    Each ``record`` starts a new generation (a fresh flag); ``CpuStream.wait_event``
+    waits on the generation current at call time, as CUDA's does, so recycling an
+    event for a later record never changes what an earlier waiter waits for.
+    """
 
     def __init__(self):
         self._done = threading.Event()
@@ -153,17 +158,19 @@ class CpuEvent:
         self.error: BaseException | None = None
 
     def record(self, stream: "CpuStream | None" = None) -> None:
-        self._done.clear()
+        flag = self._done = threading.Event()
         self.error = None
         if stream is None or stream.is_compute:
-            self._fire(None)
+            self._fire(None, flag)
         else:
-            stream._enqueue_marker(self)
+            stream._enqueue_marker(self, flag)
 
-    def _fire(self, error: BaseException | None) -> None:
-        self.timestamp = time.perf_counter()
-        self.error = error
-        self._done.set()
+    def _fire(self, error: BaseException | None, flag: threading.Event | None = None) -> None:
+        flag = flag or self._done
+        if flag is self._done:  # a stale generation only releases its own waiters
+            self.timestamp = time.perf_counter()
+            self.error = error
+        flag.set()
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -213,9 +220,10 @@ class CpuStream:
                         self._pending_error = e
             elif kind == "marker":
                 err, self._pending_error = self._pending_error, None
-                item._fire(err)
+                event, flag = item
+                event._fire(err, flag)
             elif kind == "wait":
-                item.synchronize()
+                item.wait()
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after everything submitted before it (synchronously on the compute stream)."""
@@ -225,16 +233,17 @@ class CpuStream:
         self._ensure_thread()
         self._q.put(("work", fn))
 
-    def _enqueue_marker(self, event: CpuEvent) -> None:
+    def _enqueue_marker(self, event: CpuEvent, flag: threading.Event) -> None:
         self._ensure_thread()
-        self._q.put(("marker", event))
+        self._q.put(("marker", (event, flag)))
 
     def wait_event(self, event: CpuEvent) -> None:
+        flag = event._done  # the generation recorded so far
         if self.is_compute:
-            event.synchronize()
+            flag.wait()
             return
         self._ensure_thread()
-        self._q.put(("wait", event))
+        self._q.put(("wait", flag))
 
     def wait_stream(self, other: "CpuStream") -> None:
         # Compute on the CPU platform is synchronous: whatever the model wrote is
