@@ -380,3 +380,11 @@ def test_many_steps_on_cpu_engine_do_not_deadlock():
     assert not th.is_alive(), "transfers deadlocked"
     assert core.is_idle()
     core.shutdown()
+
+
+def test_simple_core_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, vllm_npu_offload.simple_core; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

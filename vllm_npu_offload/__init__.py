@@ -19,4 +19,5 @@ CORE_MODULES = (
     "vllm_npu_offload.errors",
     "vllm_npu_offload.stats",
     "vllm_npu_offload.offload_worker",
+    "vllm_npu_offload.simple_core",
 )
