@@ -22,4 +22,5 @@ CORE_MODULES = (
     "vllm_npu_offload.layouts",
     "vllm_npu_offload.copy.npu_native",
     "vllm_npu_offload.copy.npu_paths",
+    "vllm_npu_offload.simple_core",
 )

@@ -1,0 +1,150 @@
+"""``NPUSimpleCPUOffloadConnector``: vLLM's simple CPU offload with our worker.
+
+Select with ``"kv_connector": "NPUSimpleCPUOffloadConnector",
+"kv_connector_module_path": "vllm_npu_offload.integration.simple_connector"``.
+The scheduler side (CPU ``BlockPool`` / ``KVCacheCoordinator``: prefix caching,
+hybrid groups, LRU) is vLLM's ``SimpleCPUOffloadConnector``, unchanged; only the
+worker handler is replaced, plus one scheduler-side addition: a store the worker
+reports as failed releases its blocks without entering the CPU prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
+
+from ..errors import OffloadConfigError
+from .simple_worker import NPUSimpleCPUOffloadWorker, NPUSimpleWorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+ALLOWED_BACKENDS = ("cpu",)
+
+# Private scheduler-manager state that abandoning a failed store touches.
+_ABANDON_ATTRS = (
+    "_store_event_to_blocks",
+    "_abandoned_store_event_to_blocks",
+    "_in_flight_store_gpu_blocks",
+    "_store_event_to_reqs",
+    "_reqs_to_store",
+    "_cleanup_store_request",
+)
+
+
+def abandon_failed_stores(manager, events) -> int:
+    """Move failed store events to vLLM's "abandoned" set (the one ``reset()`` uses):
+    when every worker has reported them, their CPU/GPU refs are released and nothing
+    is inserted into the CPU prefix cache. Returns how many events were abandoned."""
+    n = 0
+    for ev in events:
+        transfer = manager._store_event_to_blocks.pop(ev, None)
+        if transfer is None:
+            continue
+        manager._abandoned_store_event_to_blocks[ev] = transfer
+        manager._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+        for req_id in manager._store_event_to_reqs.pop(ev, []):
+            state = manager._reqs_to_store.get(req_id)
+            if state is None:
+                continue
+            state.store_events.discard(ev)
+            if state.finished and not state.store_events:
+                manager._cleanup_store_request(req_id)
+        n += 1
+    return n
+
+
+class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
+    def __init__(self, vllm_config, role, kv_cache_config):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        backend = str(extra.get("kv_offload_backend", "cpu"))
+        if backend not in ALLOWED_BACKENDS:
+            raise OffloadConfigError(
+                f"kv_connector_extra_config['kv_offload_backend']={backend!r} is not supported by "
+                f"NPUSimpleCPUOffloadConnector; allowed: {ALLOWED_BACKENDS}"
+            )
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER and self.worker_handler is not None:
+            cap = self.worker_handler.cpu_capacity_bytes
+            self.worker_handler = NPUSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cap)
+        self._no_host_hit: set[str] = set()
+        self._can_abandon = self.scheduler_manager is not None and all(
+            hasattr(self.scheduler_manager, a) for a in _ABANDON_ATTRS
+        )
+        if self.scheduler_manager is not None and not self._can_abandon:
+            logger.warning(
+                "this vLLM's simple offload scheduler lacks %s: a failed store will keep its blocks pinned "
+                "(never reported complete, so never loadable)", _ABANDON_ATTRS,
+            )
+
+    # -- worker side ----------------------------------------------------------------------
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker_handler is None:
+            return KVConnectorTransferResults()
+        fin, failed = self.worker_handler.collect()
+        return KVConnectorTransferResults(finished_recving=fin, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker_handler is None:
+            return set()
+        return self.worker_handler.get_block_ids_with_load_errors()
+
+    def shutdown(self):
+        if self.worker_handler is not None:
+            self.worker_handler.shutdown()
+        return super().shutdown()
+
+    # -- scheduler side -------------------------------------------------------------------
+    # A request whose host load failed is recomputed on the device: vLLM's recompute
+    # path puts it back in the waiting queue, and without this the same CPU hit would
+    # be offered (and fail) again, forever, if the failure persists.
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self._no_host_hit:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._no_host_hit.discard(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._no_host_hit.discard(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
+
+    def _failed_load_requests(self, connector_output) -> set[str]:
+        failed = set(connector_output.failed_recving or ())
+        bad = set(connector_output.invalid_block_ids or ())
+        if bad and self.scheduler_manager is not None:
+            for attr in ("_reqs_to_load", "_abandoned_reqs_to_load"):
+                for req_id, state in getattr(self.scheduler_manager, attr, {}).items():
+                    tm = getattr(state, "transfer_meta", None)
+                    if tm is not None and bad.intersection(tm.gpu_block_ids):
+                        failed.add(req_id)
+        return failed
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.scheduler_manager is not None:
+            failed_loads = self._failed_load_requests(connector_output)
+            if failed_loads:
+                logger.warning("simple offload: host loads failed for %s; recomputing them", sorted(failed_loads))
+                self._no_host_hit |= failed_loads
+        meta = connector_output.kv_connector_worker_meta
+        if self.scheduler_manager is not None and isinstance(meta, NPUSimpleWorkerMetadata):
+            failed = meta.failed_store_events
+            if failed:
+                logger.error("simple offload: store events %s failed; their blocks are not cached", sorted(failed))
+                if self._can_abandon:
+                    abandon_failed_stores(self.scheduler_manager, failed)
+                else:
+                    # Never count a failed store as complete.
+                    meta = NPUSimpleWorkerMetadata(
+                        completed_store_events={
+                            e: c for e, c in meta.completed_store_events.items() if e not in failed
+                        }
+                    )
+                    connector_output.kv_connector_worker_meta = meta
+        super().update_connector_output(connector_output)
+
+
+__all__ = ["NPUSimpleCPUOffloadConnector", "abandon_failed_stores"]

@@ -1,0 +1,422 @@
+"""Worker side of the simple CPU offload, independent of vLLM.
+
+The scheduler (vLLM's, unchanged) hands the worker one load event and one store event
+per step, each a flat list of block ids plus a monotonically increasing index, and a
+map from load events to request ids. This module turns that into transfers with
+three rules that the upstream and vLLM-Ascend ports broke:
+
+1. Launch exactly once, from the step hooks (``launch(H2D)`` from ``start_load_kv``,
+   ``launch(D2H)`` from ``wait_for_save``), never from ``collect`` (``get_finished``),
+   which vLLM may call several times a step. An event index is accepted once; a
+   re-bound or older index is ignored.
+2. The load event -> request map is the worker's own, filled at ``bind`` and emptied
+   only when that event's completion has been reported, so a load that finishes
+   steps later is still reported even if the scheduler stops resending the mapping.
+3. Copy threads hand completions to the engine thread through ``CompletionQueue``
+   (locked deque, drained as a whole); no list is iterated by one thread while
+   another appends to it.
+
+Every accepted event produces exactly one ``Completion``; a failed copy is a
+completion with ``success=False`` (loads: requests reported with their device
+blocks as load errors; stores: reported as failed, never as completed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+from .copy.backend import NPUDmaCopyBackend
+from .copy.base import Direction
+from .engine import TransferEngine
+from .errors import OffloadConfigError
+from .memory import HostKVBuffer
+from .offload_worker import DeviceKVTensor
+from .plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
+from .platform import Platform
+
+logger = logging.getLogger(__name__)
+
+NO_EVENT = -1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's transfers, as the scheduler sent them (vLLM types stripped)."""
+
+    load_event: int = NO_EVENT
+    load_host_blocks: Sequence[int] = ()
+    load_device_blocks: Sequence[int] = ()
+    load_event_to_reqs: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    store_event: int = NO_EVENT
+    store_device_blocks: Sequence[int] = ()
+    store_host_blocks: Sequence[int] = ()
+    need_flush: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    direction: Direction
+    event_idx: int
+    success: bool
+    error: str | None = None
+
+
+class CompletionQueue:
+    """Many producers (copy threads), one consumer (the engine thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: deque[Completion] = deque()
+
+    def put(self, item: Completion) -> None:
+        with self._lock:
+            self._items.append(item)
+
+    def drain(self) -> list[Completion]:
+        """Everything put so far, each item exactly once (swap under the lock)."""
+        with self._lock:
+            items, self._items = self._items, deque()
+        return list(items)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class Transport(Protocol):
+    """Moves blocks; every ``launch`` eventually yields one Completion in the queue."""
+
+    def launch(self, direction: Direction, event_idx: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None: ...
+
+    def pump(self, queue: CompletionQueue) -> None:
+        """Non-blocking: put completions of finished transfers."""
+
+    def flush(self, queue: CompletionQueue) -> None:
+        """Block until every launched transfer has finished; put their completions."""
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class _LoadJob:
+    req_ids: set[str]
+    device_blocks: list[int]
+
+
+@dataclass
+class _Pending:
+    event_idx: int
+    src: Sequence[int]
+    dst: Sequence[int]
+
+
+@dataclass
+class CoreStats:
+    launched: int = 0
+    completed: int = 0
+    failed: int = 0
+    ignored_completions: int = 0  # duplicate or unknown event: dropped, never reported twice
+    ignored_binds: int = 0  # an event index seen before (metadata bound twice)
+
+
+class SimpleOffloadCore:
+    """Event bookkeeping for one worker. All methods run on the engine thread,
+    except ``completions.put`` which any copy thread may call."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.completions = CompletionQueue()
+        self.stats = CoreStats()
+        self._max_seen = {Direction.H2D: NO_EVENT, Direction.D2H: NO_EVENT}
+        self._pending: dict[Direction, _Pending] = {}
+        self._loads: dict[int, _LoadJob] = {}  # persistent event -> requests map
+        self._stores: set[int] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._load_error_blocks: set[int] = set()
+        self._completed_stores: set[int] = set()
+        self._failed_stores: set[int] = set()
+
+    # -- step hooks ---------------------------------------------------------------------
+    def bind(self, plan: StepPlan) -> None:
+        """Register this step's events; launches nothing (except a leftover, see below)."""
+        if self._pending:
+            # A step whose start/save hook never ran: launch its work now rather than
+            # leave device blocks pinned forever. Not expected with vLLM 0.32.
+            logger.warning("simple offload: launching events %s whose step hook did not run",
+                           {d.name: p.event_idx for d, p in self._pending.items()})
+            self.launch_all()
+        for ev, reqs in plan.load_event_to_reqs.items():
+            job = self._loads.get(ev)
+            if job is not None:  # only events in flight; stale resends are ignored
+                job.req_ids.update(reqs)
+        if plan.load_event != NO_EVENT and self._accept(Direction.H2D, plan.load_event):
+            if len(plan.load_host_blocks) != len(plan.load_device_blocks):
+                raise ValueError(
+                    f"load event {plan.load_event}: {len(plan.load_host_blocks)} host blocks vs "
+                    f"{len(plan.load_device_blocks)} device blocks"
+                )
+            reqs = set(plan.load_event_to_reqs.get(plan.load_event, ()))
+            self._loads[plan.load_event] = _LoadJob(reqs, list(plan.load_device_blocks))
+            self._pending[Direction.H2D] = _Pending(plan.load_event, plan.load_host_blocks, plan.load_device_blocks)
+        if plan.store_event != NO_EVENT and self._accept(Direction.D2H, plan.store_event):
+            if len(plan.store_host_blocks) != len(plan.store_device_blocks):
+                raise ValueError(
+                    f"store event {plan.store_event}: {len(plan.store_device_blocks)} device blocks vs "
+                    f"{len(plan.store_host_blocks)} host blocks"
+                )
+            self._stores.add(plan.store_event)
+            self._pending[Direction.D2H] = _Pending(plan.store_event, plan.store_device_blocks, plan.store_host_blocks)
+
+    def _accept(self, direction: Direction, event_idx: int) -> bool:
+        if event_idx <= self._max_seen[direction]:
+            self.stats.ignored_binds += 1
+            return False
+        self._max_seen[direction] = event_idx
+        return True
+
+    def launch(self, direction: Direction) -> None:
+        """Submit the bound event of ``direction`` if it has not been submitted yet."""
+        p = self._pending.pop(Direction(direction), None)
+        if p is None:
+            return
+        self.stats.launched += 1
+        try:
+            self.transport.launch(direction, p.event_idx, p.src, p.dst)
+        except Exception as e:  # noqa: BLE001 - becomes a failed completion, never a hang
+            logger.error("simple offload: %s event %d failed to launch: %s", direction.name, p.event_idx, e)
+            self.completions.put(Completion(direction, p.event_idx, False, f"{type(e).__name__}: {e}"))
+
+    def launch_all(self) -> None:
+        for d in (Direction.H2D, Direction.D2H):
+            self.launch(d)
+
+    def flush(self) -> None:
+        """Preemption: wait for all work, including bound work not submitted yet."""
+        self.launch_all()
+        self.transport.flush(self.completions)
+
+    # -- reporting ----------------------------------------------------------------------
+    def collect(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) since the last call. Safe to call any number of times."""
+        self.transport.pump(self.completions)
+        for c in self.completions.drain():
+            self._apply(c)
+        fin, self._finished_recving = self._finished_recving, set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return fin, failed
+
+    def _apply(self, c: Completion) -> None:
+        if c.direction is Direction.H2D:
+            job = self._loads.pop(c.event_idx, None)
+            if job is None:
+                self.stats.ignored_completions += 1
+                return
+            if not job.req_ids:
+                logger.warning("simple offload: load event %d finished but maps to no request", c.event_idx)
+            self._finished_recving |= job.req_ids
+            if not c.success:
+                self._failed_recving |= job.req_ids
+                self._load_error_blocks.update(job.device_blocks)
+        else:
+            if c.event_idx not in self._stores:
+                self.stats.ignored_completions += 1
+                return
+            self._stores.discard(c.event_idx)
+            (self._completed_stores if c.success else self._failed_stores).add(c.event_idx)
+        self.stats.completed += 1
+        if not c.success:
+            self.stats.failed += 1
+            logger.error("simple offload: %s event %d failed: %s", c.direction.name, c.event_idx, c.error)
+
+    def take_load_errors(self) -> set[int]:
+        """Device block ids whose load failed, since the last call."""
+        out, self._load_error_blocks = self._load_error_blocks, set()
+        return out
+
+    def take_store_results(self) -> tuple[set[int], set[int]]:
+        """(completed, failed) store events since the last call."""
+        ok, self._completed_stores = self._completed_stores, set()
+        bad, self._failed_stores = self._failed_stores, set()
+        return ok, bad
+
+    # -- introspection / teardown ------------------------------------------------------
+    def in_flight(self) -> tuple[int, int]:
+        """(loads, stores) accepted but not yet reported."""
+        return len(self._loads), len(self._stores)
+
+    def is_idle(self) -> bool:
+        return not (self._loads or self._stores or self._pending or len(self.completions)
+                    or self._finished_recving or self._failed_recving or self._load_error_blocks
+                    or self._completed_stores or self._failed_stores)
+
+    def shutdown(self) -> None:
+        self.flush()
+        self.collect()
+        self.transport.shutdown()
+
+
+def _job_id(direction: Direction, event_idx: int) -> int:
+    return event_idx * 2 + int(direction)
+
+
+class EngineTransport:
+    """Transport over ``TransferEngine``: one host mirror per device segment.
+
+    ``segments`` are device regions of ``num_blocks`` blocks; each block's
+    ``page_bytes`` are copied to/from the same block id's slot in the host mirror.
+    Works on CUDA, NPU and CPU through the backend's chosen copy path.
+    """
+
+    def __init__(
+        self,
+        segments: Sequence[DeviceKVTensor],
+        num_host_blocks: int,
+        platform: Platform,
+        backend: NPUDmaCopyBackend | None = None,
+    ):
+        if not segments:
+            raise OffloadConfigError("simple offload: no KV cache segments to offload")
+        if num_host_blocks <= 0:
+            raise OffloadConfigError(f"simple offload: num_host_blocks must be > 0, got {num_host_blocks}")
+        self.platform = platform
+        self.segments = list(segments)
+        self.num_host_blocks = num_host_blocks
+        pages = [s.page_bytes for s in self.segments]
+        self.host = HostKVBuffer(platform, pages, num_host_blocks)
+        self.backend = backend or NPUDmaCopyBackend(platform, pages)
+        self.pool = DescriptorPool(platform)
+        self.engine = TransferEngine(platform, self.backend, self.pool)
+        self._planners: dict[Direction, CopyPlanner] = {}
+        for direction in Direction:
+            pairs = []
+            for seg, reg in zip(self.segments, self.host.regions):
+                dev = BlockLayout(seg.base, seg.block_stride, seg.num_blocks)
+                host = BlockLayout(self.host.base + reg.offset, reg.block_stride, reg.num_blocks)
+                src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
+                pairs.append(TensorPair(src, dst, seg.page_bytes))
+            self._planners[direction] = CopyPlanner(pairs)
+        self.bytes_per_block = sum(pages)
+
+    def launch(self, direction: Direction, event_idx: int, src_ids, dst_ids) -> None:
+        descs = self._planners[direction].plan(src_ids, dst_ids, self.pool)
+        try:
+            self.engine.submit(_job_id(direction, event_idx), direction, descs)
+        except BaseException:
+            self.pool.release(descs.buffers)
+            raise
+
+    def pump(self, queue: CompletionQueue) -> None:
+        for r in self.engine.poll():
+            queue.put(Completion(r.direction, r.job_id // 2, r.success, r.error))
+
+    def flush(self, queue: CompletionQueue) -> None:
+        self.engine.drain()
+        self.pump(queue)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.host.release()
+
+
+# -- where the blocks live ---------------------------------------------------------------
+def placement_segments(
+    base: int,
+    nbytes: int,
+    offset: int,
+    layer_stride: int,
+    block_stride: int,
+    num_layers: int,
+    num_blocks: int,
+) -> list[DeviceKVTensor]:
+    """Segments of one allocation placed as ``offset + l*layer_stride + b*block_stride``.
+
+    Layer-outermost placements give one segment per ``num_blocks * block_stride``
+    span (a layer, or a K/V part of it); block-outermost placements are one segment
+    whose block holds every layer's page.
+    """
+    if block_stride <= 0 or num_blocks <= 0 or num_layers <= 0:
+        raise OffloadConfigError(
+            f"KV placement needs positive block_stride/num_blocks/num_layers, got "
+            f"{block_stride}/{num_blocks}/{num_layers}"
+        )
+    span_blocks = num_blocks * block_stride
+    if layer_stride >= span_blocks:
+        start, span = offset, num_layers * layer_stride
+        n_seg, rem = divmod(span, span_blocks)
+        if rem:
+            raise OffloadConfigError(
+                f"KV placement: {num_layers} layers x layer_stride {layer_stride} is not a multiple of "
+                f"{num_blocks} blocks x block_stride {block_stride}"
+            )
+    else:
+        start, span, n_seg = 0, span_blocks, 1
+    if start + span > nbytes:
+        raise OffloadConfigError(
+            f"KV placement needs {start + span} bytes but the allocation has {nbytes}"
+        )
+    return [DeviceKVTensor(base + start + i * span_blocks, block_stride, num_blocks, block_stride) for i in range(n_seg)]
+
+
+def tensor_segments(t, num_blocks: int) -> list[DeviceKVTensor]:
+    """Segments of a tensor with a ``num_blocks`` dimension (e.g. ``(2, N, ...)`` K/V
+    stacks, ``(N, ...)`` per-part tensors as Ascend hands them in tuples)."""
+    dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+    # Kernel blocks smaller than scheduler blocks: dimension num_blocks * k, k adjacent.
+    dims = dims or [d for d, n in enumerate(t.shape) if n and n % num_blocks == 0]
+    if not dims:
+        raise OffloadConfigError(
+            f"KV tensor of shape {tuple(t.shape)} has no dimension of num_blocks={num_blocks} (or a multiple)"
+        )
+    d = dims[0]
+    k = t.shape[d] // num_blocks
+    el = t.element_size()
+    inner = t[(0,) * (d + 1)] if d + 1 < t.dim() else None
+    page = (inner.numel() if inner is not None else 1) * el
+    if k > 1:
+        if t.stride(d) * el != page:
+            raise OffloadConfigError(
+                f"KV tensor of shape {tuple(t.shape)}: {k} kernel blocks per block are not adjacent"
+            )
+        page *= k
+    block_stride = t.stride(d) * el * k
+    if inner is not None and not inner.is_contiguous():
+        raise OffloadConfigError(
+            f"KV tensor of shape {tuple(t.shape)} stride {tuple(t.stride())}: the per-block payload after "
+            f"dimension {d} is not contiguous"
+        )
+    if page > block_stride:
+        raise OffloadConfigError(
+            f"KV tensor of shape {tuple(t.shape)}: page of {page} bytes exceeds the block stride {block_stride}"
+        )
+    outer = t.shape[:d]
+    out = []
+    for idx in itertools.product(*(range(n) for n in outer)):
+        off = sum(i * s for i, s in zip(idx, t.stride()[:d])) * el
+        out.append(DeviceKVTensor(t.data_ptr() + off, block_stride, num_blocks, page))
+    return out
+
+
+def dedupe_segments(segments: Sequence[DeviceKVTensor]) -> list[DeviceKVTensor]:
+    """Drop exact duplicates (layers sharing one allocation); reject conflicting overlaps,
+    which would make a load of block ``b`` overwrite bytes of another block."""
+    uniq: dict[tuple[int, int], DeviceKVTensor] = {}
+    for s in segments:
+        key = (s.base, s.block_stride)
+        prev = uniq.get(key)
+        if prev is None or s.page_bytes > prev.page_bytes:
+            uniq[key] = s
+    out = sorted(uniq.values(), key=lambda s: s.base)
+    for a, b in zip(out, out[1:]):
+        a_end = a.base + (a.num_blocks - 1) * a.block_stride + a.page_bytes
+        if b.base < a_end and a.block_stride != b.block_stride:
+            raise OffloadConfigError(
+                f"KV segments at {a.base:#x} (block stride {a.block_stride}) and {b.base:#x} "
+                f"(block stride {b.block_stride}) overlap with different block strides; not supported"
+            )
+    return out
