@@ -10,33 +10,9 @@ from vllm_npu_offload.errors import OffloadConfigError
 from vllm_npu_offload.layouts import build_worker_core, canonicalize
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, TensorPair
 
-ALIGN = 2 << 20
+from kv_arena import ALIGN, Arena  # noqa: E402  (tests/ is on sys.path under pytest)
+
 NB, BS = 6, 16  # device blocks, tokens per block
-
-
-class Arena:
-    """One big buffer carved like NPUModelRunner does: each tensor at a 2 MiB-aligned offset."""
-
-    def __init__(self, nbytes: int):
-        self.buf = torch.randint(0, 256, (nbytes + 2 * ALIGN,), dtype=torch.uint8)
-        self.pristine = self.buf.clone()
-        self.pos = (-self.buf.data_ptr()) % ALIGN + 4096  # skip a little so offsets are never 0
-        self.pos += (-(self.buf.data_ptr() + self.pos)) % ALIGN
-        self.used = []
-
-    def tensor(self, shape, dtype) -> torch.Tensor:
-        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        t = self.buf[self.pos : self.pos + n].view(dtype).view(shape)
-        assert t.data_ptr() % ALIGN == 0 and t.storage_offset() != 0
-        self.used.append((self.pos, n))
-        self.pos += n + (-(self.buf.data_ptr() + self.pos + n)) % ALIGN
-        return t
-
-    def outside_untouched(self) -> bool:
-        mask = torch.ones_like(self.buf, dtype=torch.bool)
-        for p, n in self.used:
-            mask[p : p + n] = False
-        return bool(torch.equal(self.buf[mask], self.pristine[mask]))
 
 
 def ascend_caches(arena: Arena, dtype=torch.bfloat16):
