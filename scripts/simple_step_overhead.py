@@ -4,7 +4,7 @@ A step = bind (one load event with 2 requests, one store event) + launch load + 
 store + get_finished twice + take load errors + take store results, while N events
 stay in flight (one old event completes per step, so N is steady). The transport is
 a no-op (measures the worker's bookkeeping only) or, for the last row, the real
-EngineTransport on the CPU platform (descriptors, engine submit, memmove thread).
+CoreTransport on the CPU platform (descriptors, engine submit, memmove thread).
 
 Usage: PYTHONPATH=. python scripts/simple_step_overhead.py [--steps 2000]
 """
@@ -83,10 +83,10 @@ def bench_engine(steps: int) -> float:
     import torch
 
     from vllm_npu_offload.platform import get_platform
-    from vllm_npu_offload.simple_core import EngineTransport, tensor_segments
+    from vllm_npu_offload.simple_core import CoreTransport, tensor_segments
 
     kv = torch.zeros(2, 64, 32, 2, 32)  # 2 x 64 blocks x 8 KiB pages
-    tr = EngineTransport(tensor_segments(kv, 64), 64, get_platform("cpu"))
+    tr = CoreTransport.from_segments(tensor_segments(kv, 64), 64, get_platform("cpu"))
     core = SimpleOffloadCore(tr)
     t0 = time.perf_counter()
     for i in range(steps):
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         us = min(bench_null(n, a.steps) for _ in range(3)) * 1e6
         print(f"{'none (bookkeeping)':<22} {n:>9} {us:>10.1f}")
     us = bench_engine(min(a.steps, 400)) * 1e6
-    print(f"{'EngineTransport, cpu':<22} {'<=16':>9} {us:>10.1f}   (16 blocks x 2 segments each way, real memmove)")
+    print(f"{'CoreTransport, cpu':<22} {'<=16':>9} {us:>10.1f}   (16 blocks x 2 segments each way, real memmove)")
     return 0
 
 

@@ -6,6 +6,7 @@ import torch
 
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
+from vllm_npu_offload.host_layout import HostLayout
 from vllm_npu_offload.memory import HostKVBuffer
 from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
 from vllm_npu_offload.platform import CpuPlatform
@@ -84,16 +85,22 @@ def test_bad_transfers_raise_and_leak_nothing():
     assert core.engine.in_flight() == 0
 
 
-def test_host_memory_is_exact():
-    buf = HostKVBuffer(CpuPlatform(), [4096, 1000, 24], 1000)
+def test_host_memory_is_exact_and_block_first():
+    lay = HostLayout.build([4096, 1000, 24], blocks_per_chunk=4, num_chunks=250)
     exact = (4096 + 1000 + 24) * 1000
-    assert exact <= buf.nbytes <= exact + 256 * 3
-    assert buf.tensor.nbytes == buf.nbytes
-    assert [r.offset % 256 for r in buf.regions] == [0, 0, 0]
-    with pytest.raises(OffloadConfigError, match="num_blocks > 0"):
-        HostKVBuffer(CpuPlatform(), [16], 0)
+    assert exact <= lay.nbytes <= 1.01 * exact
+    assert lay.page_offsets == (0, 4096, 5104) and lay.record_bytes % 16 == 0
+    assert lay.chunk_bytes == 4 * lay.record_bytes and lay.num_blocks == 1000
+    assert lay.group_span([1, 2]) == (4096, 5128)
+    buf = HostKVBuffer(CpuPlatform(), lay.nbytes)
+    assert buf.tensor.nbytes == buf.nbytes == lay.nbytes
+    assert "NUMA" in buf.numa.describe()
+    with pytest.raises(OffloadConfigError, match="positive size"):
+        HostKVBuffer(CpuPlatform(), 0)
     with pytest.raises(OffloadConfigError, match="positive"):
-        HostKVBuffer(CpuPlatform(), [0], 4)
+        HostLayout.build([0], 1, 4)
+    with pytest.raises(OffloadConfigError, match="num_chunks must be > 0"):
+        HostLayout.build([16], 1, 0)
 
 
 def test_core_rejects_zero_chunks():

@@ -21,7 +21,7 @@ from vllm_npu_offload.platform import get_platform
 from vllm_npu_offload.simple_core import (
     Completion,
     CompletionQueue,
-    EngineTransport,
+    CoreTransport,
     SimpleOffloadCore,
     StepPlan,
     dedupe_segments,
@@ -300,11 +300,11 @@ register_path("test-fail-loads", lambda platform, pages: _FailLoads())
 
 def _cpu_core(kv, backend=None):
     plat = get_platform("cpu")
-    tr = EngineTransport(tensor_segments(kv, kv.shape[1]), 16, plat, backend)
+    tr = CoreTransport.from_segments(tensor_segments(kv, kv.shape[1]), 16, plat, backend)
     return SimpleOffloadCore(tr), tr
 
 
-def test_engine_transport_roundtrip_on_cpu():
+def test_core_transport_roundtrip_on_cpu():
     kv = torch.randn(2, 8, 4, 2, 8)
     core, tr = _cpu_core(kv)
     ref = kv.clone()

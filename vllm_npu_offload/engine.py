@@ -14,12 +14,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .copy.backend import NPUDmaCopyBackend
 from .copy.base import Direction
 from .plan import DescriptorPool, Descriptors
 from .platform import Platform
+from .staging import StagedPlan
 from .stats import TOTALS
 
 
@@ -46,7 +47,7 @@ class _InFlight:
     start: Any
     end: Any
     num_bytes: int
-    descriptors: Descriptors
+    descriptors: "Descriptors | StagedPlan"
     error: str | None = None
 
 
@@ -79,8 +80,14 @@ class TransferEngine:
         self.stats = EngineStats()
 
     # -- submission -------------------------------------------------------------------
-    def submit(self, job_id: int, direction: Direction, descriptors: Descriptors) -> None:
-        """Enqueue one transfer. Never blocks on the device; a failed submit is reported by ``poll``."""
+    def submit(self, job_id: int, direction: Direction, descriptors: "Descriptors | StagedPlan",
+               execute: Callable[[Any], None] | None = None) -> None:
+        """Enqueue one transfer. Never blocks on the device; a failed submit is reported by ``poll``.
+
+        ``descriptors`` are copied with the backend, unless ``execute(stream)`` is given,
+        which enqueues the transfer itself (a staged plan); either way their pooled
+        buffers are released once the transfer has finished.
+        """
         direction = Direction(direction)
         with self._lock:
             if self._closed:
@@ -99,9 +106,12 @@ class TransferEngine:
             with self.platform.stream_context(stream):
                 start.record(stream)
                 try:
-                    self.backend.copy(
-                        descriptors.src, descriptors.dst, descriptors.sizes, direction, stream, descriptors.buffers
-                    )
+                    if execute is not None:
+                        execute(stream)
+                    else:
+                        self.backend.copy(
+                            descriptors.src, descriptors.dst, descriptors.sizes, direction, stream, descriptors.buffers
+                        )
                 except Exception as e:  # noqa: BLE001 - becomes a failed result
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)

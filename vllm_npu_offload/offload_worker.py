@@ -12,6 +12,7 @@ adapters in ``integration`` only translate vLLM's types into these.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -19,13 +20,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .copy.backend import NPUDmaCopyBackend
+from .copy.backend import NPUDmaCopyBackend, staged_paths
 from .copy.base import Direction
 from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
+from .host_layout import HostLayout
 from .memory import HostKVBuffer
 from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair
 from .platform import Platform, platform_for_tensor
+from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
+from .staging_choice import _NEVER, staged_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +69,18 @@ def live_workers() -> list["OffloadWorkerCore"]:
     return list(_LIVE)
 
 
+ENV_STAGED = "NPU_OFFLOAD_STAGED"  # 1: every transfer staged, 0: never, unset: calibrated
+
+
 class OffloadWorkerCore:
-    """Owns the host buffer, the planners per (group, direction) and the transfer engine."""
+    """Owns the host buffer (block-first records), the planners, the staging and the engine.
+
+    One core serves every connector: NPUOffloadingSpec's worker (host chunks of
+    ``blocks_per_chunk`` blocks) and the Simple connector's (``blocks_per_chunk=1``).
+    A transfer goes *direct* (one descriptor per page and tensor, device <-> host) or
+    *staged* (gather/scatter on the device, a few large host copies; staging.py), chosen
+    per transfer by its block count against a threshold measured on the device.
+    """
 
     def __init__(
         self,
@@ -76,39 +90,74 @@ class OffloadWorkerCore:
         num_chunks: int,
         platform: Platform,
         backend: NPUDmaCopyBackend | None = None,
+        staging_bytes: int | None = None,
     ):
-        if num_chunks <= 0:
-            raise OffloadConfigError(f"num_chunks must be > 0 (host memory too small for one block?), got {num_chunks}")
-        if blocks_per_chunk <= 0:
-            raise OffloadConfigError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
         self.platform = platform
+        self.device_tensors = list(device_tensors)
+        self.layout = HostLayout.build([t.page_bytes for t in self.device_tensors], blocks_per_chunk, num_chunks)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
-        self.device_tensors = list(device_tensors)
-        self.host = HostKVBuffer(platform, [t.page_bytes for t in self.device_tensors], num_chunks * blocks_per_chunk)
-        page_sizes = [r.page_bytes for refs in group_refs for r in refs]
+        self.group_refs = [list(refs) for refs in group_refs]
+        for refs in self.group_refs:
+            for r in refs:
+                if not 0 < r.page_bytes <= self.device_tensors[r.tensor_idx].page_bytes:
+                    raise OffloadConfigError(
+                        f"KV group page of {r.page_bytes} bytes does not fit tensor {r.tensor_idx}'s "
+                        f"{self.device_tensors[r.tensor_idx].page_bytes}-byte page"
+                    )
+        self.host = HostKVBuffer(platform, self.layout.nbytes)
+        page_sizes = [r.page_bytes for refs in self.group_refs for r in refs]
         self.backend = backend or NPUDmaCopyBackend(platform, page_sizes)
         self.pool = DescriptorPool(platform)
         self.engine = TransferEngine(platform, self.backend, self.pool)
-        self._planners: dict[tuple[int, Direction], CopyPlanner | None] = {}
-        for g, refs in enumerate(group_refs):
-            for direction in Direction:
-                pairs = []
-                for ref in refs:
-                    dev = self.device_tensors[ref.tensor_idx]
-                    hreg = self.host.regions[ref.tensor_idx]
-                    d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
-                    h = BlockLayout(self.host.base + hreg.offset, hreg.block_stride, hreg.num_blocks)
-                    src, dst = (d, h) if direction is Direction.D2H else (h, d)
-                    pairs.append(TensorPair(src, dst, ref.page_bytes))
-                self._planners[(g, direction)] = CopyPlanner(pairs) if pairs else None
-        self.num_groups = len(group_refs)
+        self.num_groups = len(self.group_refs)
+        self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
+        self.stager: Stager | None = None
+        self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
+        self.staged_min_blocks = {d: _NEVER for d in Direction}
+        self._setup_staging(page_sizes, staging_bytes)
         _LIVE.add(self)
         logger.info(
-            "offload worker: %d tensors, %d groups, %d host chunks x %d blocks, %.1f MiB host (%s)",
-            len(self.device_tensors), self.num_groups, num_chunks, blocks_per_chunk,
-            self.host.nbytes / 2**20, "pinned" if self.host.pinned else "pageable",
+            "offload worker: %d tensors, %d groups, %d host chunks x %d blocks x %d-byte records, %.1f MiB host "
+            "(%s, %s); staged from %s blocks (load) / %s (store)",
+            len(self.device_tensors), self.num_groups, num_chunks, blocks_per_chunk, self.layout.record_bytes,
+            self.host.nbytes / 2**20, "pinned" if self.host.pinned else "pageable", self.host.numa.describe(),
+            self.staged_min_blocks[Direction.H2D], self.staged_min_blocks[Direction.D2H],
         )
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _planner(self, g: int, direction: Direction, staging: Stager | None) -> CopyPlanner | None:
+        """Device <-> host (direct) or device <-> staging planner of group ``g``."""
+        refs = self.group_refs[g]
+        if not refs:
+            return None
+        far = (staging.staging_layouts(direction, [r.tensor_idx for r in refs]) if staging else
+               [self.layout.tensor_layout(self.host.base, r.tensor_idx) for r in refs])
+        pairs = []
+        for ref, other in zip(refs, far):
+            dev = self.device_tensors[ref.tensor_idx]
+            d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
+            src, dst = (d, other) if direction is Direction.D2H else (other, d)
+            pairs.append(TensorPair(src, dst, ref.page_bytes))
+        return CopyPlanner(pairs)
+
+    def _setup_staging(self, page_sizes: list[int], staging_bytes: int | None) -> None:
+        mode = os.environ.get(ENV_STAGED, "").strip()
+        if mode not in ("", "0", "1"):
+            raise ValueError(f"{ENV_STAGED}={mode!r}; allowed: 0 (direct only), 1 (staged only), unset (calibrated)")
+        if mode == "0" or (self.platform.kind == "cpu" and mode != "1"):
+            return  # on CPU the "device" is host memory: a staging copy would only add a memmove
+        paths = staged_paths(self.platform, page_sizes)
+        if paths is None:
+            return
+        self.stager = Stager(self.platform, self.layout, self.host.base,
+                             DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes,
+                             paths[0], paths[1], self.pool)
+        self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
+        if mode == "1":
+            self.staged_min_blocks = {d: 1 for d in Direction}
+        else:
+            self.staged_min_blocks = staged_thresholds(self)
 
     # -- id mapping ---------------------------------------------------------------------
     def _host_blocks(self, chunk_ids: np.ndarray, skip: int, count: int) -> np.ndarray:
@@ -119,14 +168,8 @@ class OffloadWorkerCore:
         expanded = (chunk_ids[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).ravel()
         return expanded[skip : skip + count]
 
-    def build_descriptors(
-        self,
-        direction: Direction,
-        device_block_ids: np.ndarray,
-        group_sizes: Sequence[int],
-        block_indices: Sequence[int],
-        chunk_ids: np.ndarray,
-    ) -> Descriptors:
+    def split_groups(self, device_block_ids, group_sizes, block_indices, chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per non-empty group: (group, device block ids, host block ids); validates the transfer."""
         device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
@@ -138,27 +181,37 @@ class OffloadWorkerCore:
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
         if chunk_ids.size and (chunk_ids.min() < 0 or chunk_ids.max() >= self.num_chunks):
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
-        work = []
+        out = []
         dev_off = chunk_off = 0
         for g, (size, idx) in enumerate(zip(group_sizes, block_indices)):
             if size == 0:
                 continue
             skip = idx % self.blocks_per_chunk
             n_chunks = -(-(size + skip) // self.blocks_per_chunk)
-            dev = device_block_ids[dev_off : dev_off + size]
             chunks = chunk_ids[chunk_off : chunk_off + n_chunks]
             if len(chunks) != n_chunks:
                 raise ValueError(f"group {g} needs {n_chunks} host chunks, transfer gives {len(chunks)}")
-            host = self._host_blocks(chunks, skip, size)
+            out.append((g, device_block_ids[dev_off : dev_off + size], self._host_blocks(chunks, skip, size)))
             dev_off += size
             chunk_off += n_chunks
-            planner = self._planners[(g, direction)]
+        if chunk_off != len(chunk_ids):
+            raise ValueError(f"transfer gives {len(chunk_ids)} host chunks but its groups use {chunk_off}")
+        return out
+
+    def build_descriptors(self, direction: Direction, device_block_ids, group_sizes, block_indices,
+                          chunk_ids) -> Descriptors:
+        """Direct descriptors (one per page and tensor) for a transfer."""
+        return self._direct_descriptors(direction, self.split_groups(device_block_ids, group_sizes, block_indices,
+                                                                     chunk_ids))
+
+    def _direct_descriptors(self, direction: Direction, parts) -> Descriptors:
+        work = []
+        for g, dev, host in parts:
+            planner = self._direct[(g, direction)]
             if planner is None:
                 continue
             src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
             work.append((planner, src, dst, planner.count(src, dst)))
-        if chunk_off != len(chunk_ids):
-            raise ValueError(f"transfer gives {len(chunk_ids)} host chunks but its groups use {chunk_off}")
         total = sum(w[3] for w in work)
         bufs = self.pool.acquire(total)
         pos = nbytes = 0
@@ -173,13 +226,39 @@ class OffloadWorkerCore:
             raise
         return Descriptors(bufs.src_np[:pos], bufs.dst_np[:pos], bufs.sizes_np[:pos], nbytes, bufs)
 
+    def _staged_plan(self, direction: Direction, parts) -> StagedPlan:
+        groups = []
+        for g, dev, host in parts:
+            planner = self._staged[(g, direction)]
+            if planner is not None:
+                span = self.layout.group_span([r.tensor_idx for r in self.group_refs[g]])
+                groups.append(GroupBlocks(planner, span, dev, host))
+        return self.stager.plan(direction, groups)
+
+    def uses_staging(self, direction: Direction, num_blocks: int) -> bool:
+        return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]
+
     # -- transfers ----------------------------------------------------------------------
-    def submit(self, job_id: int, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids) -> None:
-        descs = self.build_descriptors(direction, device_block_ids, group_sizes, block_indices, chunk_ids)
+    def submit(self, job_id: int, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
+               staged: bool | None = None) -> None:
+        """Enqueue one transfer; ``staged`` overrides the calibrated choice (benchmarks, tests)."""
+        direction = Direction(direction)
+        parts = self.split_groups(device_block_ids, group_sizes, block_indices, chunk_ids)
+        n = sum(len(dev) for _, dev, _ in parts)
+        if staged is None:
+            staged = self.uses_staging(direction, n)
+        if staged and self.stager is None:
+            raise ValueError("staged transfer asked for, but this worker has no staging (CPU, or paths unavailable)")
+        if staged and n:
+            plan = self._staged_plan(direction, parts)
+            execute = lambda stream: self.stager.run(plan, direction, stream)  # noqa: E731
+            work = plan
+        else:
+            work, execute = self._direct_descriptors(direction, parts), None
         try:
-            self.engine.submit(job_id, direction, descs)
+            self.engine.submit(job_id, direction, work, execute)
         except BaseException:
-            self.pool.release(descs.buffers)
+            self.pool.release(work.buffers)
             raise
 
     def poll(self) -> list[TransferResult]:
@@ -191,10 +270,14 @@ class OffloadWorkerCore:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self.host.release()
+        if self.stager is not None:
+            self.stager.release()
 
     def host_view(self, tensor_idx: int) -> torch.Tensor:
         """``(host blocks, page)`` bytes mirroring device tensor ``tensor_idx`` (tests, diagnostics)."""
-        return self.host.region_view(tensor_idx)
+        lay = self.layout
+        return self.host.strided_view(lay.page_offsets[tensor_idx], lay.num_blocks, lay.page_bytes[tensor_idx],
+                                      lay.record_bytes)
 
 
 def device_platform(tensors: Sequence[torch.Tensor]) -> Platform:

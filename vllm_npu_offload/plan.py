@@ -243,11 +243,11 @@ class DescriptorPool:
         cap = max(self._min, 1 << max(0, (n - 1).bit_length()))
         return DescriptorBuffers(self._platform, cap)
 
-    def release(self, bufs: DescriptorBuffers | None) -> None:
+    def release(self, bufs: "DescriptorBuffers | list[DescriptorBuffers] | None") -> None:
         if bufs is None:
             return
         with self._lock:
-            self._free.append(bufs)
+            self._free.extend(bufs if isinstance(bufs, list) else [bufs])
             self._free.sort(key=lambda b: b.capacity)
 
     @property

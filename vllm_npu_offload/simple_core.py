@@ -30,13 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
+import numpy as np
+
 from .copy.backend import NPUDmaCopyBackend
 from .copy.base import Direction
-from .engine import TransferEngine
 from .errors import OffloadConfigError
-from .memory import HostKVBuffer
-from .offload_worker import DeviceKVTensor
-from .plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
+from .offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
 from .platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -265,63 +264,54 @@ def _job_id(direction: Direction, event_idx: int) -> int:
     return event_idx * 2 + int(direction)
 
 
-class EngineTransport:
-    """Transport over ``TransferEngine``: one host mirror per device segment.
+class CoreTransport:
+    """Transport over the one worker core (``OffloadWorkerCore``) that NPUOffloadingSpec uses too.
 
-    ``segments`` are device regions of ``num_blocks`` blocks; each block's
-    ``page_bytes`` are copied to/from the same block id's slot in the host mirror.
-    Works on CUDA, NPU and CPU through the backend's chosen copy path.
+    The simple scheduler hands block-granular host ids, so the core runs with one KV group
+    (every segment) and one block per host chunk; host layout, planning, staging and the
+    transfer engine are the same code for both connectors, on CUDA, NPU and CPU.
     """
 
-    def __init__(
-        self,
-        segments: Sequence[DeviceKVTensor],
-        num_host_blocks: int,
-        platform: Platform,
-        backend: NPUDmaCopyBackend | None = None,
-    ):
+    def __init__(self, core: OffloadWorkerCore):
+        if core.blocks_per_chunk != 1 or core.num_groups != 1:
+            raise OffloadConfigError(
+                f"simple offload needs a core with 1 block per chunk and 1 group, got "
+                f"{core.blocks_per_chunk} and {core.num_groups}"
+            )
+        self.core = core
+
+    @classmethod
+    def from_segments(cls, segments: Sequence[DeviceKVTensor], num_host_blocks: int, platform: Platform,
+                      backend: NPUDmaCopyBackend | None = None, staging_bytes: int | None = None) -> "CoreTransport":
+        """Each device segment's block ``b`` <-> host block ``b``'s slot for that segment."""
         if not segments:
             raise OffloadConfigError("simple offload: no KV cache segments to offload")
         if num_host_blocks <= 0:
             raise OffloadConfigError(f"simple offload: num_host_blocks must be > 0, got {num_host_blocks}")
-        self.platform = platform
-        self.segments = list(segments)
-        self.num_host_blocks = num_host_blocks
-        pages = [s.page_bytes for s in self.segments]
-        self.host = HostKVBuffer(platform, pages, num_host_blocks)
-        self.backend = backend or NPUDmaCopyBackend(platform, pages)
-        self.pool = DescriptorPool(platform)
-        self.engine = TransferEngine(platform, self.backend, self.pool)
-        self._planners: dict[Direction, CopyPlanner] = {}
-        for direction in Direction:
-            pairs = []
-            for seg, reg in zip(self.segments, self.host.regions):
-                dev = BlockLayout(seg.base, seg.block_stride, seg.num_blocks)
-                host = BlockLayout(self.host.base + reg.offset, reg.block_stride, reg.num_blocks)
-                src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
-                pairs.append(TensorPair(src, dst, seg.page_bytes))
-            self._planners[direction] = CopyPlanner(pairs)
-        self.bytes_per_block = sum(pages)
+        refs = [[GroupRef(i, s.page_bytes) for i, s in enumerate(segments)]]
+        return cls(OffloadWorkerCore(segments, refs, 1, num_host_blocks, platform, backend, staging_bytes))
+
+    # what callers and tests inspect
+    platform = property(lambda self: self.core.platform)
+    host = property(lambda self: self.core.host)
+    backend = property(lambda self: self.core.backend)
+    engine = property(lambda self: self.core.engine)
 
     def launch(self, direction: Direction, event_idx: int, src_ids, dst_ids) -> None:
-        descs = self._planners[direction].plan(src_ids, dst_ids, self.pool)
-        try:
-            self.engine.submit(_job_id(direction, event_idx), direction, descs)
-        except BaseException:
-            self.pool.release(descs.buffers)
-            raise
+        src = np.asarray(src_ids, dtype=np.int64)
+        dev, host = (src, dst_ids) if direction is Direction.D2H else (dst_ids, src)
+        self.core.submit(_job_id(direction, event_idx), direction, dev, [len(src)], [0], host)
 
     def pump(self, queue: CompletionQueue) -> None:
-        for r in self.engine.poll():
+        for r in self.core.poll():
             queue.put(Completion(r.direction, r.job_id // 2, r.success, r.error))
 
     def flush(self, queue: CompletionQueue) -> None:
-        self.engine.drain()
+        self.core.engine.drain()
         self.pump(queue)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
-        self.host.release()
+        self.core.shutdown()
 
 
 # -- where the blocks live ---------------------------------------------------------------

@@ -73,6 +73,32 @@ def register_chooser(kind: str, chooser: Callable[[Platform, "list[int]"], Backe
     _CHOOSERS[kind] = chooser
 
 
+# kind -> factory(platform) -> (local path, link path) for staged transfers: the local
+# path copies device <-> device staging (gather/scatter), the link path moves the few
+# large staging <-> host runs. A factory raises ImportError/RuntimeError when the
+# platform lacks what staging needs (then transfers stay direct).
+_STAGED_FACTORIES: dict[str, Callable[[Platform, "list[int]"], "tuple[CopyPath, CopyPath]"]] = {
+    "cpu": lambda platform, pages: (HostCopyPath(), HostCopyPath()),
+}
+
+
+def register_staged(kind: str, factory: Callable[[Platform, "list[int]"], "tuple[CopyPath, CopyPath]"]) -> None:
+    _STAGED_FACTORIES[kind] = factory
+
+
+def staged_paths(platform: Platform, page_sizes: "list[int]") -> "tuple[CopyPath, CopyPath] | None":
+    """(local, link) copy paths for staged transfers on ``platform``; None when unavailable."""
+    load_accelerator_paths(platform.kind)
+    factory = _STAGED_FACTORIES.get(platform.kind)
+    if factory is None:
+        return None
+    try:
+        return factory(platform, list(page_sizes))
+    except (ImportError, RuntimeError, OSError) as e:
+        logger.warning("staged copies unavailable on %s (%s); transfers stay direct", platform.kind, e)
+        return None
+
+
 class NPUDmaCopyBackend:
     """Copies descriptor batches in either direction with the path chosen for it."""
 

@@ -16,25 +16,21 @@ ends. So it is not offered.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import calibration
 from ..platform import Platform
 from . import sm_triton
-from .backend import BackendChoice, register_chooser, register_path
+from .backend import BackendChoice, register_chooser, register_path, register_staged
 from .base import Direction
 
 logger = logging.getLogger(__name__)
 
-ENV_CALIBRATE = "NPU_OFFLOAD_CALIBRATE"
-ENV_CACHE_DIR = "NPU_OFFLOAD_CACHE_DIR"
-CACHE_FILE = "copy_calibration.json"
 CALIBRATION_VERSION = 3
 SM_MAX_PAGE = 64 * 1024  # heuristic: above this, copy engines are at the link limit already
 CAL_BYTES = 16 * 1024 * 1024  # bytes per calibration transfer
@@ -71,32 +67,6 @@ def heuristic_choice(page_sizes: list[int], have_dma: bool, have_sm: bool) -> Ba
     big = bool(page_sizes) and max(page_sizes) > SM_MAX_PAGE
     name = "sm" if have_sm and (not have_dma or not big) else "dma"
     return BackendChoice(name, name)
-
-
-def cache_path() -> Path:
-    root = os.environ.get(ENV_CACHE_DIR)
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm_npu_offload"
-    return Path(root) / CACHE_FILE
-
-
-def _load_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _store_cache(path: Path, key: str, entry: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _load_cache(path)
-        data[key] = entry
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # atomic: concurrent workers never see a torn file
-    except OSError as e:
-        logger.warning("could not write calibration cache %s: %s", path, e)
 
 
 def _synthetic_batch(page_sizes: list[int], host: torch.Tensor, dev: torch.Tensor, direction: Direction, seed: int = 0):
@@ -146,9 +116,6 @@ def calibrate(platform: Platform, page_sizes: list[int], direction: Direction, n
     return {"choice": max(gbps, key=gbps.get), "gbps": gbps, "descriptors": len(sizes), "time": time.time()}
 
 
-_MEMO: dict[str, str] = {}
-
-
 def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
     """The faster of ``dma`` and ``sm`` per direction, measured once per GPU and page sizes."""
     why_no_dma = dma_available()
@@ -156,27 +123,37 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
     if not have_dma:
         logger.warning("CUDA DMA path unavailable (%s); using the SM copy path", why_no_dma)
     fallback = heuristic_choice(page_sizes, have_dma, have_sm)
-    if not (have_dma and have_sm) or not page_sizes or os.environ.get(ENV_CALIBRATE, "1") == "0":
+    if not (have_dma and have_sm) or not page_sizes or not calibration.enabled():
         return fallback
     pages = sorted(set(int(p) for p in page_sizes))
-    path = cache_path()
     picks = {}
     for d in Direction:
         key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
                f"|sm{os.environ.get(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS)}")
-        if key not in _MEMO:
-            entry = _load_cache(path).get(key)
-            if entry is None:
-                try:
-                    entry = calibrate(platform, pages, d, ["dma", "sm"])
-                except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
-                    logger.warning("copy path calibration failed (%s); using the heuristic", e)
-                    return fallback
-                _store_cache(path, key, entry)
-                logger.info("calibrated %s: %s", key, entry["gbps"])
-            _MEMO[key] = entry["choice"]
-        picks[d] = _MEMO[key]
+        try:
+            picks[d] = calibration.cached(key, lambda: calibrate(platform, pages, d, ["dma", "sm"]))["choice"]
+        except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
+            logger.warning("copy path calibration failed (%s); using the heuristic", e)
+            return fallback
     return BackendChoice(load=picks[Direction.H2D], store=picks[Direction.D2H])
 
 
 register_chooser("cuda", choose_cuda)
+
+ENV_STAGE_PROGRAMS = "NPU_OFFLOAD_STAGE_PROGRAMS"
+
+
+def staged_cuda(platform: Platform, page_sizes: list[int]):
+    """Gather/scatter as a short SM burst (device <-> device, at most 16 SMs), link on the copy engines."""
+    if not sm_triton.HAS_TRITON:
+        raise ImportError("staged copies on CUDA need triton for the device-side gather")
+    programs = sm_triton._env_int(ENV_STAGE_PROGRAMS, sm_triton.MAX_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    why = dma_available()
+    if why is not None:
+        raise RuntimeError(f"the copy-engine library is unavailable: {why}")
+    local = sm_triton.SmCopyPath(platform, page_sizes, programs=programs, tile_bytes=64 * 1024)
+    local.name = "sm_local"
+    return local, _dma(platform, [], True)
+
+
+register_staged("cuda", staged_cuda)

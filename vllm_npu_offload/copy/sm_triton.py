@@ -117,8 +117,9 @@ class SmCopyPath(CopyPath):
 
     def _upload(self, arr: np.ndarray, pinned: torch.Tensor | None, device) -> torch.Tensor:
         n = len(arr)
-        if pinned is not None and pinned.data_ptr() == arr.ctypes.data and n <= pinned.numel():
-            host = pinned[:n]
+        off = (arr.ctypes.data - pinned.data_ptr()) // 8 if pinned is not None else -1
+        if pinned is not None and arr.flags.c_contiguous and 0 <= off and off + n <= pinned.numel():
+            host = pinned[off:off + n]  # the array is (a slice of) the pinned buffer itself
         else:  # plain numpy: stage through pinned memory so the upload stays asynchronous
             host = self.platform.empty_pinned(n, torch.int64)
             host.numpy()[:] = arr

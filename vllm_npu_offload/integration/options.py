@@ -89,6 +89,11 @@ def validate_extra_config(
     return OffloadOptions(cpu_bytes, num_blocks, blocks_per_chunk, str(policy))
 
 
+def staging_bytes_option(extra: Mapping[str, Any]) -> int | None:
+    """``staging_bytes``: device memory for staged copies, both directions together (None = default)."""
+    return _positive_int(extra, "staging_bytes")
+
+
 def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alignment: int = 1) -> int:
     """Host bytes to use; converts the legacy ``num_cpu_blocks`` and rejects a size below one chunk."""
     chunk = round_up(bytes_per_chunk_all_ranks, alignment)

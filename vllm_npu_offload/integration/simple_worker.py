@@ -2,7 +2,7 @@
 
 Same method names as vLLM's ``SimpleCPUOffloadWorker`` so the upstream connector's
 delegation works unchanged; the logic lives in ``SimpleOffloadCore`` (bookkeeping)
-and ``EngineTransport`` (``TransferEngine`` + ``NPUDmaCopyBackend``: CUDA, NPU, CPU).
+and ``CoreTransport`` (the worker core that NPUOffloadingSpec uses too: CUDA, NPU, CPU).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleC
 from ..copy.base import Direction
 from ..errors import OffloadConfigError
 from ..offload_worker import DeviceKVTensor, device_platform
+from .options import staging_bytes_option
 from ..simple_core import (
-    EngineTransport,
+    CoreTransport,
     SimpleOffloadCore,
     StepPlan,
     dedupe_segments,
@@ -120,12 +121,13 @@ class NPUSimpleCPUOffloadWorker:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.cpu_capacity_bytes = cpu_capacity_bytes
+        self.staging_bytes = staging_bytes_option(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
         # vLLM maps flat invalid block ids to requests only with one KV cache group;
         # with several it wants failed requests (failed_recving) instead.
         self.report_block_errors = len(groups) == 1
         self.core: SimpleOffloadCore | None = None
-        self.transport: EngineTransport | None = None
+        self.transport: CoreTransport | None = None
         self._meta: SimpleCPUOffloadMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -136,7 +138,7 @@ class NPUSimpleCPUOffloadWorker:
         platform = device_platform([t for _, t in flatten_kv_values(kv_caches)])
         bpb = sum(s.page_bytes for s in segments)
         n_host = num_host_blocks_for(self.kv_cache_config, self.cpu_capacity_bytes, bpb)
-        self.transport = EngineTransport(segments, n_host, platform)
+        self.transport = CoreTransport.from_segments(segments, n_host, platform, staging_bytes=self.staging_bytes)
         self.core = SimpleOffloadCore(self.transport)
         logger.info(
             "NPUSimpleCPUOffloadWorker on %s: %d segments, %d host blocks x %d bytes (%.1f MiB, %s)",

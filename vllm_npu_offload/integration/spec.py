@@ -14,16 +14,18 @@ from ..errors import OffloadConfigError
 from ..memory import round_up
 from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore, device_platform
 from . import compat
-from .options import resolve_cpu_bytes, validate_extra_config
+from .options import resolve_cpu_bytes, staging_bytes_option, validate_extra_config
 from .workers import NPUOffloadingWorker, handler_pair
 
 
-def core_from_canonical(kv_caches, blocks_per_chunk: int, num_chunks: int) -> OffloadWorkerCore:
+def core_from_canonical(kv_caches, blocks_per_chunk: int, num_chunks: int,
+                        staging_bytes: int | None = None) -> OffloadWorkerCore:
     """Build the version-independent worker from vLLM's ``CanonicalKVCaches``."""
     tensors = [t.tensor for t in kv_caches.tensors]
     device = [DeviceKVTensor.from_block_view(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]
     refs = [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in group] for group in kv_caches.group_data_refs]
-    return OffloadWorkerCore(device, refs, blocks_per_chunk, num_chunks, device_platform(tensors))
+    return OffloadWorkerCore(device, refs, blocks_per_chunk, num_chunks, device_platform(tensors),
+                             staging_bytes=staging_bytes)
 
 
 class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
@@ -40,6 +42,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             engine_block_size=inp.engine_block_size,
             allowed_policies=compat.registered_cache_policies(),
         )
+        self._staging_bytes = staging_bytes_option(inp.extra)
         bpc = inp.blocks_per_chunk or opts.blocks_per_chunk
         extra = compat.base_extra(inp.extra, inp.engine_block_size, bpc)
         per_chunk = inp.bytes_per_block * bpc
@@ -67,7 +70,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         return False
 
     def _new_core(self, kv_caches) -> OffloadWorkerCore:
-        return core_from_canonical(kv_caches, *self.geometry)
+        return core_from_canonical(kv_caches, *self.geometry, staging_bytes=self._staging_bytes)
 
     def get_worker(self, kv_caches):
         """vLLM >= 0.25: one worker for both directions."""

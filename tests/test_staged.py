@@ -1,0 +1,220 @@
+"""Staged transfers (gather on the device, few large host copies) are byte-exact.
+
+Run on the CPU platform with ``NPU_OFFLOAD_STAGED=1`` (staging is normally off on CPU,
+where it would only add a memmove): the planner, the slice pipeline and the block-first
+host layout are the same code as on CUDA/NPU; only the copy paths differ.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_npu_offload import staging
+from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.errors import OffloadConfigError
+from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from vllm_npu_offload.platform import CpuPlatform
+
+DEV_BLOCKS, CHUNKS = 48, 40
+
+
+@pytest.fixture(autouse=True)
+def staged_on_cpu(monkeypatch):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)  # small slots: many slices, slot reuse
+
+
+def _platform(device):
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from vllm_npu_offload.platform import get_platform
+
+    return get_platform("cuda")
+
+
+def random_core(seed, bpc, staging_chunks, threaded=False, groups=1, device="cpu"):
+    """Random pages (odd sizes, padded strides, unequal K/V-like parts) of random bytes."""
+    platform = _platform(device) or CpuPlatform(threaded_streams=threaded)
+    rng = np.random.default_rng(seed)
+    n_t = int(rng.integers(1, 6))
+    pages = [int(rng.choice([16, 24, 1000, 1024, 2304, 4096])) for _ in range(n_t)]
+    pads = [int(rng.choice([0, 0, 16, 48])) for _ in range(n_t)]
+    tensors = [torch.from_numpy(rng.integers(0, 256, (DEV_BLOCKS, p + pad), dtype=np.uint8)).to(device)
+               for p, pad in zip(pages, pads)]
+    dev = [DeviceKVTensor.from_block_view(t, page_bytes=p) for t, p in zip(tensors, pages)]
+    if groups == 1:
+        refs = [[GroupRef(i, pages[i] - int(rng.integers(0, 2)) * 8) for i in range(n_t)]]
+    else:  # round-robin tensors over groups; a group may share none
+        refs = [[GroupRef(i, pages[i]) for i in range(n_t) if i % groups == g] for g in range(groups)]
+    record = sum(-(-p // 16) * 16 for p in pages)
+    core = OffloadWorkerCore(dev, refs, bpc, CHUNKS, platform,
+                             staging_bytes=2 * staging_chunks * bpc * record + 32)
+    return core, tensors, refs, rng
+
+
+def chunks_for(rng, n_blocks, skip, bpc):
+    return rng.choice(CHUNKS, -(-(n_blocks + skip) // bpc), replace=False).astype(np.int64)
+
+
+def settle(core, jobs):
+    core.wait(jobs)
+    res = {r.job_id: r for r in core.poll()}
+    assert sorted(res) == sorted(jobs) and all(r.success for r in res.values()), res
+
+
+def expected_host(core, refs, tensors, dev_ids, host_ids):
+    return {(ref.tensor_idx, int(h)): tensors[ref.tensor_idx][d, : ref.page_bytes].clone()
+            for group in refs for ref in group for d, h in zip(dev_ids, host_ids)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bpc", [1, 2, 3, 8])
+def test_staged_store_direct_load_and_back(seed, bpc, device):
+    core, tensors, refs, rng = random_core(seed, bpc, staging_chunks=int(1 + seed % 3), device=device)
+    assert core.stager is not None and core.stager.geometry.slots >= 1
+    n = int(rng.integers(1, 33))
+    skip = int(rng.integers(0, bpc))  # partial first chunk
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, skip, bpc)
+    host_ids = core._host_blocks(chunks, skip, n)
+    want = expected_host(core, refs, tensors, dev_ids, host_ids)
+    core.submit(1, Direction.D2H, dev_ids, [n], [skip], chunks, staged=True)
+    settle(core, [1])
+    for (t, h), page in want.items():
+        assert torch.equal(core.host_view(t)[h][: len(page)], page.cpu()), (t, h)
+    # Load back staged into other blocks, and direct into a third set: both equal the originals.
+    for job, staged in ((2, True), (3, False)):
+        back = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+        for t in tensors:
+            t[back] = 0xAB
+        core.submit(job, Direction.H2D, back, [n], [skip], chunks, staged=staged)
+        settle(core, [job])
+        for group in refs:
+            for ref in group:
+                t = tensors[ref.tensor_idx]
+                got = t[back][:, : ref.page_bytes]
+                exp = torch.stack([want[(ref.tensor_idx, int(h))] for h in host_ids])
+                assert torch.equal(got, exp), (job, ref)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_staged_groups_write_only_their_tensors(groups, device):
+    core, tensors, refs, rng = random_core(7, 2, staging_chunks=2, groups=groups, device=device)
+    sizes = [int(rng.integers(0, 9)) for _ in refs]
+    dev_ids = rng.choice(DEV_BLOCKS, sum(sizes), replace=False).astype(np.int64)
+    skips = [int(rng.integers(0, 2)) for _ in refs]
+    n_chunks = sum(-(-(s + k) // 2) for s, k in zip(sizes, skips) if s)
+    chunks = rng.choice(CHUNKS, n_chunks, replace=False).astype(np.int64)
+    core.submit(1, Direction.D2H, dev_ids, sizes, skips, chunks, staged=True)
+    settle(core, [1])
+    originals = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev_ids, sizes, skips, chunks, staged=True)
+    settle(core, [2])
+    off = 0
+    for g, (size, group) in enumerate(zip(sizes, refs)):
+        ids = dev_ids[off:off + size]
+        off += size
+        for ref in group:
+            assert torch.equal(tensors[ref.tensor_idx][ids][:, : ref.page_bytes],
+                               originals[ref.tensor_idx][ids][:, : ref.page_bytes]), (g, ref)
+    # A group's load writes only its own tensors: other groups' blocks stay zero there.
+    bounds = np.cumsum([0] + sizes)
+    for g, group in enumerate(refs):
+        others = np.concatenate([dev_ids[bounds[h]:bounds[h + 1]] for h in range(len(refs)) if h != g])
+        for ref in group:
+            assert (tensors[ref.tensor_idx][others] == 0).all(), (g, ref)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pipeline_reuses_slots_across_many_slices(device):
+    core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
+    g = core.stager.geometry
+    assert g.slots == 3 and g.slot_blocks == 1
+    dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
+    chunks = rng.choice(CHUNKS, 20, replace=False).astype(np.int64)
+    plan = core._staged_plan(Direction.D2H, core.split_groups(dev_ids, [20], [0], chunks))
+    assert plan.num_slices == 20 and len(plan.link) == 20
+    core.pool.release(plan.buffers)
+    original = [t.clone() for t in tensors]
+    core.submit(1, Direction.D2H, dev_ids, [20], [0], chunks, staged=True)
+    settle(core, [1])
+    for t in tensors:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev_ids, [20], [0], chunks, staged=True)
+    settle(core, [2])
+    for ref in refs[0]:
+        i, p = ref.tensor_idx, ref.page_bytes
+        assert torch.equal(tensors[i][dev_ids][:, :p], original[i][dev_ids][:, :p])
+    core.shutdown()
+
+
+def test_many_staged_jobs_in_flight_threaded():
+    core, tensors, refs, rng = random_core(11, 4, staging_chunks=1, threaded=True)
+    originals = [t.clone() for t in tensors]
+    jobs, plans = [], []
+    free_chunks = list(rng.permutation(CHUNKS))
+    for j in range(8):  # stores of disjoint chunks, all in flight at once
+        n = int(rng.integers(1, 9))
+        dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+        chunks = np.array([free_chunks.pop() for _ in range(-(-n // 4))], np.int64)
+        core.submit(100 + j, Direction.D2H, dev_ids, [n], [0], chunks, staged=bool(j % 2))
+        jobs.append(100 + j)
+        plans.append((dev_ids, chunks))
+    settle(core, jobs)
+    for t in tensors:
+        t.zero_()
+    jobs = []
+    for j, (dev_ids, chunks) in enumerate(plans):
+        core.submit(200 + j, Direction.H2D, dev_ids, [len(dev_ids)], [0], chunks, staged=not j % 2)
+        jobs.append(200 + j)
+    settle(core, jobs)
+    for group in refs:
+        for ref in group:
+            for dev_ids, _ in plans:
+                assert torch.equal(tensors[ref.tensor_idx][dev_ids][:, : ref.page_bytes],
+                                   originals[ref.tensor_idx][dev_ids][:, : ref.page_bytes])
+    core.shutdown()
+
+
+def test_link_copies_are_few_and_merged():
+    """Adjacent chunks become one host copy; the gather has one descriptor per page."""
+    core, tensors, refs, rng = random_core(3, 2, staging_chunks=16)
+    plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(8), [8], [0], np.array([5, 6, 7, 20])))
+    n_pages = 8 * len(refs[0])
+    assert len(plan.local) == n_pages
+    assert plan.num_slices == 1 and len(plan.link) == 2  # chunks 5-7 merge, chunk 20 alone
+    assert plan.link.sizes.tolist() == [6 * core.layout.record_bytes, 2 * core.layout.record_bytes]
+    core.pool.release(plan.buffers)
+    core.shutdown()
+
+
+def test_staging_smaller_than_a_chunk_names_the_key():
+    tensors = [torch.zeros(8, 4096, dtype=torch.uint8)]
+    dev = [DeviceKVTensor.from_block_view(t) for t in tensors]
+    with pytest.raises(OffloadConfigError, match=r"'staging_bytes'.*less than one host chunk.*at least 32768"):
+        OffloadWorkerCore(dev, [[GroupRef(0, 4096)]], 4, 4, CpuPlatform(), staging_bytes=16384)
+
+
+def test_staged_mode_env_is_checked(monkeypatch):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "yes")
+    tensors = [torch.zeros(8, 64, dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="NPU_OFFLOAD_STAGED='yes'; allowed"):
+        OffloadWorkerCore([DeviceKVTensor.from_block_view(tensors[0])], [[GroupRef(0, 64)]], 1, 4, CpuPlatform())
+
+
+def test_cpu_default_is_direct(monkeypatch):
+    monkeypatch.delenv("NPU_OFFLOAD_STAGED")
+    tensors = [torch.zeros(8, 64, dtype=torch.uint8)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(tensors[0])], [[GroupRef(0, 64)]], 1, 4, CpuPlatform())
+    assert core.stager is None and not core.uses_staging(Direction.D2H, 1000)
+    with pytest.raises(ValueError, match="no staging"):
+        core.submit(1, Direction.D2H, np.array([0]), [1], [0], np.array([0]), staged=True)
+    core.shutdown()

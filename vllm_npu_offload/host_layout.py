@@ -1,0 +1,72 @@
+"""Block-first host layout: one host block is one contiguous record of every KV page.
+
+A host *record* holds one device block of every KV tensor (all layers, K and V or the
+MLA parts), each page at a fixed, aligned offset; a host *chunk* is ``blocks_per_chunk``
+consecutive records. So any run of consecutive host blocks — a whole chunk, or adjacent
+chunks — is one contiguous span of host memory, and the link can be given a few large
+copies instead of one per page (the scattering happens on the device, see staging.py).
+
+Host block ``h`` (sub-block ``h % bpc`` of chunk ``h // bpc``) of tensor ``t`` lives at
+``base + h * record_bytes + page_offsets[t]``. Several KV-cache groups share the record
+(each group writes only its own tensors); ``group_span`` says which bytes a group uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import OffloadConfigError
+from .memory import round_up
+from .plan import BlockLayout
+
+PAGE_ALIGNMENT = 16  # every page starts 16-byte aligned (wide SM loads); KV pages rarely need padding
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    page_bytes: tuple[int, ...]  # host slot of each tensor (its padded device page)
+    page_offsets: tuple[int, ...]  # offset of each tensor's slot inside a record
+    record_bytes: int
+    blocks_per_chunk: int
+    num_chunks: int
+
+    @classmethod
+    def build(cls, page_bytes: Sequence[int], blocks_per_chunk: int, num_chunks: int) -> "HostLayout":
+        if not page_bytes or any(p <= 0 for p in page_bytes):
+            raise OffloadConfigError(f"page sizes must be positive bytes, got {list(page_bytes)}")
+        if blocks_per_chunk <= 0:
+            raise OffloadConfigError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
+        if num_chunks <= 0:
+            raise OffloadConfigError(
+                f"num_chunks must be > 0 (host memory too small for one block?), got {num_chunks}"
+            )
+        offsets, pos = [], 0
+        for p in page_bytes:
+            pos = round_up(pos, PAGE_ALIGNMENT)
+            offsets.append(pos)
+            pos += p
+        return cls(tuple(page_bytes), tuple(offsets), round_up(pos, PAGE_ALIGNMENT), blocks_per_chunk, num_chunks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_chunks * self.blocks_per_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.record_bytes * self.blocks_per_chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk_bytes * self.num_chunks
+
+    def tensor_layout(self, base: int, tensor_idx: int, num_blocks: int | None = None) -> BlockLayout:
+        """Where tensor ``tensor_idx``'s pages live in a buffer of records starting at ``base``."""
+        return BlockLayout(base + self.page_offsets[tensor_idx], self.record_bytes,
+                           self.num_blocks if num_blocks is None else num_blocks)
+
+    def group_span(self, tensor_ids: Sequence[int]) -> tuple[int, int]:
+        """``[lo, hi)`` bytes of a record that the given tensors occupy (a group's part of it)."""
+        lo = min(self.page_offsets[t] for t in tensor_ids)
+        hi = max(self.page_offsets[t] + self.page_bytes[t] for t in tensor_ids)
+        return lo, hi

@@ -1,0 +1,239 @@
+"""Staged transfers: scatter/gather on the device, a few large copies over the link.
+
+Copying page by page between scattered device pages and scattered host pages cannot
+reach the link: copy engines pay a fixed price per descriptor and an SM copy holds SMs
+for the whole PCIe time. A staged store instead (1) gathers the transfer's pages into a
+device staging buffer, laid out exactly like the host records (device-local copies,
+where bandwidth is plentiful: a short SM burst on CUDA, ACL device-to-device copies on
+Ascend, memmove on CPU), then (2) moves staging -> host with one DMA descriptor per run
+of consecutive host blocks (adjacent chunks merge). A staged load is the mirror image.
+
+The transfer is cut into slices that each fit one staging slot; with several slots the
+gather of slice i+1 overlaps the DMA of slice i, so the link never waits for the gather.
+The link copies run on the job's stream (ordered after compute and earlier jobs by the
+engine); the device-local copies run on one auxiliary stream per direction; events
+hand each slot back and forth. Staging memory is allocated once, per direction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .copy.base import CopyPath, Direction
+from .errors import OffloadConfigError
+from .host_layout import HostLayout
+from .plan import CopyPlanner, DescriptorBuffers, DescriptorPool, Descriptors
+from .platform import Platform
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 128 * 1024 * 1024  # both directions together
+MAX_SLOTS = 4
+MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs/benchmarks.md)
+
+
+@dataclass(frozen=True)
+class StagingGeometry:
+    """How one direction's staging area is cut: ``slots`` slots of ``slot_blocks`` host records."""
+
+    slots: int
+    slot_blocks: int
+    record_bytes: int
+
+    @classmethod
+    def for_area(cls, area_bytes: int, layout: HostLayout, key: str = "staging_bytes") -> "StagingGeometry":
+        if area_bytes < layout.chunk_bytes:
+            raise OffloadConfigError(
+                f"kv_connector_extra_config[{key!r}] gives {area_bytes} bytes of device staging per direction "
+                f"(half of the total), less than one host chunk ({layout.chunk_bytes} bytes = "
+                f"{layout.blocks_per_chunk} blocks x {layout.record_bytes} bytes); use at least "
+                f"{2 * layout.chunk_bytes}"
+            )
+        slot_min = max(layout.chunk_bytes, MIN_SLOT_BYTES)
+        slots = max(1, min(MAX_SLOTS, area_bytes // slot_min))
+        return cls(slots, area_bytes // slots // layout.record_bytes, layout.record_bytes)
+
+    @property
+    def area_bytes(self) -> int:
+        return self.slots * self.slot_blocks * self.record_bytes
+
+
+@dataclass
+class StagedPlan:
+    """One transfer's descriptors, slice by slice (``*_bounds[i]:*_bounds[i+1]`` is slice i)."""
+
+    local: Descriptors  # device pages <-> staging positions
+    local_bounds: np.ndarray
+    link: Descriptors  # staging runs <-> host runs
+    link_bounds: np.ndarray
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.link_bounds) - 1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.local.total_bytes
+
+    def __len__(self) -> int:
+        return len(self.local) + len(self.link)
+
+    @property
+    def buffers(self) -> list[DescriptorBuffers]:
+        return [b for b in (self.local.buffers, self.link.buffers) if b is not None]
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """One KV group's part of a transfer: its planner (device <-> staging) and block ids."""
+
+    planner: CopyPlanner  # src/dst as the transfer goes: device->staging for stores
+    span: tuple[int, int]  # [lo, hi) of a record that the group's tensors occupy
+    device_ids: np.ndarray
+    host_ids: np.ndarray
+
+
+def _link_runs(host: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Start indices of runs of consecutive host blocks of one group."""
+    if len(host) == 0:
+        return np.empty(0, np.int64)
+    brk = np.ones(len(host), bool)
+    brk[1:] = (host[1:] != host[:-1] + 1) | (group[1:] != group[:-1])
+    return np.flatnonzero(brk)
+
+
+class Stager:
+    """Device staging memory plus the slice pipeline, for one worker core."""
+
+    def __init__(self, platform: Platform, layout: HostLayout, host_base: int, staging_bytes: int,
+                 local_path: CopyPath, link_path: CopyPath, pool: DescriptorPool):
+        self.platform = platform
+        self.layout = layout
+        self.host_base = host_base
+        self.geometry = StagingGeometry.for_area(staging_bytes // 2, layout)
+        self.local_path = local_path
+        self.link_path = link_path
+        self.pool = pool
+        g = self.geometry
+        self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
+        self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
+        self._aux = {d: platform.new_stream() for d in Direction}
+        self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
+        self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
+        logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s)",
+                    self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
+                    local_path.name, link_path.name)
+
+    def staging_layouts(self, direction: Direction, tensor_ids: Sequence[int]):
+        """Per tensor: where its pages sit in ``direction``'s staging area (record-strided)."""
+        g = self.geometry
+        return [self.layout.tensor_layout(self.base[direction], t, g.slots * g.slot_blocks) for t in tensor_ids]
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, direction: Direction, groups: Sequence[GroupBlocks]) -> StagedPlan:
+        direction = Direction(direction)
+        groups = [gb for gb in groups if len(gb.device_ids)]
+        if not groups:
+            raise ValueError("a staged transfer needs at least one block")
+        g = self.geometry
+        gid = np.concatenate([np.full(len(gb.device_ids), i, np.int64) for i, gb in enumerate(groups)])
+        dev = np.concatenate([gb.device_ids for gb in groups])
+        host = np.concatenate([gb.host_ids for gb in groups])
+        n = len(dev)
+        k = np.arange(n, dtype=np.int64)
+        slice_of = k // g.slot_blocks
+        pos = (slice_of % g.slots) * g.slot_blocks + k % g.slot_blocks
+        n_slices = int(slice_of[-1]) + 1
+        # Local (page) descriptors, slice by slice; within a slice group by group.
+        work = []
+        for s in range(n_slices):
+            for i, gb in enumerate(groups):
+                sel = (slice_of == s) & (gid == i)
+                if sel.any():
+                    src, dst = (dev[sel], pos[sel]) if direction is Direction.D2H else (pos[sel], dev[sel])
+                    work.append((s, gb.planner, src, dst, gb.planner.count(src, dst)))
+        local_bufs = self.pool.acquire(sum(w[4] for w in work))
+        local_bounds = np.zeros(n_slices + 1, np.int64)
+        at = nbytes = 0
+        try:
+            for s, planner, src, dst, cnt in work:
+                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:at + cnt], local_bufs.dst_np[at:at + cnt],
+                                         local_bufs.sizes_np[at:at + cnt])
+                at += w
+                nbytes += b
+                local_bounds[s + 1] = at
+            # Link descriptors: runs of consecutive host blocks inside one slice and one group.
+            starts = _link_runs(host, gid * n_slices + slice_of)
+            ends = np.append(starts[1:], n)
+            spans = np.array([gb.span for gb in groups], np.int64)
+            lo, hi = spans[gid[starts], 0], spans[gid[starts], 1]
+            rec = self.layout.record_bytes
+            stg = self.base[direction] + pos[starts] * rec + lo
+            hst = self.host_base + host[starts] * rec + lo
+            size = (ends - starts - 1) * rec + hi - lo
+            m = len(starts)
+            link_bufs = self.pool.acquire(m)
+        except BaseException:
+            self.pool.release(local_bufs)
+            raise
+        src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
+        link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
+        link_bounds = np.searchsorted(starts, np.arange(n_slices + 1) * g.slot_blocks).astype(np.int64)
+        np.maximum.accumulate(local_bounds, out=local_bounds)  # slices without pages keep the bound
+        return StagedPlan(
+            Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes, local_bufs),
+            local_bounds,
+            Descriptors(link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m], int(size.sum()),
+                        link_bufs),
+            link_bounds,
+        )
+
+    # -- execution ------------------------------------------------------------------------------
+    def _local(self, plan: StagedPlan, i: int, direction: Direction, stream: Any) -> None:
+        a, b = plan.local_bounds[i], plan.local_bounds[i + 1]
+        if b > a:
+            loc = plan.local
+            with self.platform.stream_context(stream):
+                self.local_path.copy(loc.src[a:b], loc.dst[a:b], loc.sizes[a:b], direction, stream, loc.buffers)
+
+    def _link(self, plan: StagedPlan, i: int, direction: Direction, stream: Any) -> None:
+        a, b = plan.link_bounds[i], plan.link_bounds[i + 1]
+        if b > a:
+            lk = plan.link
+            self.link_path.copy(lk.src[a:b], lk.dst[a:b], lk.sizes[a:b], direction, stream, lk.buffers)
+
+    def run(self, plan: StagedPlan, direction: Direction, stream: Any) -> None:
+        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy."""
+        direction = Direction(direction)
+        aux = self._aux[direction]
+        filled, drained = self._filled[direction], self._drained[direction]
+        slots = self.geometry.slots
+        aux.wait_stream(stream)  # compute and earlier jobs first (the engine ordered ``stream``)
+        for i in range(plan.num_slices):
+            s = i % slots
+            if direction is Direction.D2H:  # gather on aux, then DMA on the job stream
+                if i >= slots:
+                    aux.wait_event(drained[s])
+                self._local(plan, i, direction, aux)
+                filled[s].record(aux)
+                stream.wait_event(filled[s])
+                self._link(plan, i, direction, stream)
+                drained[s].record(stream)
+            else:  # DMA on the job stream, then scatter on aux
+                if i >= slots:
+                    stream.wait_event(drained[s])
+                self._link(plan, i, direction, stream)
+                filled[s].record(stream)
+                aux.wait_event(filled[s])
+                self._local(plan, i, direction, aux)
+                drained[s].record(aux)
+        if direction is Direction.H2D and plan.num_slices:
+            stream.wait_event(drained[(plan.num_slices - 1) % slots])
+
+    def release(self) -> None:
+        self.buffer = None

@@ -1,0 +1,89 @@
+"""From how many blocks a staged transfer beats a direct one, measured on the device.
+
+A staged transfer pays a fixed cost (a gather launch, events, the pipeline's first
+slice not overlapped) that a direct one does not; a direct one pays per page. Where
+they cross depends on the device, the link, the page sizes and the chunk geometry, so
+it is measured once per (device, KV geometry) with the worker's own buffers at start-up
+(before any KV is valid) and cached with the other calibrations (calibration.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import calibration
+from .copy.base import Direction
+
+if TYPE_CHECKING:
+    from .offload_worker import OffloadWorkerCore
+
+logger = logging.getLogger(__name__)
+
+_NEVER = 1 << 62  # "no transfer is large enough": stays direct
+HEURISTIC_MIN_BLOCKS = 4  # without a measurement (NPU_OFFLOAD_CALIBRATE=0)
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+REPS = 3
+VERSION = 1
+
+
+def _time_transfer(core: "OffloadWorkerCore", direction: Direction, dev: np.ndarray, chunks: np.ndarray,
+                   staged: bool, job: int) -> float:
+    t0 = time.perf_counter()
+    core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=staged)
+    core.wait([job])
+    dt = time.perf_counter() - t0
+    for r in core.poll():
+        if not r.success:
+            raise RuntimeError(f"calibration transfer failed: {r.error}")
+    return dt
+
+
+def measure(core: "OffloadWorkerCore") -> dict:
+    """Best-of-``REPS`` seconds of direct and staged transfers per size, and the crossover."""
+    bpc = core.blocks_per_chunk
+    dev_blocks = min(t.num_blocks for t in core.device_tensors)
+    sizes = [n for n in SIZES if n <= dev_blocks and -(-n // bpc) <= core.num_chunks]
+    rng = np.random.default_rng(0)
+    job = -1
+    out: dict = {"sizes": sizes, "direct": {}, "staged": {}, "min_blocks": {}}
+    for d in Direction:
+        direct, staged = [], []
+        for n in sizes:
+            dev = rng.choice(dev_blocks, n, replace=False).astype(np.int64)
+            chunks = rng.choice(core.num_chunks, -(-n // bpc), replace=False).astype(np.int64)
+            best = {False: float("inf"), True: float("inf")}
+            for rep in range(REPS + 1):  # the first round warms up (JIT, first touch)
+                for st in (False, True):
+                    job -= 1
+                    t = _time_transfer(core, d, dev, chunks, st, job)
+                    if rep:
+                        best[st] = min(best[st], t)
+            direct.append(best[False])
+            staged.append(best[True])
+        # Staged from the smallest size from which it is never slower again.
+        wins = [s <= dd for s, dd in zip(staged, direct)]
+        first = next((i for i in range(len(sizes)) if all(wins[i:])), None)
+        out["direct"][d.name] = direct
+        out["staged"][d.name] = staged
+        out["min_blocks"][d.name] = sizes[first] if first is not None else _NEVER
+    return out
+
+
+def staged_thresholds(core: "OffloadWorkerCore") -> dict[Direction, int]:
+    """Per direction, the smallest transfer (in blocks) that goes staged."""
+    if not calibration.enabled():
+        return {d: HEURISTIC_MIN_BLOCKS for d in Direction}
+    lay, g = core.layout, core.stager.geometry
+    key = (f"staged-v{VERSION}|{core.platform.device_name()}|pages={','.join(map(str, lay.page_bytes))}"
+           f"|bpc={lay.blocks_per_chunk}|slots={g.slots}x{g.slot_blocks}|local={core.stager.local_path.name}"
+           f"|link={core.stager.link_path.name}|direct={core.backend.choice.load},{core.backend.choice.store}")
+    try:
+        entry = calibration.cached(key, lambda: measure(core))
+    except Exception as e:  # noqa: BLE001 - never fail start-up over a measurement
+        logger.warning("staged-copy calibration failed (%s); staging from %d blocks", e, HEURISTIC_MIN_BLOCKS)
+        return {d: HEURISTIC_MIN_BLOCKS for d in Direction}
+    return {d: int(entry["min_blocks"][d.name]) for d in Direction}
