@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for the GPU machine, from the repo root:  bash scripts/gpu_check.sh
 # Builds libnpu_offload_cuda.so in place, runs the gpu tests, then the transfer
-# benchmark (tables + interference + block sweep + SM tuning grid). Logs and JSON go
+# benchmarks: whole transfers through the worker core (direct vs staged, + GEMM
+# interference), then the per-path tables (+ interference, block sweep, SM grid on request). Logs and JSON go
 # to $OUT (default ./gpu_out). Each step has its own time limit; ~5-8 min on an H100.
 # STEPS="build tests" runs only those steps.
 set -u -o pipefail
@@ -16,7 +17,7 @@ export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 declare -a SUMMARY=()
 T0=$(date +%s)
 
-STEPS=${STEPS:-env build tests bench interference sweep sm_variants}  # a subset re-runs parts
+STEPS=${STEPS:-env build tests core core_interference bench interference}  # a subset re-runs parts
 step() {  # step NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -36,6 +37,9 @@ else
   echo "pytest not installed: running tests/test_cuda_gpu.py directly"
   step tests 300 $PY tests/test_cuda_gpu.py
 fi
+step core 240 $PY scripts/bench_core.py --reps 10 --json "$OUT/core.json"
+step core_interference 120 $PY scripts/bench_core.py --shapes "" --interference llama-8b,qwen2.5-0.5b,mla-ascend-split \
+  --json "$OUT/core_interference.json"
 step bench 200 $PY scripts/bench_transfer.py --reps 20 --json "$OUT/bench.json"
 step interference 90 $PY scripts/bench_transfer.py --no-table --configs llama-8b,qwen2.5-0.5b,llama-70b-tp4 \
   --interference --json "$OUT/interference.json"

@@ -28,10 +28,23 @@ def _npu_native() -> str:
     return library_info()
 
 
+def _numa() -> str:
+    from .numa import device_bus_id, num_nodes, pci_numa_node
+    from .platform import detect_kind
+
+    nodes = num_nodes()
+    if nodes <= 1:
+        return "single NUMA node (host KV placement needs no binding)"
+    bus = device_bus_id(detect_kind())
+    node = pci_numa_node(bus) if bus else None
+    return f"{nodes} nodes; device {bus or '?'} on node {node if node is not None else 'unknown'} (host KV bound there)"
+
+
 PROVIDERS: list[tuple[str, Callable[[], str]]] = [
     ("version", _version),
     ("device", _device),
     ("native npu (libnpu_offload_acl)", _npu_native),
+    ("numa", _numa),
 ]
 
 
