@@ -2,7 +2,7 @@
 
 Also the fixtures the emulation tests share (import them into a test module to use them):
 ``built`` (the library in every toggle mode + the ACL emulation), ``emu`` (the emulation,
-loaded and pointed at), ``lib_batch`` / ``lib_loop`` and ``acl_path``.
+loaded and pointed at), ``lib_batch`` / ``lib_loop``, ``acl_path`` and ``fake_npu_platform``.
 """
 
 from __future__ import annotations
@@ -115,3 +115,16 @@ def acl_path(kind: str, lib_batch, lib_loop, device_local: bool = False):
         return npu_native.AclCopyPath(None, batch=False, lib=lib_loop, device_local=device_local)
     npu_native.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
     return npu_native.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local)
+
+
+def fake_npu_platform():
+    """A CPU platform posing as 'npu' (the npu chooser and backends run; streams are STREAM)."""
+    from vllm_npu_offload.platform import CpuPlatform
+
+    class FakeNpu(CpuPlatform):
+        kind = "npu"
+
+        def raw_stream_handle(self, stream) -> int:
+            return STREAM
+
+    return FakeNpu()

@@ -17,6 +17,7 @@ from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch
     build_into,
     build_mod,
     built,
+    fake_npu_platform,
     emu,
     lib_batch,
     lib_loop,
@@ -239,15 +240,8 @@ def test_chooser_and_backend_with_emulation(built, emu, monkeypatch):
     """The npu chooser and NPUDmaCopyBackend end to end, on a CPU platform posing as 'npu'."""
     from vllm_npu_offload.copy.backend import NPUDmaCopyBackend
     from vllm_npu_offload.copy import npu_paths
-    from vllm_npu_offload.platform import CpuPlatform
 
-    class FakeNpu(CpuPlatform):
-        kind = "npu"
-
-        def raw_stream_handle(self, stream) -> int:
-            return STREAM
-
-    plat = FakeNpu()
+    plat = fake_npu_platform()
     for toggle, expect in (("1", "acl_batch"), ("0", "acl_loop")):
         monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(built[0][toggle].parent))
         assert npu_paths.choose(plat, []).load == expect

@@ -15,6 +15,7 @@ from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch
     acl_path,
     built,
     emu,
+    fake_npu_platform,
     lib_batch,
     lib_loop,
 )
@@ -276,15 +277,8 @@ def test_emulation_d2d_memcpy_checks_alignment_and_overlap(emu):
 # -- local_path ----------------------------------------------------------------------------
 def test_local_path_follows_choose(built, emu, monkeypatch):
     from vllm_npu_offload.copy import npu_paths
-    from vllm_npu_offload.platform import CpuPlatform
 
-    class FakeNpu(CpuPlatform):
-        kind = "npu"
-
-        def raw_stream_handle(self, stream) -> int:
-            return STREAM
-
-    plat = FakeNpu()
+    plat = fake_npu_platform()
     for toggle, expect in (("1", "acl_batch"), ("0", "acl_loop"), (None, "acl_batch")):
         monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(built[0][toggle].parent))
         assert npu_paths.choose(plat, []).load == expect
