@@ -5,14 +5,17 @@
  *
  * - Copies really happen (memcpy) at submit time; "device" memory is host memory.
  * - Arguments are validated like the documented API: count <= destMax, batch attribute
- *   locations consistent (host id 0 <-> device id = aclrtGetDevice), rsv zero,
- *   attrsIndexes[0] == 0 and increasing, memcpy kind H2D or D2H, aligned host registration.
+ *   locations consistent (host id 0 <-> device id = aclrtGetDevice, or device <-> the same
+ *   device), rsv zero, attrsIndexes[0] == 0 and increasing, memcpy kind H2D, D2H or D2D,
+ *   64-byte aligned addresses for a D2D aclrtMemcpyAsync (acl_rt.h), aligned host registration.
+ *   Overlapping source and destination ranges are rejected (memcpy would be undefined).
  * - Failure injection: ACL_EMU_FAIL_AT=k (or acl_emu_set_fail_at(k)) fails the k-th
  *   descriptor (0-based) submitted since acl_emu_reset(), counted across calls: in a batch
  *   call it sets failIndex to its position in that call and nothing of that call is copied;
  *   as an aclrtMemcpyAsync call, the earlier calls have copied. The code returned is ACL_EMU_FAIL_CODE
  *   (default ACL_ERROR_RT_INTERNAL_ERROR).
- * - Counters (acl_emu_count) and the last stream seen let tests check which path ran.
+ * - Counters (acl_emu_count) and the last stream seen let tests check which path ran;
+ *   "d2d_copies" counts descriptors copied as device->device by either entry point.
  * It is compiled against the same ACL headers, so its signatures are checked by the compiler.
  */
 #include <stdint.h>
@@ -29,13 +32,14 @@ static int32_t g_device;
 static long long g_fail_at = -1;
 static int g_fail_set;
 static long long g_seen; /* descriptors submitted since reset (loop calls + batch entries) */
-static long long g_counts[5]; /* memcpy_async, batch_v1, batch_v2, host_register, host_unregister */
+static long long g_counts[6]; /* memcpy_async, batch_v1, batch_v2, host_register, host_unregister, d2d */
 static void *g_last_stream;
 static __thread char g_msg[256];
 static void *g_registered[64];
 
 static const char *const COUNT_NAMES[] = {"aclrtMemcpyAsync", "aclrtMemcpyBatchAsync", "aclrtMemcpyBatchAsyncV2",
-                                          "aclrtHostRegisterV2", "aclrtHostUnregister"};
+                                          "aclrtHostRegisterV2", "aclrtHostUnregister", "d2d_copies"};
+#define N_COUNTS (int)(sizeof(COUNT_NAMES) / sizeof(COUNT_NAMES[0]))
 
 static aclError fail(aclError code, const char *fmt, const char *what, long long i) {
     snprintf(g_msg, sizeof(g_msg), fmt, what, i);
@@ -46,6 +50,11 @@ static long long fail_at(void) {
     if (g_fail_set) return g_fail_at;
     const char *env = getenv("ACL_EMU_FAIL_AT");
     return (env && *env) ? atoll(env) : -1;
+}
+
+static int overlaps(const void *dst, const void *src, size_t n) {
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    return d < s + n && s < d + n;
 }
 
 static aclError injected_code(void) {
@@ -63,7 +72,7 @@ EMU_API void acl_emu_reset(void) {
     g_msg[0] = 0;
 }
 EMU_API long long acl_emu_count(const char *name) {
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < N_COUNTS; i++)
         if (!strcmp(name, COUNT_NAMES[i])) return g_counts[i];
     return -1;
 }
@@ -82,18 +91,35 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
     g_counts[0]++;
     g_last_stream = stream;
     long long call = g_seen++;
-    if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)
+    int d2d = kind == ACL_MEMCPY_DEVICE_TO_DEVICE;
+    if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST && !d2d)
         return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld not supported", "memcpy kind", (long long)kind);
     if (!dst || !src) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "NULL address", call);
     if (count > destMax)
         return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "count exceeds destMax", call);
+    if (d2d && (((uintptr_t)dst | (uintptr_t)src) & 63u))
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "D2D addresses not 64-byte aligned", call);
+    if (overlaps(dst, src, count))
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "overlapping src/dst", call);
     if (call == fail_at()) return fail(injected_code(), "emulation: %s at call %lld", "injected failure", call);
     memcpy(dst, src, count);
+    g_counts[5] += d2d;
     return ACL_SUCCESS;
 }
 
 static int is_loc(aclrtMemLocation l, aclrtMemLocationType type, uint32_t id) {
     return l.type == type && l.id == id;
+}
+
+/* Which end is where: H2D/D2H pair host id 0 with the current device; D2D has both ends on it. */
+static int attr_pair_ok(const aclrtMemcpyBatchAttr *at, int *d2d) {
+    uint32_t dev = (uint32_t)g_device;
+    int src_dev = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev);
+    int dst_dev = is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev);
+    int src_host = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_HOST, 0);
+    int dst_host = is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_HOST, 0);
+    *d2d = src_dev && dst_dev;
+    return (src_host && dst_dev) || (src_dev && dst_host) || *d2d;
 }
 
 static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes, size_t n,
@@ -106,21 +132,21 @@ static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes,
                     (long long)numAttrs);
     for (size_t a = 0; a < numAttrs; a++) {
         aclrtMemcpyBatchAttr *at = &attrs[a];
-        if (a && attrsIndexes[a] <= attrsIndexes[a - 1])
-            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "attrsIndexes not increasing at", (long long)a);
+        if ((a && attrsIndexes[a] <= attrsIndexes[a - 1]) || attrsIndexes[a] >= n)
+            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "attrsIndexes not increasing or >= n at",
+                        (long long)a);
         for (size_t r = 0; r < sizeof(at->rsv); r++)
             if (at->rsv[r]) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "rsv non-zero in attr", (long long)a);
-        uint32_t dev = (uint32_t)g_device;
-        int h2d = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_HOST, 0) && is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev);
-        int d2h = is_loc(at->srcLoc, ACL_MEM_LOCATION_TYPE_DEVICE, dev) && is_loc(at->dstLoc, ACL_MEM_LOCATION_TYPE_HOST, 0);
-        if (!h2d && !d2h)
-            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld (need host id 0 <-> current device)",
+        int d2d;
+        if (!attr_pair_ok(at, &d2d))
+            return fail(ACL_ERROR_INVALID_PARAM,
+                        "emulation: %s %lld (need host id 0 <-> current device, or current device -> itself)",
                         "inconsistent src/dst locations in attr", (long long)a);
     }
     for (size_t i = 0; i < n; i++) {
-        if (!dsts[i] || !srcs[i] || sizes[i] == 0 || sizes[i] > destMaxs[i]) {
+        if (!dsts[i] || !srcs[i] || sizes[i] == 0 || sizes[i] > destMaxs[i] || overlaps(dsts[i], srcs[i], sizes[i])) {
             if (failIndex) *failIndex = i;
-            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "bad address/size/destMax at descriptor",
+            return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "bad address/size/destMax/overlap at descriptor",
                         (long long)i);
         }
     }
@@ -130,7 +156,14 @@ static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes,
         if (failIndex) *failIndex = (size_t)(k - first);
         return fail(injected_code(), "emulation: %s at descriptor %lld", "injected failure", k - first);
     }
-    for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
+    size_t a = 0;
+    for (size_t i = 0; i < n; i++) {
+        while (a + 1 < numAttrs && attrsIndexes[a + 1] <= i) a++;
+        int d2d;
+        attr_pair_ok(&attrs[a], &d2d);
+        memcpy(dsts[i], srcs[i], sizes[i]);
+        g_counts[5] += d2d;
+    }
     return ACL_SUCCESS;
 }
 

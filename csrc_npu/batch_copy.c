@@ -3,7 +3,8 @@
  * or aclrtMemcpyBatchAsyncV2 (CANN 9.x, no failIndex) when that is what the runtime
  * exports. Compiled only when NPU_OFFLOAD_BATCH_MEMCPY is defined (build toggle
  * VLLM_ASCEND_ENABLE_BATCH_MEMCPY); otherwise the entry point reports that it was
- * built out, so the Python side falls back to the loop path.
+ * built out, so the Python side falls back to the loop path. Directions: host->device,
+ * device->host, and device->device within the current device (staging gather/scatter).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -45,6 +46,17 @@ NPU_OFFLOAD_API int npu_offload_acl_batch_form(npu_offload_acl_error *err) {
     return acl ? pick_form(acl, err) : 0;
 }
 
+/* One attribute for the whole batch (attrsIndexes = {0}); rsv must stay zero. The device side is the
+ * current device; D2D (the staging gather/scatter) has both ends there. */
+static aclrtMemcpyBatchAttr batch_attr(int direction, uint32_t device) {
+    aclrtMemcpyBatchAttr attr = {0};
+    aclrtMemLocation host = {.id = 0, .type = ACL_MEM_LOCATION_TYPE_HOST};
+    aclrtMemLocation dev = {.id = device, .type = ACL_MEM_LOCATION_TYPE_DEVICE};
+    attr.srcLoc = direction == NPU_OFFLOAD_H2D ? host : dev;
+    attr.dstLoc = direction == NPU_OFFLOAD_D2H ? host : dev;
+    return attr;
+}
+
 static int submit(const npu_acl_symbols *acl, int form, void **dsts, size_t *sizes, void **srcs, size_t n,
                   aclrtMemcpyBatchAttr *attr, size_t offset, aclrtStream stream, npu_offload_acl_error *err) {
     size_t attr_index = 0;
@@ -82,12 +94,7 @@ NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t
     aclError arc = acl->get_device(&device);
     if (arc != ACL_SUCCESS) return npu_err_acl(err, acl, "aclrtGetDevice", arc, -1, -1);
 
-    /* One attribute for the whole batch (attrsIndexes = {0}); rsv must stay zero. */
-    aclrtMemcpyBatchAttr attr = {0};
-    aclrtMemLocation host = {.id = 0, .type = ACL_MEM_LOCATION_TYPE_HOST};
-    aclrtMemLocation dev = {.id = (uint32_t)device, .type = ACL_MEM_LOCATION_TYPE_DEVICE};
-    attr.srcLoc = direction == NPU_OFFLOAD_H2D ? host : dev;
-    attr.dstLoc = direction == NPU_OFFLOAD_H2D ? dev : host;
+    aclrtMemcpyBatchAttr attr = batch_attr(direction, (uint32_t)device);
 
     /* ACL takes non-const arrays but does not write them; destMaxs = sizes (exact pages). */
     void **srcs = (void **)(uintptr_t)src;

@@ -39,9 +39,10 @@ int npu_err_acl(npu_offload_acl_error *err, const npu_acl_symbols *acl, const ch
 /* Arguments the ACL calls would reject less clearly: checked before anything is submitted. */
 int npu_check_descriptors(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst,
                           const int64_t *sizes, int64_t n, int direction) {
-    if (direction != NPU_OFFLOAD_H2D && direction != NPU_OFFLOAD_D2H)
+    if (direction != NPU_OFFLOAD_H2D && direction != NPU_OFFLOAD_D2H && direction != NPU_OFFLOAD_D2D)
         return npu_err_set(err, NPU_OFFLOAD_BAD_ARGUMENT, "argument", 0, -1, -1,
-                           "direction %d is not allowed; use 0 (host->device) or 1 (device->host)", direction);
+                           "direction %d is not allowed; use 0 (host->device), 1 (device->host) or "
+                           "2 (device->device)", direction);
     if (n < 0)
         return npu_err_set(err, NPU_OFFLOAD_BAD_ARGUMENT, "argument", 0, -1, -1,
                            "descriptor count %lld is negative", (long long)n);

@@ -24,8 +24,9 @@ enum {
     NPU_OFFLOAD_NOT_BUILT = 4,       /* this path was compiled out (loop-only build) */
 };
 
-/* Directions: same numbering as vLLM-Ascend's swap_blocks_batch. */
-enum { NPU_OFFLOAD_H2D = 0, NPU_OFFLOAD_D2H = 1 };
+/* Directions: 0 and 1 number as vLLM-Ascend's swap_blocks_batch does; 2 is ours: copies within the
+ * current device (the gather/scatter of staged transfers, device pages <-> a device staging buffer). */
+enum { NPU_OFFLOAD_H2D = 0, NPU_OFFLOAD_D2H = 1, NPU_OFFLOAD_D2D = 2 };
 
 /* Filled on failure; mirrored by a ctypes.Structure in vllm_npu_offload/copy/npu_native.py. */
 typedef struct {

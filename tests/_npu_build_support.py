@@ -1,10 +1,18 @@
-"""Build helpers for the NPU tests: fetch torch-npu's ACL headers once, compile csrc_npu."""
+"""Build helpers for the NPU tests: fetch torch-npu's ACL headers once, compile csrc_npu.
+
+Also the fixtures the emulation tests share (import them into a test module to use them):
+``built`` (the library in every toggle mode + the ACL emulation), ``emu`` (the emulation,
+loaded and pointed at), ``lib_batch`` / ``lib_loop``, ``acl_path`` and ``fake_npu_platform``.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc_npu"
@@ -51,3 +59,72 @@ def build_into(out: Path, include: Path, toggle: str | None, env: dict | None = 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+INCLUDE, SKIP_REASON = acl_include()
+STREAM = 0x5EED  # any non-null aclrtStream: the emulation only records it
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """({toggle: library path} for toggle 1, 0 and unset, emulation path)."""
+    root = tmp_path_factory.mktemp("npu_build")
+    libs = {t: build_into(root / f"mode_{t}", INCLUDE, t) for t in ("1", "0", None)}
+    emu_path = build_mod.build_emulation(CSRC, root / "emu", INCLUDE)
+    return libs, emu_path
+
+
+@pytest.fixture(scope="module")
+def emu(built):
+    """The emulation's test controls; NPU_OFFLOAD_ACL_LIBRARY points at it for the module."""
+    _, emu_path = built
+    os.environ["NPU_OFFLOAD_ACL_LIBRARY"] = str(emu_path)
+    lib = ctypes.CDLL(str(emu_path))
+    lib.acl_emu_set_fail_at.argtypes = [ctypes.c_longlong]
+    lib.acl_emu_count.restype = ctypes.c_longlong
+    lib.acl_emu_count.argtypes = [ctypes.c_char_p]
+    lib.acl_emu_last_stream.restype = ctypes.c_void_p
+    yield lib
+    os.environ.pop("NPU_OFFLOAD_ACL_LIBRARY", None)
+
+
+@pytest.fixture
+def lib_batch(built, emu):
+    from vllm_npu_offload.copy import npu_native
+
+    lib = npu_native.load_library(built[0]["1"])
+    npu_native.set_batch_form(0, lib)
+    emu.acl_emu_reset()
+    yield lib
+    npu_native.set_batch_form(0, lib)
+
+
+@pytest.fixture
+def lib_loop(built, emu):
+    from vllm_npu_offload.copy import npu_native
+
+    emu.acl_emu_reset()
+    return npu_native.load_library(built[0]["0"])
+
+
+def acl_path(kind: str, lib_batch, lib_loop, device_local: bool = False):
+    """An AclCopyPath: kind "batch" (failIndex form), "batch_v2" or "loop"."""
+    from vllm_npu_offload.copy import npu_native
+
+    if kind == "loop":
+        return npu_native.AclCopyPath(None, batch=False, lib=lib_loop, device_local=device_local)
+    npu_native.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
+    return npu_native.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local)
+
+
+def fake_npu_platform():
+    """A CPU platform posing as 'npu' (the npu chooser and backends run; streams are STREAM)."""
+    from vllm_npu_offload.platform import CpuPlatform
+
+    class FakeNpu(CpuPlatform):
+        kind = "npu"
+
+        def raw_stream_handle(self, stream) -> int:
+            return STREAM
+
+    return FakeNpu()

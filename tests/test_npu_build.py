@@ -9,61 +9,25 @@ import shutil
 import numpy as np
 import pytest
 
-from _npu_build_support import CSRC, acl_include, build_into, build_mod
+from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch, lib_loop)
+    INCLUDE,
+    SKIP_REASON,
+    STREAM,
+    acl_path as _path,
+    build_into,
+    build_mod,
+    built,
+    fake_npu_platform,
+    emu,
+    lib_batch,
+    lib_loop,
+)
 
 from vllm_npu_offload.copy import npu_native
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import CopyError
 
-INCLUDE, SKIP_REASON = acl_include()
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
-STREAM = 0x5EED  # any non-null aclrtStream: the emulation only records it
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """{toggle: library path} for toggle 1, 0 and unset, plus the emulation."""
-    root = tmp_path_factory.mktemp("npu_build")
-    libs = {t: build_into(root / f"mode_{t}", INCLUDE, t) for t in ("1", "0", None)}
-    emu = build_mod.build_emulation(CSRC, root / "emu", INCLUDE)
-    return libs, emu
-
-
-@pytest.fixture(scope="module")
-def emu(built, tmp_path_factory):
-    import os
-
-    _, emu_path = built
-    os.environ["NPU_OFFLOAD_ACL_LIBRARY"] = str(emu_path)
-    lib = ctypes.CDLL(str(emu_path))
-    lib.acl_emu_set_fail_at.argtypes = [ctypes.c_longlong]
-    lib.acl_emu_count.restype = ctypes.c_longlong
-    lib.acl_emu_count.argtypes = [ctypes.c_char_p]
-    lib.acl_emu_last_stream.restype = ctypes.c_void_p
-    yield lib
-    os.environ.pop("NPU_OFFLOAD_ACL_LIBRARY", None)
-
-
-@pytest.fixture
-def lib_batch(built, emu):
-    lib = npu_native.load_library(built[0]["1"])
-    npu_native.set_batch_form(0, lib)
-    emu.acl_emu_reset()
-    yield lib
-    npu_native.set_batch_form(0, lib)
-
-
-@pytest.fixture
-def lib_loop(built, emu):
-    emu.acl_emu_reset()
-    return npu_native.load_library(built[0]["0"])
-
-
-def _path(kind: str, lib_batch, lib_loop) -> npu_native.AclCopyPath:
-    if kind == "loop":
-        return npu_native.AclCopyPath(None, batch=False, lib=lib_loop)
-    npu_native.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
-    return npu_native.AclCopyPath(None, batch=True, lib=lib_batch)
 
 
 def _scatter(rng, sizes, pool_bytes):
@@ -231,9 +195,9 @@ def test_device_id_reaches_the_batch_attribute(lib_batch, lib_loop, emu):
 def test_bad_arguments_are_named(lib_batch, lib_loop):
     a, b, s, d, z = _descs(4)
     err = npu_native.AclError()
-    rc = lib_batch.npu_offload_acl_copy_batch(s.ctypes.data, d.ctypes.data, z.ctypes.data, 4, 2, STREAM, 0,
+    rc = lib_batch.npu_offload_acl_copy_batch(s.ctypes.data, d.ctypes.data, z.ctypes.data, 4, 3, STREAM, 0,
                                               ctypes.byref(err))
-    assert rc == npu_native.BAD_ARGUMENT and b"direction 2 is not allowed" in err.message
+    assert rc == npu_native.BAD_ARGUMENT and b"direction 3 is not allowed" in err.message
     path = _path("loop", lib_batch, lib_loop)
     with pytest.raises(ValueError, match="descriptor 1 has size 0"):
         path.copy(s, d, np.array([4, 0, 4, 4], np.int64), Direction.H2D, STREAM)
@@ -276,15 +240,8 @@ def test_chooser_and_backend_with_emulation(built, emu, monkeypatch):
     """The npu chooser and NPUDmaCopyBackend end to end, on a CPU platform posing as 'npu'."""
     from vllm_npu_offload.copy.backend import NPUDmaCopyBackend
     from vllm_npu_offload.copy import npu_paths
-    from vllm_npu_offload.platform import CpuPlatform
 
-    class FakeNpu(CpuPlatform):
-        kind = "npu"
-
-        def raw_stream_handle(self, stream) -> int:
-            return STREAM
-
-    plat = FakeNpu()
+    plat = fake_npu_platform()
     for toggle, expect in (("1", "acl_batch"), ("0", "acl_loop")):
         monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(built[0][toggle].parent))
         assert npu_paths.choose(plat, []).load == expect

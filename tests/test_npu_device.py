@@ -1,4 +1,5 @@
-"""Real Ascend NPU: byte-exact round trips through NPUDmaCopyBackend (acl_batch, acl_loop).
+"""Real Ascend NPU: byte-exact round trips through NPUDmaCopyBackend (acl_batch, acl_loop), and
+the device->device gather/scatter of staged copies (acl_batch_local, acl_loop_local).
 
 Skipped unless torch_npu imports, an NPU is visible and csrc_npu was built
 (`python csrc_npu/build.py`). Run by scripts/npu_check.sh on an Ascend machine.
@@ -121,3 +122,57 @@ def test_worker_core_ascend_layout(platform, name):
                 assert torch.equal(t.cpu()[ids].view(torch.uint8), r[ids].view(torch.uint8))
     finally:
         core.shutdown()
+
+
+def _aligned_slots(rng, sizes, align=64):
+    """Shuffled, gapped, ``align``-aligned offsets (aclrtMemcpyAsync D2D needs 64-byte addresses)."""
+    spans = (sizes + align - 1) // align * align + align
+    perm = rng.permutation(len(sizes))
+    starts = np.concatenate(([0], np.cumsum(spans[perm])[:-1]))
+    off = np.empty(len(sizes), np.int64)
+    off[perm] = starts
+    return off, int(spans.sum())
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_staged_d2d_gather_scatter(platform, name):
+    """Store: gather device pages D2D into a device staging buffer, 3 large D2H copies; load: 3 large
+    H2D copies into staging, scatter D2D into other pages. Byte-exact, untouched bytes stay zero."""
+    from vllm_npu_offload.copy import npu_native, npu_paths
+
+    backend = _backend(platform, name)  # skips where the batch path is unusable
+    local = npu_native.AclCopyPath(platform, batch=name == "acl_batch", device_local=True)
+    assert npu_paths.local_path(platform).name.endswith("_local")
+    rng = np.random.default_rng(17)
+    sizes = np.array([1, 63, 64, 4097, 28 * 1024, 65537, 256 << 10] * 4, np.int64)
+    kv_off, kv_bytes = _aligned_slots(rng, sizes)
+    new_off, _ = _aligned_slots(np.random.default_rng(18), sizes)
+    st_spans = (sizes + 63) // 64 * 64
+    st_off = np.concatenate(([0], np.cumsum(st_spans)[:-1])).astype(np.int64)
+    st_bytes = int(st_spans.sum())
+    edges = np.linspace(0, st_bytes, 4).astype(np.int64)
+    big_off, big_sizes = edges[:-1], np.diff(edges)
+
+    def dev_zeros(n):  # 64-byte aligned start, whatever the allocator's alignment
+        t = torch.zeros(n + 64, dtype=torch.uint8, device=platform.device)
+        skip = -t.data_ptr() % 64
+        return t[skip : skip + n]
+
+    src = torch.from_numpy(rng.integers(0, 256, kv_bytes, dtype=np.uint8))
+    kv = dev_zeros(kv_bytes)
+    kv.copy_(src)
+    staging, staging2, kv2 = dev_zeros(st_bytes), dev_zeros(st_bytes), dev_zeros(kv_bytes)
+    host = torch.zeros(st_bytes, dtype=torch.uint8).pin_memory()
+    stream = platform.new_stream()
+    stream.wait_stream(platform.current_stream())  # kv/staging are written on the compute stream
+    local.copy(kv.data_ptr() + kv_off, staging.data_ptr() + st_off, sizes, Direction.D2H, stream)
+    backend.copy(staging.data_ptr() + big_off, host.data_ptr() + big_off, big_sizes, Direction.D2H, stream)
+    backend.copy(host.data_ptr() + big_off, staging2.data_ptr() + big_off, big_sizes, Direction.H2D, stream)
+    local.copy(staging2.data_ptr() + st_off, kv2.data_ptr() + new_off, sizes, Direction.H2D, stream)
+    stream.synchronize()
+    out = kv2.cpu()
+    mask = torch.zeros(kv_bytes, dtype=torch.bool)
+    for a, b, s, n in zip(kv_off.tolist(), new_off.tolist(), st_off.tolist(), sizes.tolist()):
+        assert torch.equal(host[s : s + n], src[a : a + n]) and torch.equal(out[b : b + n], src[a : a + n])
+        mask[b : b + n] = True
+    assert not out[~mask].any()

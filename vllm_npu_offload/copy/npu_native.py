@@ -25,6 +25,8 @@ ENV_MAX_BATCH = "NPU_OFFLOAD_ACL_MAX_BATCH"  # descriptors per aclrtMemcpyBatchA
 
 # Status codes of the C library (csrc_npu/npu_offload_acl.h).
 OK, ACL_FAILED, MISSING, BAD_ARGUMENT, NOT_BUILT = range(5)
+# Direction codes of the C library: 0 and 1 are Direction.H2D / D2H; 2 copies within the current device.
+D2D = 2
 
 
 class AclError(ctypes.Structure):
@@ -138,12 +140,19 @@ def _as_int64(a: np.ndarray, name: str) -> np.ndarray:
 
 
 class AclCopyPath(CopyPath):
-    """One C entry point (batch or loop) behind the CopyPath contract."""
+    """One C entry point (batch or loop) behind the CopyPath contract.
 
-    def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None):
+    ``device_local=True`` submits every copy device->device on the current device, whatever
+    ``direction`` says: the gather (store) and scatter (load) between KV pages and a device
+    staging buffer. The loop path then needs 64-byte aligned addresses (aclrtMemcpyAsync D2D).
+    """
+
+    def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None,
+                 device_local: bool = False):
         self.platform = platform
         self.batch = batch
-        self.name = "acl_batch" if batch else "acl_loop"
+        self.device_local = device_local
+        self.name = ("acl_batch" if batch else "acl_loop") + ("_local" if device_local else "")
         self._lib = lib or load_library()
         self._max_batch = int(os.environ.get(ENV_MAX_BATCH, "0") or 0)
         if self._max_batch < 0:
@@ -161,20 +170,24 @@ class AclCopyPath(CopyPath):
     def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Any,
              buffers=None) -> None:
         check_descriptors(src, dst, sizes)
-        direction = Direction(direction)
+        if self.device_local:
+            code, label = D2D, "D2D"
+        else:
+            direction = Direction(direction)
+            code, label = int(direction), direction.name
         n = len(sizes)
         if n == 0:
             return
         s, d, z = _as_int64(src, "src"), _as_int64(dst, "dst"), _as_int64(sizes, "sizes")
         handle = ctypes.c_void_p(self.stream_handle(stream))
         err = AclError()
-        args = (s.ctypes.data, d.ctypes.data, z.ctypes.data, n, int(direction), handle)
+        args = (s.ctypes.data, d.ctypes.data, z.ctypes.data, n, code, handle)
         if self.batch:
             rc = self._lib.npu_offload_acl_copy_batch(*args, self._max_batch, ctypes.byref(err))
         else:
             rc = self._lib.npu_offload_acl_copy_loop(*args, ctypes.byref(err))
         if rc != OK:
-            _raise(err, f"{self.name} {direction.name} copy of {n} descriptors failed")
+            _raise(err, f"{self.name} {label} copy of {n} descriptors failed")
 
 
 def library_info() -> str:

@@ -4,6 +4,7 @@ Imported by ``NPUDmaCopyBackend`` the first time an NPU platform is used. The ch
 is made once: the batch path when it was compiled in and libascendcl exports
 ``aclrtMemcpyBatchAsync`` (or its V2 form), else the per-copy loop, for both directions
 (ACL batches have no access-order option, so loads and stores use the same call).
+``local_path`` gives the device->device path of staged copies, chosen the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from ..platform import Platform
 from . import npu_native
 from .backend import BackendChoice, register_chooser, register_path
+from .base import CopyPath
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ def choose(platform: Platform, page_sizes: list[int]) -> BackendChoice:
             return BackendChoice("acl_batch", "acl_batch")
         logger.warning("acl_batch unavailable at run time (%s); using the aclrtMemcpyAsync loop", why)
     return BackendChoice("acl_loop", "acl_loop")
+
+
+def local_path(platform: Platform) -> CopyPath:
+    """The device->device path for staged copies (page gather / scatter via a device staging
+    buffer): ``acl_batch_local`` when ``choose`` would pick ``acl_batch``, else ``acl_loop_local``."""
+    batch = choose(platform, []).load == "acl_batch"
+    return npu_native.AclCopyPath(platform, batch=batch, device_local=True)
 
 
 register_path("acl_batch", _batch_path)
