@@ -86,12 +86,13 @@ def test_bad_transfers_raise_and_leak_nothing():
 
 
 def test_host_memory_is_exact_and_block_first():
-    lay = HostLayout.build([4096, 1000, 24], blocks_per_chunk=4, num_chunks=250)
-    exact = (4096 + 1000 + 24) * 1000
-    assert exact <= lay.nbytes <= 1.01 * exact
-    assert lay.page_offsets == (0, 4096, 5104) and lay.record_bytes % 16 == 0
-    assert lay.chunk_bytes == 4 * lay.record_bytes and lay.num_blocks == 1000
-    assert lay.group_span([1, 2]) == (4096, 5128)
+    lay = HostLayout.build([4096, 18432, 2048], blocks_per_chunk=4, num_chunks=250)  # K/V, MLA parts
+    exact = (4096 + 18432 + 2048) * 1000
+    assert lay.nbytes == exact  # no padding for KV-sized pages
+    assert lay.page_offsets == (0, 4096, 22528) and lay.chunk_bytes == 4 * lay.record_bytes
+    assert lay.num_blocks == 1000 and lay.group_span([1, 2]) == (4096, 24576)
+    odd = HostLayout.build([1000, 24], blocks_per_chunk=1, num_chunks=10)
+    assert odd.page_offsets == (0, 1024) and odd.record_bytes == 1088  # 64-byte aligned pages
     buf = HostKVBuffer(CpuPlatform(), lay.nbytes)
     assert buf.tensor.nbytes == buf.nbytes == lay.nbytes
     assert "NUMA" in buf.numa.describe()

@@ -48,7 +48,7 @@ def random_core(seed, bpc, staging_chunks, threaded=False, groups=1, device="cpu
         refs = [[GroupRef(i, pages[i] - int(rng.integers(0, 2)) * 8) for i in range(n_t)]]
     else:  # round-robin tensors over groups; a group may share none
         refs = [[GroupRef(i, pages[i]) for i in range(n_t) if i % groups == g] for g in range(groups)]
-    record = sum(-(-p // 16) * 16 for p in pages)
+    record = sum(-(-p // 64) * 64 for p in pages)
     core = OffloadWorkerCore(dev, refs, bpc, CHUNKS, platform,
                              staging_bytes=2 * staging_chunks * bpc * record + 32)
     return core, tensors, refs, rng

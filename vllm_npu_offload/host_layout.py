@@ -20,7 +20,7 @@ from .errors import OffloadConfigError
 from .memory import round_up
 from .plan import BlockLayout
 
-PAGE_ALIGNMENT = 16  # every page starts 16-byte aligned (wide SM loads); KV pages rarely need padding
+PAGE_ALIGNMENT = 64  # every page 64-byte aligned: wide SM loads, and ACL device-to-device copies need it
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import logging
 
 from ..platform import Platform
 from . import npu_native
-from .backend import BackendChoice, register_chooser, register_path
+from .backend import BackendChoice, register_chooser, register_path, register_staged
 from .base import CopyPath
 
 logger = logging.getLogger(__name__)
@@ -53,3 +53,12 @@ def local_path(platform: Platform) -> CopyPath:
 register_path("acl_batch", _batch_path)
 register_path("acl_loop", _loop_path)
 register_chooser("npu", choose)
+
+
+def staged_npu(platform: Platform, page_sizes: list[int]) -> tuple[CopyPath, CopyPath]:
+    """Gather/scatter as ACL device-to-device copies, the few large host copies on the same call."""
+    local = local_path(platform)
+    return local, npu_native.AclCopyPath(platform, batch=local.batch)
+
+
+register_staged("npu", staged_npu)
