@@ -22,6 +22,7 @@ DEV_BLOCKS, CHUNKS = 48, 40
 def staged_on_cpu(monkeypatch):
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)  # small slots: many slices, slot reuse
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
 
 
 def _platform(device):
@@ -141,7 +142,7 @@ def test_pipeline_reuses_slots_across_many_slices(device):
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
     chunks = rng.choice(CHUNKS, 20, replace=False).astype(np.int64)
     plan = core._staged_plan(Direction.D2H, core.split_groups(dev_ids, [20], [0], chunks))
-    assert plan.num_slices == 20 and len(plan.link) == 20
+    assert plan.num_slices == 20 and len(plan.link) == 20  # slot-sized slices: 1 block each
     core.pool.release(plan.buffers)
     original = [t.clone() for t in tensors]
     core.submit(1, Direction.D2H, dev_ids, [20], [0], chunks, staged=True)
@@ -184,8 +185,9 @@ def test_many_staged_jobs_in_flight_threaded():
     core.shutdown()
 
 
-def test_link_copies_are_few_and_merged():
+def test_link_copies_are_few_and_merged(monkeypatch):
     """Adjacent chunks become one host copy; the gather has one descriptor per page."""
+    monkeypatch.setattr(staging, "TARGET_SLICES", 1)
     core, tensors, refs, rng = random_core(3, 2, staging_chunks=16)
     plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(8), [8], [0], np.array([5, 6, 7, 20])))
     n_pages = 8 * len(refs[0])
@@ -217,4 +219,17 @@ def test_cpu_default_is_direct(monkeypatch):
     assert core.stager is None and not core.uses_staging(Direction.D2H, 1000)
     with pytest.raises(ValueError, match="no staging"):
         core.submit(1, Direction.D2H, np.array([0]), [1], [0], np.array([0]), staged=True)
+    core.shutdown()
+
+
+def test_slices_are_about_a_quarter_of_the_transfer(monkeypatch):
+    monkeypatch.setattr(staging, "TARGET_SLICES", 4)
+    core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
+    assert core.stager.slice_blocks(40) == 10 and core.stager.slice_blocks(3) == 1
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 6 * core.layout.record_bytes)
+    assert core.stager.slice_blocks(40) == 10 and core.stager.slice_blocks(8) == 6
+    plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(40), [40], [0], np.arange(40)))
+    assert plan.num_slices == 4 and len(plan.link) == 4  # consecutive host blocks: one run per slice
+    assert plan.link.sizes.tolist() == [10 * core.layout.record_bytes] * 4
+    core.pool.release(plan.buffers)
     core.shutdown()

@@ -212,13 +212,13 @@ def concat_descriptors(parts: Sequence[Descriptors]) -> Descriptors:
 
 
 class DescriptorBuffers:
-    """Three pinned int64 tensors plus numpy views of them."""
+    """Three pinned int64 rows (src, dst, sizes) plus numpy views of them."""
 
     def __init__(self, platform: Platform, capacity: int):
         self.capacity = capacity
-        self.src = platform.empty_pinned(capacity, torch.int64)
-        self.dst = platform.empty_pinned(capacity, torch.int64)
-        self.sizes = platform.empty_pinned(capacity, torch.int64)
+        # One (3, capacity) allocation: a device-side path uploads all three rows in one copy.
+        self.packed = platform.empty_pinned((3, capacity), torch.int64)
+        self.src, self.dst, self.sizes = self.packed[0], self.packed[1], self.packed[2]
         self.src_np = self.src.numpy()
         self.dst_np = self.dst.numpy()
         self.sizes_np = self.sizes.numpy()

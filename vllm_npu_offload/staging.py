@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 128 * 1024 * 1024  # both directions together
 MAX_SLOTS = 4
 MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs/benchmarks.md)
+TARGET_SLICES = 4  # a transfer is cut into about this many slices: only the first gather is not hidden
+MIN_SLICE_BYTES = 2 * 1024 * 1024  # ... but no smaller: each slice costs a launch and a few events
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,13 @@ class Stager:
         return [self.layout.tensor_layout(self.base[direction], t, g.slots * g.slot_blocks) for t in tensor_ids]
 
     # -- planning ---------------------------------------------------------------------------
+    def slice_blocks(self, n: int) -> int:
+        """Blocks per slice for an ``n``-block transfer: about ``TARGET_SLICES`` slices, each at
+        least ``MIN_SLICE_BYTES`` (when the transfer has that much) and at most one slot."""
+        g = self.geometry
+        floor = -(-MIN_SLICE_BYTES // g.record_bytes)
+        return max(1, min(g.slot_blocks, max(floor, -(-n // TARGET_SLICES))))
+
     def plan(self, direction: Direction, groups: Sequence[GroupBlocks]) -> StagedPlan:
         direction = Direction(direction)
         groups = [gb for gb in groups if len(gb.device_ids)]
@@ -146,8 +155,9 @@ class Stager:
         host = np.concatenate([gb.host_ids for gb in groups])
         n = len(dev)
         k = np.arange(n, dtype=np.int64)
-        slice_of = k // g.slot_blocks
-        pos = (slice_of % g.slots) * g.slot_blocks + k % g.slot_blocks
+        per = self.slice_blocks(n)
+        slice_of = k // per
+        pos = (slice_of % g.slots) * g.slot_blocks + k % per
         n_slices = int(slice_of[-1]) + 1
         # Local (page) descriptors, slice by slice; within a slice group by group.
         work = []
@@ -183,7 +193,7 @@ class Stager:
             raise
         src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
         link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
-        link_bounds = np.searchsorted(starts, np.arange(n_slices + 1) * g.slot_blocks).astype(np.int64)
+        link_bounds = np.searchsorted(starts, np.arange(n_slices + 1) * per).astype(np.int64)
         np.maximum.accumulate(local_bounds, out=local_bounds)  # slices without pages keep the bound
         return StagedPlan(
             Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes, local_bufs),
@@ -194,46 +204,42 @@ class Stager:
         )
 
     # -- execution ------------------------------------------------------------------------------
-    def _local(self, plan: StagedPlan, i: int, direction: Direction, stream: Any) -> None:
-        a, b = plan.local_bounds[i], plan.local_bounds[i + 1]
-        if b > a:
-            loc = plan.local
-            with self.platform.stream_context(stream):
-                self.local_path.copy(loc.src[a:b], loc.dst[a:b], loc.sizes[a:b], direction, stream, loc.buffers)
-
-    def _link(self, plan: StagedPlan, i: int, direction: Direction, stream: Any) -> None:
-        a, b = plan.link_bounds[i], plan.link_bounds[i + 1]
-        if b > a:
-            lk = plan.link
-            self.link_path.copy(lk.src[a:b], lk.dst[a:b], lk.sizes[a:b], direction, stream, lk.buffers)
-
     def run(self, plan: StagedPlan, direction: Direction, stream: Any) -> None:
-        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy."""
+        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy.
+
+        Device-local copies are issued under the aux stream's context (one upload of the
+        transfer's page descriptors, then one launch per slice); link copies and events
+        name their stream explicitly, so no per-slice context switch is needed.
+        """
         direction = Direction(direction)
         aux = self._aux[direction]
         filled, drained = self._filled[direction], self._drained[direction]
-        slots = self.geometry.slots
-        aux.wait_stream(stream)  # compute and earlier jobs first (the engine ordered ``stream``)
-        for i in range(plan.num_slices):
-            s = i % slots
-            if direction is Direction.D2H:  # gather on aux, then DMA on the job stream
-                if i >= slots:
-                    aux.wait_event(drained[s])
-                self._local(plan, i, direction, aux)
-                filled[s].record(aux)
-                stream.wait_event(filled[s])
-                self._link(plan, i, direction, stream)
-                drained[s].record(stream)
-            else:  # DMA on the job stream, then scatter on aux
-                if i >= slots:
-                    stream.wait_event(drained[s])
-                self._link(plan, i, direction, stream)
-                filled[s].record(stream)
-                aux.wait_event(filled[s])
-                self._local(plan, i, direction, aux)
-                drained[s].record(aux)
-        if direction is Direction.H2D and plan.num_slices:
-            stream.wait_event(drained[(plan.num_slices - 1) % slots])
+        slots, lb, kb = self.geometry.slots, plan.local_bounds, plan.link_bounds
+        lk, local, link = plan.link, self.local_path, self.link_path
+        store = direction is Direction.D2H
+        with self.platform.stream_context(aux):
+            aux.wait_stream(stream)  # compute and earlier jobs first (the engine ordered ``stream``)
+            prepared = local.prepare(plan.local)
+            for i in range(plan.num_slices):
+                s = i % slots
+                if i >= slots:  # the slot's previous slice must be through both copies
+                    (aux if store else stream).wait_event(drained[s])
+                if store:  # gather on aux, then DMA on the job stream
+                    local.copy_range(prepared, lb[i], lb[i + 1], direction, aux)
+                    filled[s].record(aux)
+                    stream.wait_event(filled[s])
+                    link.copy(lk.src[kb[i]:kb[i + 1]], lk.dst[kb[i]:kb[i + 1]], lk.sizes[kb[i]:kb[i + 1]],
+                              direction, stream, lk.buffers)
+                    drained[s].record(stream)
+                else:  # DMA on the job stream, then scatter on aux
+                    link.copy(lk.src[kb[i]:kb[i + 1]], lk.dst[kb[i]:kb[i + 1]], lk.sizes[kb[i]:kb[i + 1]],
+                              direction, stream, lk.buffers)
+                    filled[s].record(stream)
+                    aux.wait_event(filled[s])
+                    local.copy_range(prepared, lb[i], lb[i + 1], direction, aux)
+                    drained[s].record(aux)
+            if not store and plan.num_slices:
+                stream.wait_event(drained[(plan.num_slices - 1) % slots])
 
     def release(self) -> None:
         self.buffer = None

@@ -7,7 +7,10 @@ planning included, on KV shaped like real models (per-layer K and V tensors, fp8
 single-head tensor-parallel pages, MLA, Ascend's split MLA), random device block ids,
 host chunks either random (a long-running cache) or consecutive (a fresh one). Each
 number is compared with one contiguous copy of the same bytes between the same pinned
-host buffer and device memory, in the same run.
+host buffer and device memory, in the same run. Three times per transfer: wall clock of
+``submit`` + wait (planning and Python included), the device time between the engine's
+start and end events ("dev"), and the copies alone with descriptors planned beforehand
+("exec", how transfer.py times the single paths).
 """
 
 from __future__ import annotations
@@ -87,11 +90,24 @@ class CoreRig:
         self._job += 1
         self.core.submit(self._job, direction, dev, [len(dev)], [0], chunks, staged=staged)
 
-    def finish(self) -> None:
+    def finish(self) -> list[float]:
+        """Wait for every transfer; their device-side seconds (engine start/end events)."""
         self.core.engine.drain()
-        bad = [r for r in self.core.poll() if not r.success]
+        res = self.core.poll()
+        bad = [r for r in res if not r.success]
         if bad:
             raise RuntimeError(f"transfer failed: {bad[0].error}")
+        return [r.seconds for r in res]
+
+    def executor(self, direction: Direction, dev, chunks, staged: bool, stream):
+        """A function that enqueues the transfer's copies only (descriptors planned once, here)."""
+        core = self.core
+        parts = core.split_groups(dev, [len(dev)], [0], chunks)
+        if staged:
+            plan = core._staged_plan(direction, parts)
+            return (lambda: core.stager.run(plan, direction, stream)), plan
+        descs = core._direct_descriptors(direction, parts)
+        return (lambda: core.backend.copy(descs.src, descs.dst, descs.sizes, direction, stream, descs.buffers)), descs
 
     def close(self) -> None:
         self.core.shutdown()
@@ -135,9 +151,15 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
             dev, chunks = rig.ids(host, seed=zlib.crc32(f"{shape.name}/{host}".encode()))
             row = {"dir": d.name, "host": host, "bytes": nbytes, "contiguous_gbps": limit}
             for mode in (("direct", "staged") if core.stager is not None else ("direct",)):
-                sec = _median(lambda: rig.transfer(d, dev, chunks, mode == "staged"), rig.finish, reps)
-                row[f"{mode}_gbps"] = nbytes / sec / 1e9
-                row[f"{mode}_pct"] = 100.0 * row[f"{mode}_gbps"] / limit
+                staged = mode == "staged"
+                dev_s: list[float] = []
+                sec = _median(lambda: rig.transfer(d, dev, chunks, staged), lambda: dev_s.extend(rig.finish()), reps)
+                fn, planned = rig.executor(d, dev, chunks, staged, stream)
+                exec_s = _median(fn, stream.synchronize, reps)
+                core.pool.release(planned.buffers)
+                for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):
+                    row[f"{mode}{what}_gbps"] = nbytes / t / 1e9
+                    row[f"{mode}{what}_pct"] = 100.0 * nbytes / t / 1e9 / limit
             row["auto"] = "staged" if core.uses_staging(d, shape.blocks) else "direct"
             out["rows"].append(row)
     rig.close()
@@ -198,8 +220,8 @@ def format_shape(res: dict[str, Any]) -> str:
              f"{' KiB' if pages[0] >= 1024 else ' B'} x {s['blocks']} blocks, bpc {s['blocks_per_chunk']}, "
              f"record {res['record_bytes'] // 1024} KiB, staged from {res['staged_min_blocks']}"]
     for r in res["rows"]:
-        cells = [f"{m} {r[m + '_gbps']:6.2f} GB/s {r[m + '_pct']:5.1f}%" for m in ("direct", "staged")
-                 if m + "_gbps" in r]
+        cells = [f"{m} {r[m + '_gbps']:5.1f} GB/s {r[m + '_pct']:3.0f}% (dev {r[m + '_dev_pct']:3.0f}%, "
+                 f"exec {r[m + '_exec_pct']:3.0f}%)" for m in ("direct", "staged") if m + "_gbps" in r]
         lines.append(f"  {r['dir']} host={r['host']:6s} limit {r['contiguous_gbps']:6.2f} GB/s | "
                      + " | ".join(cells) + f" | auto={r['auto']}")
     return "\n".join(lines)

@@ -49,6 +49,17 @@ class CopyPath(ABC):
     def supports(self, direction: Direction) -> bool:
         return True
 
+    # A transfer copied in several ranges (staged slices) prepares once, then copies each
+    # range; paths with per-call set-up (descriptor upload) override both.
+    def prepare(self, descriptors: Any) -> Any:
+        """Per-transfer set-up for ``copy_range``; ``descriptors`` has src/dst/sizes/buffers."""
+        return descriptors
+
+    def copy_range(self, prepared: Any, start: int, end: int, direction: Direction, stream: Any) -> None:
+        """Copy descriptors ``start:end`` of a prepared transfer on ``stream``."""
+        d = prepared
+        self.copy(d.src[start:end], d.dst[start:end], d.sizes[start:end], direction, stream, d.buffers)
+
 
 def check_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:
     if not (len(src) == len(dst) == len(sizes)):

@@ -65,13 +65,14 @@ def tile_shape(page_bytes: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> tuple[i
 if HAS_TRITON:
 
     @triton.jit
-    def _sm_copy_kernel(src_ptr, dst_ptr, size_ptr, n, JOBS: tl.constexpr, VECS: tl.constexpr, BYTES: tl.constexpr):
+    def _sm_copy_kernel(src_ptr, dst_ptr, size_ptr, first, n, JOBS: tl.constexpr, VECS: tl.constexpr,
+                        BYTES: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lane2 = tl.arange(0, 2)  # the two 8-byte halves of one 16-byte vector
         for g in range(pid, tl.cdiv(n, JOBS), nprog):
-            job = g * JOBS + tl.arange(0, JOBS)
-            live = job < n
+            job = first + g * JOBS + tl.arange(0, JOBS)
+            live = job < first + n
             s = tl.load(src_ptr + job, mask=live, other=0)
             d = tl.load(dst_ptr + job, mask=live, other=0)
             size = tl.load(size_ptr + job, mask=live, other=0)
@@ -96,6 +97,15 @@ if HAS_TRITON:
                 m = b[None, :] < nbytes[:, None]
                 x = tl.load(s8[:, None] + b[None, :], mask=m)
                 tl.store(d8[:, None] + b[None, :], x, mask=m)
+
+
+def _refuse_null(src: np.ndarray, dst: np.ndarray) -> None:
+    """The kernel would fault and poison the context on a null address: refuse up front."""
+    bad = np.flatnonzero((src == 0) | (dst == 0))
+    if len(bad):
+        i = int(bad[0])
+        raise CopyError(f"sm copy: descriptor {i} has a null address (src={int(src[i]):#x}, "
+                        f"dst={int(dst[i]):#x}); addresses must be nonzero", "sm.copy", i)
 
 
 class SmCopyPath(CopyPath):
@@ -130,12 +140,7 @@ class SmCopyPath(CopyPath):
         n = len(sizes)
         if n == 0:
             return
-        bad = np.flatnonzero((src == 0) | (dst == 0))
-        if len(bad):  # the kernel would fault and poison the context: refuse up front
-            i = int(bad[0])
-            raise CopyError(f"sm copy: descriptor {i} has a null address (src={int(src[i]):#x}, "
-                            f"dst={int(dst[i]):#x}); addresses must be nonzero", "sm.copy", i)
-        jobs, vecs = tile_shape(self.page, self.tile_bytes)
+        _refuse_null(src, dst)
         device = self.platform.device
         try:
             with self.platform.stream_context(stream):
@@ -143,8 +148,36 @@ class SmCopyPath(CopyPath):
                     self._upload(a, getattr(buffers, k, None), device)
                     for a, k in ((src, "src"), (dst, "dst"), (sizes, "sizes"))
                 ]
-                grid = (max(1, min(self.programs, -(-n // jobs))),)
-                _sm_copy_kernel[grid](t[0], t[1], t[2], n, JOBS=jobs, VECS=vecs, BYTES=256,
-                                      num_warps=self.num_warps)
+                self._launch(t, 0, n)
         except Exception as e:  # noqa: BLE001 - surface as the copy contract's error
             raise CopyError(f"sm copy of {n} descriptors failed to launch: {type(e).__name__}: {e}", "sm.launch") from e
+
+    def _launch(self, t, first: int, n: int) -> None:
+        jobs, vecs = tile_shape(self.page, self.tile_bytes)
+        grid = (max(1, min(self.programs, -(-n // jobs))),)
+        _sm_copy_kernel[grid](t[0], t[1], t[2], first, n, JOBS=jobs, VECS=vecs, BYTES=256, num_warps=self.num_warps)
+
+    def prepare(self, descriptors):
+        """Check and upload a whole transfer's descriptors in one copy, on the current stream."""
+        src, dst, sizes, bufs = descriptors.src, descriptors.dst, descriptors.sizes, descriptors.buffers
+        check_descriptors(src, dst, sizes)
+        _refuse_null(src, dst)
+        n = len(sizes)
+        packed = getattr(bufs, "packed", None)
+        if packed is None or n == 0 or src.ctypes.data != packed[0].data_ptr():
+            host = self.platform.empty_pinned((3, max(1, n)), torch.int64)
+            for i, a in enumerate((src, dst, sizes)):
+                host.numpy()[i, :n] = a
+            packed = host
+        dev = packed.to(self.platform.device, non_blocking=True)
+        return dev[0], dev[1], dev[2]
+
+    def copy_range(self, prepared, start: int, end: int, direction: Direction, stream: Any) -> None:
+        if end <= start:
+            return
+        try:
+            with self.platform.stream_context(stream):
+                self._launch(prepared, start, end - start)
+        except Exception as e:  # noqa: BLE001
+            raise CopyError(f"sm copy of {end - start} descriptors failed to launch: {type(e).__name__}: {e}",
+                            "sm.launch") from e
