@@ -139,7 +139,7 @@ class OffloadWorkerCore:
             d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
             src, dst = (d, other) if direction is Direction.D2H else (other, d)
             pairs.append(TensorPair(src, dst, ref.page_bytes))
-        return CopyPlanner(pairs)
+        return CopyPlanner(pairs, merge=staging is None)  # staged: one gather descriptor per page
 
     def _setup_staging(self, page_sizes: list[int], staging_bytes: int | None) -> None:
         mode = os.environ.get(ENV_STAGED, "").strip()
@@ -153,7 +153,13 @@ class OffloadWorkerCore:
         self.stager = Stager(self.platform, self.layout, self.host.base,
                              DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes,
                              paths[0], paths[1], self.pool)
+        # Stores run while the model computes: a direct store must not hold SMs for the whole
+        # PCIe time (an SM store slowed a concurrent GEMM by ~20%, docs/benchmarks.md), so small
+        # stores go direct on the copy engines and the rest staged. Loads keep the faster path.
+        self.backend.use_path(Direction.D2H, paths[1])
         self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
+        self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
+                       for refs in self.group_refs]
         if mode == "1":
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
@@ -231,8 +237,7 @@ class OffloadWorkerCore:
         for g, dev, host in parts:
             planner = self._staged[(g, direction)]
             if planner is not None:
-                span = self.layout.group_span([r.tensor_idx for r in self.group_refs[g]])
-                groups.append(GroupBlocks(planner, span, dev, host))
+                groups.append(GroupBlocks(planner, self._spans[g], dev, host))
         return self.stager.plan(direction, groups)
 
     def uses_staging(self, direction: Direction, num_blocks: int) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .copy.base import CopyPath, Direction
+from .copy.base import CopyPath, DescriptorRange, Direction
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .plan import CopyPlanner, DescriptorBuffers, DescriptorPool, Descriptors
@@ -67,10 +67,10 @@ class StagingGeometry:
 
 @dataclass
 class StagedPlan:
-    """One transfer's descriptors, slice by slice (``*_bounds[i]:*_bounds[i+1]`` is slice i)."""
+    """One transfer's descriptors; slice i copies ``local_ranges[i]`` and links ``link_bounds[i]:[i+1]``."""
 
-    local: Descriptors  # device pages <-> staging positions
-    local_bounds: np.ndarray
+    local: Descriptors  # device pages <-> staging positions, tensor-major per group
+    local_ranges: list[list[DescriptorRange]]  # per slice, the descriptors its gather/scatter copies
     link: Descriptors  # staging runs <-> host runs
     link_bounds: np.ndarray
 
@@ -159,24 +159,30 @@ class Stager:
         slice_of = k // per
         pos = (slice_of % g.slots) * g.slot_blocks + k % per
         n_slices = int(slice_of[-1]) + 1
-        # Local (page) descriptors, slice by slice; within a slice group by group.
-        work = []
-        for s in range(n_slices):
-            for i, gb in enumerate(groups):
-                sel = (slice_of == s) & (gid == i)
-                if sel.any():
-                    src, dst = (dev[sel], pos[sel]) if direction is Direction.D2H else (pos[sel], dev[sel])
-                    work.append((s, gb.planner, src, dst, gb.planner.count(src, dst)))
-        local_bufs = self.pool.acquire(sum(w[4] for w in work))
-        local_bounds = np.zeros(n_slices + 1, np.int64)
+        # Local (page) descriptors: one planner call per group, tensor-major (row = tensor,
+        # column = block); slice s is the column range [s*per, (s+1)*per) of every row.
+        work, blk = [], 0
+        for gb in groups:
+            k_g = len(gb.device_ids)
+            p_ids = pos[blk:blk + k_g]
+            src, dst = (gb.device_ids, p_ids) if direction is Direction.D2H else (p_ids, gb.device_ids)
+            work.append((src, dst, gb.planner))
+            blk += k_g
+        local_bufs = self.pool.acquire(sum(w[2].count(w[0], w[1]) for w in work))
+        ranges: list[list[DescriptorRange]] = [[] for _ in range(n_slices)]
         at = nbytes = 0
         try:
-            for s, planner, src, dst, cnt in work:
-                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:at + cnt], local_bufs.dst_np[at:at + cnt],
-                                         local_bufs.sizes_np[at:at + cnt])
+            blk = 0
+            for src, dst, planner in work:
+                k_g = len(src)
+                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
+                                         local_bufs.sizes_np[at:])
+                for s_i in range(blk // per, (blk + k_g - 1) // per + 1):
+                    c0, c1 = max(s_i * per, blk) - blk, min((s_i + 1) * per, blk + k_g) - blk
+                    ranges[s_i].append(DescriptorRange(at + c0, c1 - c0, w // k_g, k_g))
                 at += w
                 nbytes += b
-                local_bounds[s + 1] = at
+                blk += k_g
             # Link descriptors: runs of consecutive host blocks inside one slice and one group.
             starts = _link_runs(host, gid * n_slices + slice_of)
             ends = np.append(starts[1:], n)
@@ -194,10 +200,9 @@ class Stager:
         src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
         link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
         link_bounds = np.searchsorted(starts, np.arange(n_slices + 1) * per).astype(np.int64)
-        np.maximum.accumulate(local_bounds, out=local_bounds)  # slices without pages keep the bound
         return StagedPlan(
             Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes, local_bufs),
-            local_bounds,
+            ranges,
             Descriptors(link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m], int(size.sum()),
                         link_bufs),
             link_bounds,
@@ -214,7 +219,7 @@ class Stager:
         direction = Direction(direction)
         aux = self._aux[direction]
         filled, drained = self._filled[direction], self._drained[direction]
-        slots, lb, kb = self.geometry.slots, plan.local_bounds, plan.link_bounds
+        slots, lr, kb = self.geometry.slots, plan.local_ranges, plan.link_bounds.tolist()
         lk, local, link = plan.link, self.local_path, self.link_path
         store = direction is Direction.D2H
         with self.platform.stream_context(aux):
@@ -225,7 +230,8 @@ class Stager:
                 if i >= slots:  # the slot's previous slice must be through both copies
                     (aux if store else stream).wait_event(drained[s])
                 if store:  # gather on aux, then DMA on the job stream
-                    local.copy_range(prepared, lb[i], lb[i + 1], direction, aux)
+                    for rng in lr[i]:
+                        local.copy_range(prepared, rng, direction, aux)
                     filled[s].record(aux)
                     stream.wait_event(filled[s])
                     link.copy(lk.src[kb[i]:kb[i + 1]], lk.dst[kb[i]:kb[i + 1]], lk.sizes[kb[i]:kb[i + 1]],
@@ -236,7 +242,8 @@ class Stager:
                               direction, stream, lk.buffers)
                     filled[s].record(stream)
                     aux.wait_event(filled[s])
-                    local.copy_range(prepared, lb[i], lb[i + 1], direction, aux)
+                    for rng in lr[i]:
+                        local.copy_range(prepared, rng, direction, aux)
                     drained[s].record(aux)
             if not store and plan.num_slices:
                 stream.wait_event(drained[(plan.num_slices - 1) % slots])

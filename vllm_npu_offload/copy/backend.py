@@ -121,6 +121,14 @@ class NPUDmaCopyBackend:
             self._paths[d] = _PATH_FACTORIES[name](platform, pages)
         logger.info("NPUDmaCopyBackend on %s: load=%s store=%s", platform.kind, self.choice.load, self.choice.store)
 
+    def use_path(self, direction: Direction, path: CopyPath) -> None:
+        """Replace one direction's path (set-up only, before any copy is submitted)."""
+        direction = Direction(direction)
+        self._paths[direction] = path
+        load, store = self.choice.load, self.choice.store
+        self.choice = BackendChoice(path.name if direction.is_load else load, store if direction.is_load else path.name)
+        logger.info("NPUDmaCopyBackend on %s: %s now uses %s", self.platform.kind, direction.name, path.name)
+
     def path(self, direction: Direction) -> CopyPath:
         return self._paths[Direction(direction)]
 

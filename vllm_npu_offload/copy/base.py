@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,10 +56,33 @@ class CopyPath(ABC):
         """Per-transfer set-up for ``copy_range``; ``descriptors`` has src/dst/sizes/buffers."""
         return descriptors
 
-    def copy_range(self, prepared: Any, start: int, end: int, direction: Direction, stream: Any) -> None:
-        """Copy descriptors ``start:end`` of a prepared transfer on ``stream``."""
-        d = prepared
-        self.copy(d.src[start:end], d.dst[start:end], d.sizes[start:end], direction, stream, d.buffers)
+    def copy_range(self, prepared: Any, rng: "DescriptorRange", direction: Direction, stream: Any) -> None:
+        """Copy the descriptors ``rng`` selects from a prepared transfer, on ``stream``."""
+        d, idx = prepared, rng.indices()
+        self.copy(d.src[idx], d.dst[idx], d.sizes[idx], direction, stream)
+
+
+@dataclass(frozen=True)
+class DescriptorRange:
+    """Descriptors ``first + r * stride + c`` for ``r < rows``, ``c < width``.
+
+    ``rows=1`` is a plain contiguous range; otherwise the same column range of every row of
+    a tensor-major table (row = KV tensor, column = block), which is what one staged slice
+    needs without re-sorting the descriptors slice by slice.
+    """
+
+    first: int
+    width: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.rows * self.width
+
+    def indices(self) -> np.ndarray:
+        r = np.arange(self.rows, dtype=np.int64)[:, None] * self.stride
+        return (self.first + r + np.arange(self.width, dtype=np.int64)[None, :]).ravel()
 
 
 def check_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CopyError
 from ..platform import Platform
-from .base import CopyPath, Direction, check_descriptors
+from .base import CopyPath, DescriptorRange, Direction, check_descriptors
 
 try:
     import triton
@@ -65,14 +65,18 @@ def tile_shape(page_bytes: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> tuple[i
 if HAS_TRITON:
 
     @triton.jit
-    def _sm_copy_kernel(src_ptr, dst_ptr, size_ptr, first, n, JOBS: tl.constexpr, VECS: tl.constexpr,
-                        BYTES: tl.constexpr):
+    def _sm_copy_kernel(src_ptr, dst_ptr, size_ptr, first, width, rows, stride, JOBS: tl.constexpr,
+                        VECS: tl.constexpr, BYTES: tl.constexpr):
+        # Descriptors ``first + r * stride + c`` for r < rows, c < width: a contiguous range
+        # (rows=1) or the same column range of every row of a tensor-major table (a staged slice).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lane2 = tl.arange(0, 2)  # the two 8-byte halves of one 16-byte vector
+        n = rows * width
         for g in range(pid, tl.cdiv(n, JOBS), nprog):
-            job = first + g * JOBS + tl.arange(0, JOBS)
-            live = job < first + n
+            k = g * JOBS + tl.arange(0, JOBS)
+            live = k < n
+            job = first + (k // width) * stride + k % width
             s = tl.load(src_ptr + job, mask=live, other=0)
             d = tl.load(dst_ptr + job, mask=live, other=0)
             size = tl.load(size_ptr + job, mask=live, other=0)
@@ -152,10 +156,11 @@ class SmCopyPath(CopyPath):
         except Exception as e:  # noqa: BLE001 - surface as the copy contract's error
             raise CopyError(f"sm copy of {n} descriptors failed to launch: {type(e).__name__}: {e}", "sm.launch") from e
 
-    def _launch(self, t, first: int, n: int) -> None:
+    def _launch(self, t, first: int, width: int, rows: int = 1, stride: int = 0) -> None:
         jobs, vecs = tile_shape(self.page, self.tile_bytes)
-        grid = (max(1, min(self.programs, -(-n // jobs))),)
-        _sm_copy_kernel[grid](t[0], t[1], t[2], first, n, JOBS=jobs, VECS=vecs, BYTES=256, num_warps=self.num_warps)
+        grid = (max(1, min(self.programs, -(-(rows * width) // jobs))),)
+        _sm_copy_kernel[grid](t[0], t[1], t[2], first, width, rows, stride, JOBS=jobs, VECS=vecs, BYTES=256,
+                              num_warps=self.num_warps)
 
     def prepare(self, descriptors):
         """Check and upload a whole transfer's descriptors in one copy, on the current stream."""
@@ -172,12 +177,12 @@ class SmCopyPath(CopyPath):
         dev = packed.to(self.platform.device, non_blocking=True)
         return dev[0], dev[1], dev[2]
 
-    def copy_range(self, prepared, start: int, end: int, direction: Direction, stream: Any) -> None:
-        if end <= start:
+    def copy_range(self, prepared, rng: DescriptorRange, direction: Direction, stream: Any) -> None:
+        if rng.count <= 0:
             return
         try:
             with self.platform.stream_context(stream):
-                self._launch(prepared, start, end - start)
+                self._launch(prepared, rng.first, rng.width, rng.rows, rng.stride)
         except Exception as e:  # noqa: BLE001
-            raise CopyError(f"sm copy of {end - start} descriptors failed to launch: {type(e).__name__}: {e}",
+            raise CopyError(f"sm copy of {rng.count} descriptors failed to launch: {type(e).__name__}: {e}",
                             "sm.launch") from e
