@@ -7,6 +7,7 @@
 #                          bash .gpu/e2e_src/scripts/gpu_e2e.sh stage .gpu/part2 && ... install
 #                          bash .gpu/e2e_src/scripts/gpu_e2e.sh run correctness ttft miss multiturn
 set -u -o pipefail
+CALLER=$PWD  # part folders are given relative to where the call was made
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
@@ -37,7 +38,8 @@ case "$cmd" in
     echo "  call $((n+2)): carry [$rel/e2e_src]  command: bash $rel/e2e_src/scripts/gpu_e2e.sh run multiturn"
     ;;
   stage)
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage stage "$@"
+    p=${1:?stage needs a part folder}; case "$p" in /*) ;; *) p="$CALLER/$p" ;; esac
+    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage stage "$p"
     ;;
   install)
     t=$(date +%s)

@@ -55,6 +55,9 @@ def _close(procs) -> None:
 
 
 # ---------------------------------------------------------------------------- correctness
+WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, after reset"}
+
+
 def part_correctness(work: Path, a) -> dict:
     from ...demo.tiny_model import build_tiny_llama
 
@@ -94,8 +97,7 @@ def part_correctness(work: Path, a) -> dict:
 
     def check(dtype, engine, against, key, ref_label, ref_key, expect_equal=True, need_host=True):
         run, ref = res["runs"].get(engine, {}), res["runs"].get(ref_label, {})
-        c = {"dtype": dtype, "engine": engine + (f" ({key})" if key != "r2" else " (after reset)"),
-             "against": ref_label + (" (first run)" if ref_key == "r1" else " (after reset)"),
+        c = {"dtype": dtype, "engine": f"{engine} ({WHEN[key]})", "against": f"{ref_label} ({WHEN[ref_key]})",
              "expect_equal": expect_equal}
         err = run.get("error") or ref.get("error")
         if err:

@@ -262,8 +262,9 @@ def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR) -> None:
         t.extractall(site)
     tar.unlink()
     wheels = [str(stage_dir / w) for w in man["wheels"]]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
     (site / READY).write_text(json.dumps({"vllm": man["vllm"], "tar_sha256": man["tar_sha256"]}))
 
 
