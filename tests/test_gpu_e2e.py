@@ -1,0 +1,152 @@
+"""The CPU-side pieces of the GPU end-to-end script (scripts/gpu_e2e.sh): packing into parts,
+staging/install/cold-machine detection, prompts, argument parsing and tables. No GPU, no vLLM."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from vllm_npu_offload.bench.gpu_e2e import stage, tables
+from vllm_npu_offload.bench.gpu_e2e.engine import kv_transfer_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plan_parts_fills_budget_and_keeps_pieces_contiguous():
+    parts = stage.plan_parts([("t", 250, True), ("a", 30, False), ("b", 90, False)], 100)
+    assert all(sum(n for _, _, n in p) <= 100 for p in parts)
+    assert len(parts) == 4  # 370 bytes in parts of 100
+    whole = [(name, off, n) for p in parts for name, off, n in p if name != "t"]
+    assert sorted(whole) == [("a", 0, 30), ("b", 0, 90)]  # wheels never split
+    pieces = [(off, n) for p in parts for name, off, n in p if name == "t"]
+    assert pieces[0][0] == 0 and sum(n for _, n in pieces) == 250
+    assert all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+def test_plan_parts_rejects_oversized_whole_item():
+    with pytest.raises(stage.StageError, match="does not fit"):
+        stage.plan_parts([("big.whl", 200, False)], 100)
+
+
+def test_deps_are_pinned_once():
+    deps = stage.read_deps()
+    names = [d.split("==")[0].lower() for d in deps]
+    assert len(names) == len(set(names)) and "uvicorn" in names
+
+
+def _fake_parts(tmp_path: Path, budget: int = 4000):
+    """A tiny 'vLLM' tarball split like prepare() does, without downloads."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as t:
+        data = os.urandom(6000)
+        info = tarfile.TarInfo("vllm/__init__.py")
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+    tar = tmp_path / "v.tar.xz"
+    tar.write_bytes(buf.getvalue())
+    man = {"vllm": "0.23.0", "tar": stage.TAR_NAME, "tar_sha256": stage._sha256(tar), "wheels": [], "pieces": []}
+    parts = stage.plan_parts([(stage.TAR_NAME, tar.stat().st_size, True)], budget)
+    raw = tar.read_bytes()
+    for i, part in enumerate(parts, 1):
+        d = tmp_path / f"part{i}"
+        d.mkdir()
+        for _, off, n in part:
+            (d / f"{stage.TAR_NAME}.{off:012d}").write_bytes(raw[off:off + n])
+            man["pieces"].append({"part": i, "file": f"{stage.TAR_NAME}.{off:012d}", "offset": off, "bytes": n})
+    for i in range(1, len(parts) + 1):
+        (tmp_path / f"part{i}" / "manifest.json").write_text(json.dumps(man))
+    return len(parts)
+
+
+def test_stage_install_and_cold_detection(tmp_path, capsys):
+    n = _fake_parts(tmp_path)
+    assert n >= 2
+    st, site = tmp_path / "stage", tmp_path / "site"
+    assert stage.check(site) == 3
+    assert "machine is cold" in capsys.readouterr().err
+    missing = stage.stage(tmp_path / "part1", st)
+    assert missing  # the later parts are not there yet
+    with pytest.raises(stage.StageError, match="stage every part again"):
+        stage.install(st, site)
+    for i in range(2, n + 1):
+        missing = stage.stage(tmp_path / f"part{i}", st)
+    assert missing == []
+    stage.install(st, site)
+    assert (site / "vllm" / "__init__.py").exists() and stage.check(site) == 0
+
+
+def test_install_on_fresh_machine_says_cold(tmp_path):
+    with pytest.raises(stage.StageError, match="went cold"):
+        stage.install(tmp_path / "nothing", tmp_path / "site")
+
+
+def test_script_run_on_cold_machine_exits_3(tmp_path):
+    env = {**os.environ, "GPU_E2E_SITE": str(tmp_path / "site"), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu_e2e.sh"), "run", "correctness"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3
+    assert "machine is cold" in r.stderr
+
+
+def test_parse_parts():
+    assert tables.parse_parts([]) == list(tables.PARTS)
+    assert tables.parse_parts(["all"]) == list(tables.PARTS)
+    assert tables.parse_parts(["miss", "correctness"]) == ["correctness", "miss"]
+    with pytest.raises(ValueError, match="unknown part"):
+        tables.parse_parts(["speed"])
+
+
+def test_device_args():
+    from vllm_npu_offload.bench.gpu_e2e.device import build_parser
+
+    a = build_parser().parse_args(["ttft", "--ttft-lengths", "2048,8192", "--reps", "7"])
+    assert a.parts == ["ttft"] and a.ttft_lengths == [2048, 8192] and a.reps == 7
+
+
+def test_unique_prompts_exact_and_distinct():
+    ps = tables.unique_prompts(48, 2000, seed=3)
+    assert all(len(p) == 2000 for p in ps)
+    assert len({tuple(p[:16]) for p in ps}) == 48
+    assert all(4 <= t < 1000 for p in ps for t in p)
+    other = tables.unique_prompts(48, 2000, seed=4)
+    assert not {tuple(p[:16]) for p in ps} & {tuple(p[:16]) for p in other}
+    assert tables.unique_prompts(2, 10, seed=3) == tables.unique_prompts(2, 10, seed=3)
+
+
+def test_spread_and_outside():
+    assert tables.spread([3.0, 1.0, 2.0]) == {"n": 3, "median": 2.0, "min": 1.0, "max": 3.0}
+    assert tables.outside_spread([1.0, 1.1], [1.2, 1.3])
+    assert not tables.outside_spread([1.0, 1.25], [1.2, 1.3])
+    assert tables.kv_bytes_per_token(32, 8, 128, 2) == 131072
+
+
+def test_kv_transfer_configs():
+    assert kv_transfer_config("off", 1, 64) is None
+    nat = kv_transfer_config("native", 1 << 30, 64)
+    assert nat["kv_connector"] == "OffloadingConnector" and "spec_name" not in nat["kv_connector_extra_config"]
+    ours = kv_transfer_config("ours", 1 << 30, 64)["kv_connector_extra_config"]
+    assert ours["spec_name"] == "NPUOffloadingSpec" and ours["block_size"] == 64
+    assert kv_transfer_config("simple", 1, 64)["kv_connector"] == "NPUSimpleCPUOffloadConnector"
+    with pytest.raises(ValueError):
+        kv_transfer_config("other", 1, 64)
+
+
+def test_tables_from_recorded_results(tmp_path):
+    """The tables render from the JSON recorded on the H200 (docs/results) and are written back."""
+    res_dir = ROOT / "docs/results/gpu_e2e_2026-11-23"
+    for part in tables.PARTS:
+        res = json.loads((res_dir / f"{part}.json").read_text())
+        text = tables.write_part(tmp_path, part, res)
+        assert text.startswith("|") and (tmp_path / f"{part}.json").exists()
+    assert "ours" in (tmp_path / "miss.txt").read_text()
+
+
+def test_write_part_survives_bad_result(tmp_path):
+    text = tables.write_part(tmp_path, "ttft", {"error": "boom"})
+    assert text.startswith("(no table")
+    assert json.loads((tmp_path / "ttft.json").read_text())["error"] == "boom"

@@ -1,0 +1,256 @@
+"""One vLLM engine in its own process, driven over a pipe.
+
+Why a process per engine: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (needed to read our
+transfer totals in-process) deleting an ``LLM`` does not free its GPU memory. Several of these
+can stay alive at once and take batches in turn (the interleaved miss-cost runs).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEC_MODULE = "vllm_npu_offload.integration.spec"
+SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
+KINDS = ("off", "native", "ours", "simple")
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int) -> dict | None:
+    """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; simple: our
+    NPUSimpleCPUOffloadConnector. ``block_size`` is the offloaded block size in tokens."""
+    if kind == "off":
+        return None
+    if kind == "simple":
+        return {"kv_connector": "NPUSimpleCPUOffloadConnector", "kv_connector_module_path": SIMPLE_MODULE,
+                "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
+    if kind == "ours":
+        extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
+    elif kind != "native":
+        raise ValueError(f"engine kind {kind!r}: one of {KINDS}")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@dataclass
+class EngineSpec:
+    label: str
+    kind: str
+    model: str
+    dtype: str = "bfloat16"
+    load_format: str = "auto"
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 1 << 30  # device KV, fixed (no memory profiling: engines may share the GPU)
+    gpu_util: float = 0.1  # only vLLM's start-up check "free >= util x total"
+    cpu_bytes: int = 1 << 30
+    offload_block: int = 64
+    block_size: int = 16
+    max_num_seqs: int = 64
+    env: dict = field(default_factory=dict)
+
+    def llm_kwargs(self) -> dict:
+        kw = dict(model=self.model, dtype=self.dtype, load_format=self.load_format, max_model_len=self.max_model_len,
+                  kv_cache_memory_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_util,
+                  block_size=self.block_size, max_num_seqs=self.max_num_seqs, enforce_eager=True,
+                  attention_backend="TRITON_ATTN", enable_prefix_caching=True, seed=0)
+        kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block)
+        if kt is not None:
+            kw["kv_transfer_config"] = kt
+        return kw
+
+
+# ------------------------------------------------------------------ child side
+class _Engine:
+    def __init__(self, spec: EngineSpec):
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kw = spec.llm_kwargs()
+        if "kv_transfer_config" in kw:
+            kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
+        t0 = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.start_s = time.perf_counter() - t0
+        self._flush_seq = 0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from ...stats import TOTALS
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        load0, store0 = TOTALS.snapshot()
+        t0 = time.perf_counter()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        load1, store1 = TOTALS.snapshot()
+        rows = []
+        for o in outs:
+            m = getattr(o, "metrics", None)
+            ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            rows.append({"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
+                         "ttft_s": float(ttft) if ttft is not None else None})
+        return {"wall_s": wall, "rows": rows,
+                "load_bytes": load1.bytes - load0.bytes, "load_s": load1.seconds - load0.seconds,
+                "load_jobs": load1.jobs - load0.jobs, "load_failed": load1.failed - load0.failed,
+                "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
+                "store_failed": store1.failed - store0.failed}
+
+    def flush_reset(self, reset: bool = True, tries: int = 60) -> dict:
+        """Step the engine until pending stores are done, then reset the device prefix cache.
+
+        In-process, nothing steps the engine between ``generate`` calls, so a store still in
+        flight keeps its blocks (and reset_prefix_cache() returns False): short 1-token requests
+        (8 tokens, no full offloaded block, so nothing new is stored) drive the steps."""
+        for i in range(tries):
+            if reset and self.llm.reset_prefix_cache():
+                return {"ok": True, "tries": i}
+            self._flush_seq += 1
+            self.generate([[5 + (self._flush_seq * 7 + k) % 900 for k in range(8)]], 1)
+            if not reset and i >= 2:
+                return {"ok": True, "tries": i}
+        return {"ok": False, "tries": tries}
+
+    def corrupt_page(self, seed: int = 0) -> dict:
+        """Overwrite one host page (the first non-zero block of the first tensor's region) of our
+        worker with random bytes: a negative control that must change the tokens."""
+        import torch
+
+        from ...offload_worker import live_workers
+
+        cores = live_workers()
+        if len(cores) != 1:
+            return {"ok": False, "why": f"{len(cores)} live worker cores"}
+        view = cores[0].host.region_view(0)
+        for b in range(view.shape[0]):
+            if bool(view[b].any()):
+                g = torch.Generator().manual_seed(seed)
+                view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
+                return {"ok": True, "region": 0, "block": b, "bytes": int(view.shape[1])}
+        return {"ok": False, "why": "host region 0 is all zeros"}
+
+    def bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
+        """One contiguous pinned host <-> device copy of ``nbytes``, median GB/s of ``reps``."""
+        import torch
+
+        h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        h.random_(0, 256)
+        d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        out = {}
+        for name, dst, src in (("h2d_gbps", d, h), ("d2h_gbps", h, d)):
+            ts = []
+            for _ in range(reps + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            out[name] = nbytes / statistics.median(ts[1:]) / 1e9
+        del h, d
+        torch.cuda.empty_cache()
+        return out
+
+
+def _child(conn, spec: EngineSpec) -> None:
+    os.environ.update(ENV)
+    os.environ.update(spec.env)
+    try:
+        eng = _Engine(spec)
+        conn.send(("ready", {"start_s": eng.start_s}))
+    except BaseException as e:  # noqa: BLE001 - report any start failure to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-4000:]}"))
+        return
+    while True:
+        op, kw = conn.recv()
+        if op == "quit":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(eng, op)(**kw)))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-4000:]}"))
+
+
+# ------------------------------------------------------------------ parent side
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineProc:
+    """Parent handle: ``start()`` spawns, ``wait_ready()`` blocks until the LLM exists,
+    ``call(op, **kw)`` runs a method of the child's engine, ``close()`` ends the process."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.error: str | None = None
+        self.start_s: float | None = None
+        self._conn = self._proc = None
+
+    def start(self) -> "EngineProc":
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, args=(child, self.spec), name=f"engine-{self.spec.label}")
+        self._proc.start()
+        return self
+
+    def _recv(self, timeout: float):
+        if not self._conn.poll(timeout):
+            raise EngineError(f"[{self.spec.label}] no answer in {timeout:.0f}s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise EngineError(f"[{self.spec.label}] engine process died (exit {self._proc.exitcode})") from None
+
+    def wait_ready(self, timeout: float = 400) -> bool:
+        try:
+            status, val = self._recv(timeout)
+        except EngineError as e:
+            status, val = "error", str(e)
+        if status != "ready":
+            self.error = val
+            return False
+        self.start_s = val["start_s"]
+        return True
+
+    def call(self, op: str, timeout: float = 300, **kw):
+        if self.error:
+            raise EngineError(f"[{self.spec.label}] not running: {self.error.splitlines()[0]}")
+        self._conn.send((op, kw))
+        status, val = self._recv(timeout)
+        if status != "ok":
+            raise EngineError(f"[{self.spec.label}] {op}: {val}")
+        return val
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive() and not self.error:
+            try:
+                self._conn.send(("quit", {}))
+                self._conn.poll(20)
+            except (OSError, EOFError):
+                pass
+        self._proc.join(20)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
+
+
+def start_all(specs: list[EngineSpec], timeout: float = 400) -> dict[str, EngineProc]:
+    """Spawn every engine at once (fixed device KV makes that safe) and wait for all."""
+    procs = {s.label: EngineProc(s).start() for s in specs}
+    for p in procs.values():
+        p.wait_ready(timeout)
+    return procs

@@ -1,0 +1,320 @@
+"""Stage vLLM 0.23.0 (CUDA) for a lent GPU machine that has no registry, and install it there.
+
+Host side (needs registry access; stdlib + pip + xz only):
+  prepare: download the vLLM 0.23.0 wheel and the wheels in ``deps.txt`` (cached), strip the
+  wheel, apply the edits, ``tar | xz``, and split everything into parts that each fit one
+  device call (<= ``--part-bytes``), plus ``manifest.json`` in every part.
+
+Device side (no registry; stdlib only):
+  stage PART_DIR: copy one part into ``/tmp/gpu_e2e/stage`` (it survives while the machine stays warm).
+  install: check that every piece is there, unpack vLLM into ``/tmp/site``, pip-install the wheels.
+  check: exit 3 with "machine is cold ..." when ``/tmp/site`` is not a finished install.
+
+Why: ../shared/research/gpu_vllm.md (the GPU image has torch 2.11.0+cu130, which vLLM 0.23.0 pins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+VLLM_VERSION = "0.23.0"
+VLLM_WHEEL = "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+# What a Llama on TRITON_ATTN never loads (gpu_vllm.md: 274 MB wheel -> 144 MB tree).
+STRIP = (
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "vllm/third_party/deep_gemm",
+    "vllm/vllm-rs",
+    "vllm/_flashmla_C.abi3.so",
+    "vllm/_moe_C.abi3.so",
+)
+# Source edits of the staged copy: (file, old, new). Without the FA libraries,
+# vllm_flash_attn/__init__.py raises ImportError, and llama.py imports it indirectly.
+EDITS = (("vllm/vllm_flash_attn/__init__.py", "if not (FA2_AVAILABLE or FA3_AVAILABLE):", "if False:"),)
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + ["manylinux2014_x86_64", "any"]
+DEPS_FILE = Path(__file__).with_name("deps.txt")
+TAR_NAME = "vllm-stripped.tar.xz"
+# 64 MiB (67.1 MB) per call minus the repository tree (~0.8 MB) and the code copy (~0.6 MB).
+DEFAULT_PART_BYTES = 64_400_000
+
+STAGE_DIR = Path(os.environ.get("GPU_E2E_STAGE", "/tmp/gpu_e2e/stage"))
+SITE_DIR = Path(os.environ.get("GPU_E2E_SITE", "/tmp/site"))
+READY = ".gpu_e2e_ready"
+COLD_MSG = "machine is cold: nothing staged in {site}; run the stage calls (part 1, part 2 + install) again"
+
+
+class StageError(RuntimeError):
+    pass
+
+
+def read_deps(path: Path = DEPS_FILE) -> list[str]:
+    """Pinned requirement lines of deps.txt (comments and blanks dropped); each must pin ==."""
+    out = []
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if "==" not in line:
+            raise StageError(f"{path}: '{line}' is not pinned (NAME==VERSION)")
+        out.append(line)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def plan_parts(items: list[tuple[str, int, bool]], budget: int) -> list[list[tuple[str, int, int]]]:
+    """Pack (name, size, splittable) items into parts of at most ``budget`` bytes.
+
+    Returns per part a list of (name, offset, length). Whole items (wheels) are placed first,
+    each in the first part with room (a new part if none); then splittable items (the tarball)
+    fill the room that is left, part by part, and continue in new parts."""
+    if budget <= 0:
+        raise StageError(f"part size {budget} must be > 0")
+    parts: list[list[tuple[str, int, int]]] = [[]]
+    room = [budget]
+    for name, size, split in sorted(items, key=lambda it: it[2]):  # stable: whole items first
+        if not split:
+            if size > budget:
+                raise StageError(f"{name} ({size} bytes) does not fit a part of {budget} bytes")
+            i = next((k for k, r in enumerate(room) if r >= size), None)
+            if i is None:
+                parts.append([])
+                room.append(budget)
+                i = len(parts) - 1
+            parts[i].append((name, 0, size))
+            room[i] -= size
+            continue
+        off = 0
+        k = 0
+        while off < size:
+            while k < len(parts) and room[k] == 0:
+                k += 1
+            if k == len(parts):
+                parts.append([])
+                room.append(budget)
+            n = min(room[k], size - off)
+            parts[k].append((name, off, n))
+            room[k] -= n
+            off += n
+    return [p for p in parts if p]
+
+
+# ---------------------------------------------------------------- host side: prepare
+def _pip_download(args: list[str], dest: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
+    for p in PLATFORMS:
+        cmd += ["--platform", p]
+    subprocess.run(cmd + args, check=True)
+
+
+def download(cache: Path) -> tuple[Path, list[Path]]:
+    """The vLLM wheel and the dependency wheels, downloaded once into ``cache``."""
+    dl, wheels = cache / "dl", cache / "wheels"
+    dl.mkdir(parents=True, exist_ok=True)
+    wheels.mkdir(parents=True, exist_ok=True)
+    vllm = dl / VLLM_WHEEL
+    if not vllm.exists():
+        print(f"[prepare] downloading vllm=={VLLM_VERSION} (274 MB)", file=sys.stderr, flush=True)
+        _pip_download([f"vllm=={VLLM_VERSION}"], dl)
+    deps = read_deps()
+    names = {d.split("==")[0].lower().replace("-", "_").replace(".", "_") for d in deps}
+
+    def have() -> dict[str, Path]:
+        got = {}
+        for w in wheels.glob("*.whl"):
+            key = w.name.split("-")[0].lower().replace(".", "_")
+            got[key] = w
+        return got
+
+    missing = [d for d in deps if d.split("==")[0].lower().replace("-", "_").replace(".", "_") not in have()]
+    if missing:
+        print(f"[prepare] downloading {len(missing)} wheels", file=sys.stderr, flush=True)
+        _pip_download(missing, wheels)
+    got = have()
+    lost = sorted(names - set(got))
+    if lost:
+        raise StageError(f"wheels not downloaded: {lost}")
+    return vllm, sorted(got[n] for n in names)
+
+
+def build_tree(wheel: Path, tree: Path) -> None:
+    """Unzip the wheel into ``tree`` without the stripped paths, then apply EDITS."""
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if any(info.filename == s or info.filename.startswith(s + "/") for s in STRIP):
+                continue
+            z.extract(info, tree)
+            mode = info.external_attr >> 16
+            if mode:
+                os.chmod(tree / info.filename, mode & 0o777)
+    for rel, old, new in EDITS:
+        p = tree / rel
+        text = p.read_text()
+        if old not in text:
+            raise StageError(f"edit of {rel}: '{old}' not found (wrong vLLM version?)")
+        p.write_text(text.replace(old, new, 1))
+
+
+def prepare(out: Path, cache: Path, part_bytes: int) -> dict:
+    vllm, wheels = download(cache)
+    # The tarball depends only on the wheel, STRIP and EDITS: cache it by that key.
+    key = hashlib.sha256(json.dumps([VLLM_WHEEL, STRIP, EDITS]).encode()).hexdigest()[:16]
+    tar = cache / f"vllm-{key}.tar.xz"
+    if not tar.exists():
+        tree = cache / "tree"
+        build_tree(vllm, tree)
+        print("[prepare] tar | xz -9e (about 1.5 min on 2 cores)", file=sys.stderr, flush=True)
+        tmp = tar.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            t = subprocess.Popen(["tar", "-C", str(tree), "-cf", "-", "."], stdout=subprocess.PIPE)
+            subprocess.run(["xz", "-9e", "-T2", "-c"], stdin=t.stdout, stdout=f, check=True)
+            if t.wait() != 0:
+                raise StageError("tar failed")
+        tmp.rename(tar)
+        shutil.rmtree(tree)
+    items = [(TAR_NAME, tar.stat().st_size, True)] + [(w.name, w.stat().st_size, False) for w in wheels]
+    src = {TAR_NAME: tar, **{w.name: w for w in wheels}}
+    parts = plan_parts(items, part_bytes)
+    manifest = {
+        "vllm": VLLM_VERSION, "tar": TAR_NAME, "tar_sha256": _sha256(tar), "tar_bytes": tar.stat().st_size,
+        "pieces": [], "wheels": [w.name for w in wheels], "parts": len(parts),
+    }
+    for i, part in enumerate(parts, 1):
+        for name, off, n in part:
+            if name == TAR_NAME:
+                manifest["pieces"].append({"part": i, "file": f"{TAR_NAME}.{off:012d}", "offset": off, "bytes": n})
+    for old in out.glob("part*"):
+        shutil.rmtree(old)
+    for i, part in enumerate(parts, 1):
+        d = out / f"part{i}"
+        d.mkdir(parents=True)
+        for name, off, n in part:
+            if name == TAR_NAME:
+                with open(src[name], "rb") as f_in, open(d / f"{TAR_NAME}.{off:012d}", "wb") as f_out:
+                    f_in.seek(off)
+                    f_out.write(f_in.read(n))
+            else:
+                shutil.copy2(src[name], d / name)
+        (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def part_sizes(out: Path) -> dict[str, int]:
+    return {d.name: sum(f.stat().st_size for f in d.iterdir()) for d in sorted(out.glob("part*"))}
+
+
+# ---------------------------------------------------------------- device side
+def stage(part_dir: Path, stage_dir: Path = STAGE_DIR) -> list[str]:
+    """Copy one part into ``stage_dir``; return the tar pieces still missing."""
+    man = json.loads((part_dir / "manifest.json").read_text())
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for f in part_dir.iterdir():
+        shutil.copy2(f, stage_dir / f.name)
+    return missing_pieces(man, stage_dir)
+
+
+def missing_pieces(man: dict, stage_dir: Path) -> list[str]:
+    need = [p["file"] for p in man["pieces"]] + man["wheels"]
+    return [n for n in need if not (stage_dir / n).exists()]
+
+
+def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR) -> None:
+    man_path = stage_dir / "manifest.json"
+    if not man_path.exists():
+        raise StageError(f"nothing staged in {stage_dir}: the machine went cold; stage every part again")
+    man = json.loads(man_path.read_text())
+    miss = missing_pieces(man, stage_dir)
+    if miss:
+        parts = sorted({p["part"] for p in man["pieces"] if p["file"] in miss})
+        raise StageError(f"missing in {stage_dir}: {miss[:4]}{'...' if len(miss) > 4 else ''} "
+                         f"(tar parts {parts} or wheels); the machine may have gone cold between calls: "
+                         f"stage every part again, back to back")
+    tar = stage_dir / man["tar"]
+    with open(tar, "wb") as out:
+        for p in sorted(man["pieces"], key=lambda p: p["offset"]):
+            with open(stage_dir / p["file"], "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 22)
+    if _sha256(tar) != man["tar_sha256"]:
+        raise StageError(f"{tar}: sha256 mismatch; stage again")
+    if site.exists():
+        shutil.rmtree(site)
+    site.mkdir(parents=True)
+    with tarfile.open(tar, "r:xz") as t:
+        t.extractall(site)
+    tar.unlink()
+    wheels = [str(stage_dir / w) for w in man["wheels"]]
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
+    (site / READY).write_text(json.dumps({"vllm": man["vllm"], "tar_sha256": man["tar_sha256"]}))
+
+
+def is_ready(site: Path = SITE_DIR) -> bool:
+    return (site / "vllm").is_dir() and (site / READY).exists()
+
+
+def check(site: Path = SITE_DIR) -> int:
+    if is_ready(site):
+        return 0
+    print(COLD_MSG.format(site=site), file=sys.stderr)
+    return 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_e2e.stage", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="host: download, strip, pack into parts")
+    p.add_argument("--out", default=os.environ.get("GPU_E2E_DIR", "/work/main/.gpu"))
+    p.add_argument("--cache", default=os.environ.get("GPU_E2E_CACHE", str(Path.home() / ".cache/npu_offload_gpu_e2e")))
+    p.add_argument("--part-bytes", type=int, default=DEFAULT_PART_BYTES)
+    s = sub.add_parser("stage", help="device: copy one part into the stage folder")
+    s.add_argument("part_dir")
+    sub.add_parser("install", help="device: unpack vLLM + install wheels into the site folder")
+    sub.add_parser("check", help="device: exit 3 if nothing is installed (cold machine)")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "prepare":
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            man = prepare(out, Path(a.cache), a.part_bytes)
+            sizes = part_sizes(out)
+            for name, n in sizes.items():
+                print(f"{out / name}: {n / 1e6:.1f} MB")
+            print(f"{man['parts']} parts; vLLM tarball {man['tar_bytes'] / 1e6:.1f} MB, {len(man['wheels'])} wheels")
+            return 0
+        if a.cmd == "stage":
+            miss = stage(Path(a.part_dir))
+            print(f"[stage] {a.part_dir} -> {STAGE_DIR}; still missing: {len(miss)} file(s)")
+            return 0
+        if a.cmd == "install":
+            install()
+            print(f"[install] vLLM {VLLM_VERSION} + wheels in {SITE_DIR}")
+            return 0
+        return check()
+    except (StageError, subprocess.CalledProcessError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

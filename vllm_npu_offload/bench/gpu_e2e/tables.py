@@ -1,0 +1,139 @@
+"""Prompts, statistics and tables of the GPU end-to-end runs (no vLLM, no GPU: unit-tested on CPU)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..multiturn.report import _fmt, _table
+
+PARTS = ("correctness", "ttft", "miss", "multiturn")
+
+
+def parse_parts(names: list[str]) -> list[str]:
+    """``all`` or a subset of PARTS, in PARTS order; unknown names raise ValueError."""
+    if not names or names == ["all"]:
+        return list(PARTS)
+    bad = [n for n in names if n not in PARTS]
+    if bad:
+        raise ValueError(f"unknown part(s) {bad}: choose from {list(PARTS)} or 'all'")
+    return [p for p in PARTS if p in names]
+
+
+def unique_prompts(n: int, length: int, seed: int, vocab: int = 1000, first: int = 4) -> list[list[int]]:
+    """``n`` token-id prompts of exactly ``length`` ids in [first, vocab). The first 4 ids encode
+    (seed, index), so no two prompts of different (seed, index) share even the first block."""
+    import random
+
+    if length < 4:
+        raise ValueError(f"prompt length {length} < 4")
+    span = vocab - first
+    out = []
+    for i in range(n):
+        rng = random.Random(seed * 1_000_003 + i)
+        head = [first + (seed // span) % span, first + seed % span, first + (i // span) % span, first + i % span]
+        out.append(head + [first + rng.randrange(span) for _ in range(length - 4)])
+    return out
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    return layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """median, min, max and n of a sample."""
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def outside_spread(a: list[float], b: list[float]) -> bool:
+    """True when the two samples' ranges do not overlap (the difference exceeds the run-to-run spread)."""
+    return bool(a and b) and (min(a) > max(b) or min(b) > max(a))
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:,.1f}"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    return _table(header, [[c if isinstance(c, str) else _fmt(c) for c in r] for r in rows])
+
+
+def correctness_table(res: dict) -> str:
+    rows = []
+    for c in res["checks"]:
+        rows.append([c["dtype"], c["engine"], c["against"], c.get("host_tokens", "-"),
+                     "yes" if c["expect_equal"] else "no (negative control)",
+                     "n/a" if c.get("error") else ("yes" if c["equal"] else "no"),
+                     "PASS" if c["pass"] else ("NOT RUN" if c.get("error") else "FAIL")])
+    out = table(["dtype", "engine", "compared with", "tokens from host", "must equal", "equal", "result"], rows)
+    notes = [f"{c['engine']}: {c['error'].splitlines()[0][:300]}" for c in res["checks"] if c.get("error")]
+    return out + ("\n" + "\n".join(notes) if notes else "")
+
+
+def ttft_table(res: dict) -> str:
+    rows = []
+    for r in res["rows"]:
+        rows.append([r["prompt_tokens"], ms(r["cold_s"]["median"]), ms(r["device_hit_s"]["median"]),
+                     ms(r["native_s"].get("median")), ms(r["ours_s"].get("median")),
+                     ms(r.get("ours_load_s")), ms(r.get("ideal_s")), r.get("host_tokens", "-"),
+                     f"{r['ours_s']['median'] / r['ideal_s']:.2f}x" if r.get("ideal_s") and r["ours_s"].get("median")
+                     else "-"])
+    head = ["prompt tok", "cold ms", "device hit ms", "reload native ms", "reload ours ms", "ours transfer ms",
+            "ideal ms", "from host tok", "ours/ideal"]
+    bw = res.get("bandwidth", {})
+    return (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
+            f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = host KV bytes / H2D "
+            f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix)")
+
+
+def miss_table(res: dict) -> str:
+    rows = []
+    off = res["runs"]["off"]
+    for k in ("off", "native", "ours"):
+        xs = res["runs"].get(k, [])
+        s = spread(xs)
+        if not s["n"]:
+            rows.append([k, "-", "-", "-", "-", "-"])
+            continue
+        rel = f"{(s['median'] / statistics.median(off) - 1) * 100:+.1f}%" if k != "off" and off else ""
+        rows.append([k, f"{s['median']:.3f}", f"{s['min']:.3f}-{s['max']:.3f}", rel,
+                     "" if k == "off" else ("yes" if outside_spread(xs, off) else "no"), s["n"]])
+    return (table(["offload", "median s", "min-max s", "vs off", "outside spread", "runs"], rows)
+            + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
+              f"interleaved off/native/ours after one warm-up round")
+
+
+def multiturn_table(res: dict) -> str:
+    rows = []
+    for s in res["summaries"]:
+        srv = s.get("server") or {}
+        nan = float("nan")
+        rows.append([s["label"], f"{s['completed']}/{s['planned']}", s["requests_per_s"],
+                     s["ttft_ms"].get("p50", nan), s["ttft_ms"].get("p99", nan),
+                     100 * srv.get("prefix_hit_rate", nan), 100 * srv.get("external_hit_rate", nan),
+                     srv.get("offload_load_bytes", nan) / 2**20])
+    for e in res.get("errors", []):
+        rows.append([e["label"], "failed", "-", "-", "-", "-", "-", "-"])
+    return table(["server", "ok", "req/s", "TTFT p50 ms", "TTFT p99 ms", "device prefix hit %",
+                  "offload hit %", "loaded MiB"], rows)
+
+
+FORMATTERS = {"correctness": correctness_table, "ttft": ttft_table, "miss": miss_table, "multiturn": multiturn_table}
+
+
+def write_part(out_dir: str | Path, part: str, res: dict) -> str:
+    """Write ``<part>.json`` and ``<part>.txt`` (the table) into ``out_dir``; return the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        text = FORMATTERS[part](res)
+    except Exception as e:  # noqa: BLE001 - the JSON must come back even if a table cannot be made
+        text = f"(no table: {type(e).__name__}: {e})"
+    res = {**res, "table": text}
+    (out / f"{part}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{part}.txt").write_text(text + "\n")
+    return text
