@@ -18,6 +18,7 @@ hand each slot back and forth. Staging memory is allocated once, per direction.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 128 * 1024 * 1024  # both directions together
 MAX_SLOTS = 4
 MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs/benchmarks.md)
-TARGET_SLICES = 4  # a transfer is cut into about this many slices: only the first gather is not hidden
+TARGET_SLICES = int(os.environ.get("NPU_OFFLOAD_STAGE_SLICES", "4") or 4)  # about this many slices per
+# transfer: only the first slice's gather is not hidden behind the link
 MIN_SLICE_BYTES = 2 * 1024 * 1024  # ... but no smaller: each slice costs a launch and a few events
 
 

@@ -156,10 +156,21 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
                 sec = _median(lambda: rig.transfer(d, dev, chunks, staged), lambda: dev_s.extend(rig.finish()), reps)
                 fn, planned = rig.executor(d, dev, chunks, staged, stream)
                 exec_s = _median(fn, stream.synchronize, reps)
-                core.pool.release(planned.buffers)
+                if staged:  # the device-local half alone (gather or scatter of every slice)
+                    plan = planned
+                    loc = core.stager.local_path
+
+                    def local_only():
+                        with platform.stream_context(stream):
+                            prep = loc.prepare(plan.local)
+                            for rngs in plan.local_ranges:
+                                for rng in rngs:
+                                    loc.copy_range(prep, rng, d, stream)
+                    row["gather_gbps"] = nbytes / _median(local_only, stream.synchronize, reps) / 1e9
                 for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):
                     row[f"{mode}{what}_gbps"] = nbytes / t / 1e9
                     row[f"{mode}{what}_pct"] = 100.0 * nbytes / t / 1e9 / limit
+                core.pool.release(planned.buffers)
             row["auto"] = "staged" if core.uses_staging(d, shape.blocks) else "direct"
             out["rows"].append(row)
     rig.close()
@@ -222,8 +233,9 @@ def format_shape(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         cells = [f"{m} {r[m + '_gbps']:5.1f} GB/s {r[m + '_pct']:3.0f}% (dev {r[m + '_dev_pct']:3.0f}%, "
                  f"exec {r[m + '_exec_pct']:3.0f}%)" for m in ("direct", "staged") if m + "_gbps" in r]
+        gather = f" | gather {r['gather_gbps']:5.0f} GB/s" if "gather_gbps" in r else ""
         lines.append(f"  {r['dir']} host={r['host']:6s} limit {r['contiguous_gbps']:6.2f} GB/s | "
-                     + " | ".join(cells) + f" | auto={r['auto']}")
+                     + " | ".join(cells) + gather + f" | auto={r['auto']}")
     return "\n".join(lines)
 
 
