@@ -127,13 +127,6 @@ class Stager:
         self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
         self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
         self._aux = {d: platform.new_stream() for d in Direction}
-        # A second stream for half of each slice's link copies: two copy engines overlap
-        # their per-copy cost when host runs are short (random host chunks of small records).
-        self.link_streams = int(os.environ.get("NPU_OFFLOAD_LINK_STREAMS", "1") or 1)
-        if self.link_streams not in (1, 2):
-            raise ValueError(f"NPU_OFFLOAD_LINK_STREAMS={self.link_streams}; allowed: 1, 2")
-        self._link2 = {d: platform.new_stream() for d in Direction} if self.link_streams == 2 else None
-        self._link2_done = {d: [platform.new_event() for _ in range(MAX_SLOTS)] for d in Direction}
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s)",
@@ -218,22 +211,6 @@ class Stager:
         )
 
     # -- execution ------------------------------------------------------------------------------
-    def _link(self, plan: StagedPlan, i: int, direction: Direction, stream: Any, after: Any) -> None:
-        """Slice ``i``'s link copies on ``stream`` (and half of them on the second link stream,
-        which first waits for ``after`` when given); ``stream`` is then ordered after all of them."""
-        lk, kb = plan.link, plan.link_bounds
-        a, b = int(kb[i]), int(kb[i + 1])
-        split = b if self._link2 is None or b - a < 2 else (a + b) // 2
-        if split < b:
-            l2, done = self._link2[direction], self._link2_done[direction][i % len(self._link2_done[direction])]
-            if after is not None:
-                l2.wait_event(after)
-            self.link_path.copy(lk.src[split:b], lk.dst[split:b], lk.sizes[split:b], direction, l2, lk.buffers)
-            done.record(l2)
-        self.link_path.copy(lk.src[a:split], lk.dst[a:split], lk.sizes[a:split], direction, stream, lk.buffers)
-        if split < b:
-            stream.wait_event(done)
-
     def run(self, plan: StagedPlan, direction: Direction, stream: Any) -> None:
         """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy.
 
@@ -244,13 +221,11 @@ class Stager:
         direction = Direction(direction)
         aux = self._aux[direction]
         filled, drained = self._filled[direction], self._drained[direction]
-        slots, lr = self.geometry.slots, plan.local_ranges
-        local = self.local_path
+        slots, lr, kb = self.geometry.slots, plan.local_ranges, plan.link_bounds.tolist()
+        lk, local, link = plan.link, self.local_path, self.link_path
         store = direction is Direction.D2H
         with self.platform.stream_context(aux):
             aux.wait_stream(stream)  # compute and earlier jobs first (the engine ordered ``stream``)
-            if self._link2 is not None:
-                self._link2[direction].wait_stream(stream)
             prepared = local.prepare(plan.local)
             for i in range(plan.num_slices):
                 s = i % slots
@@ -261,10 +236,12 @@ class Stager:
                         local.copy_range(prepared, rng, direction, aux)
                     filled[s].record(aux)
                     stream.wait_event(filled[s])
-                    self._link(plan, i, direction, stream, filled[s])
+                    link.copy(lk.src[kb[i]:kb[i + 1]], lk.dst[kb[i]:kb[i + 1]], lk.sizes[kb[i]:kb[i + 1]],
+                              direction, stream, lk.buffers)
                     drained[s].record(stream)
                 else:  # DMA on the job stream, then scatter on aux
-                    self._link(plan, i, direction, stream, drained[s] if i >= slots else None)
+                    link.copy(lk.src[kb[i]:kb[i + 1]], lk.dst[kb[i]:kb[i + 1]], lk.sizes[kb[i]:kb[i + 1]],
+                              direction, stream, lk.buffers)
                     filled[s].record(stream)
                     aux.wait_event(filled[s])
                     for rng in lr[i]:
