@@ -187,7 +187,7 @@ def test_many_staged_jobs_in_flight_threaded():
 
 def test_link_copies_are_few_and_merged(monkeypatch):
     """Adjacent chunks become one host copy; the gather has one descriptor per page."""
-    monkeypatch.setattr(staging, "TARGET_SLICES", 1)
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 1 << 40)  # one slice
     core, tensors, refs, rng = random_core(3, 2, staging_chunks=16)
     plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(8), [8], [0], np.array([5, 6, 7, 20])))
     n_pages = 8 * len(refs[0])
@@ -222,14 +222,19 @@ def test_cpu_default_is_direct(monkeypatch):
     core.shutdown()
 
 
-def test_slices_are_about_a_quarter_of_the_transfer(monkeypatch):
-    monkeypatch.setattr(staging, "TARGET_SLICES", 4)
+def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
-    assert core.stager.slice_blocks(40) == 10 and core.stager.slice_blocks(3) == 1
+    slot = core.stager.geometry.slot_blocks
+    assert slot == 16
+    monkeypatch.setattr(staging, "RAMP", 8)
+    assert core.stager.slice_sizes(40, Direction.D2H) == [5, 16, 16, 3]  # small slice first for stores
+    assert core.stager.slice_sizes(40, Direction.H2D) == [3, 16, 16, 5]  # ... and last for loads
+    assert core.stager.slice_sizes(3, Direction.D2H) == [1, 2]
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 6 * core.layout.record_bytes)
-    assert core.stager.slice_blocks(40) == 10 and core.stager.slice_blocks(8) == 6
+    assert core.stager.slice_sizes(40, Direction.D2H) == [6, 16, 16, 2]
+    assert core.stager.slice_sizes(4, Direction.D2H) == [4]
     plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(40), [40], [0], np.arange(40)))
     assert plan.num_slices == 4 and len(plan.link) == 4  # consecutive host blocks: one run per slice
-    assert plan.link.sizes.tolist() == [10 * core.layout.record_bytes] * 4
+    assert plan.link.sizes.tolist() == [r * core.layout.record_bytes for r in (6, 16, 16, 2)]
     core.pool.release(plan.buffers)
     core.shutdown()

@@ -18,7 +18,6 @@ hand each slot back and forth. Staging memory is allocated once, per direction.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,12 +32,14 @@ from .platform import Platform
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STAGING_BYTES = 128 * 1024 * 1024  # both directions together
+DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
 MAX_SLOTS = 4
 MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs/benchmarks.md)
-TARGET_SLICES = int(os.environ.get("NPU_OFFLOAD_STAGE_SLICES", "4") or 4)  # about this many slices per
-# transfer: only the first slice's gather is not hidden behind the link
-MIN_SLICE_BYTES = 2 * 1024 * 1024  # ... but no smaller: each slice costs a launch and a few events
+# The first slice (stores) / last slice (loads) is the part whose device-local copy the link
+# does not hide, so it is small: 1/RAMP of the transfer, at least MIN_SLICE_BYTES. The rest
+# goes in slot-sized slices: every slice costs a kernel launch (~tens of us of CPU).
+RAMP = 8
+MIN_SLICE_BYTES = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -139,12 +140,16 @@ class Stager:
         return [self.layout.tensor_layout(self.base[direction], t, g.slots * g.slot_blocks) for t in tensor_ids]
 
     # -- planning ---------------------------------------------------------------------------
-    def slice_blocks(self, n: int) -> int:
-        """Blocks per slice for an ``n``-block transfer: about ``TARGET_SLICES`` slices, each at
-        least ``MIN_SLICE_BYTES`` (when the transfer has that much) and at most one slot."""
+    def slice_sizes(self, n: int, direction: Direction) -> list[int]:
+        """Blocks per slice for an ``n``-block transfer: a small unhidden slice (first for
+        stores, last for loads), then slot-sized ones."""
         g = self.geometry
         floor = -(-MIN_SLICE_BYTES // g.record_bytes)
-        return max(1, min(g.slot_blocks, max(floor, -(-n // TARGET_SLICES))))
+        small = max(1, min(g.slot_blocks, n, max(floor, -(-n // RAMP))))
+        rest = n - small
+        sizes = [small] + [g.slot_blocks] * (rest // g.slot_blocks) + ([rest % g.slot_blocks] if rest % g.slot_blocks
+                                                                       else [])
+        return sizes if Direction(direction) is Direction.D2H else sizes[::-1]
 
     def plan(self, direction: Direction, groups: Sequence[GroupBlocks]) -> StagedPlan:
         direction = Direction(direction)
@@ -156,11 +161,12 @@ class Stager:
         dev = np.concatenate([gb.device_ids for gb in groups])
         host = np.concatenate([gb.host_ids for gb in groups])
         n = len(dev)
-        k = np.arange(n, dtype=np.int64)
-        per = self.slice_blocks(n)
-        slice_of = k // per
-        pos = (slice_of % g.slots) * g.slot_blocks + k % per
-        n_slices = int(slice_of[-1]) + 1
+        sizes = self.slice_sizes(n, direction)
+        n_slices = len(sizes)
+        edges = np.zeros(n_slices + 1, np.int64)
+        np.cumsum(sizes, out=edges[1:])
+        slice_of = np.repeat(np.arange(n_slices, dtype=np.int64), sizes)
+        pos = (slice_of % g.slots) * g.slot_blocks + np.arange(n, dtype=np.int64) - edges[slice_of]
         # Local (page) descriptors: one planner call per group, tensor-major (row = tensor,
         # column = block); slice s is the column range [s*per, (s+1)*per) of every row.
         work, blk = [], 0
@@ -179,8 +185,8 @@ class Stager:
                 k_g = len(src)
                 w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
                                          local_bufs.sizes_np[at:])
-                for s_i in range(blk // per, (blk + k_g - 1) // per + 1):
-                    c0, c1 = max(s_i * per, blk) - blk, min((s_i + 1) * per, blk + k_g) - blk
+                for s_i in range(int(slice_of[blk]), int(slice_of[blk + k_g - 1]) + 1):
+                    c0, c1 = max(int(edges[s_i]), blk) - blk, min(int(edges[s_i + 1]), blk + k_g) - blk
                     ranges[s_i].append(DescriptorRange(at + c0, c1 - c0, w // k_g, k_g))
                 at += w
                 nbytes += b
@@ -201,7 +207,7 @@ class Stager:
             raise
         src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
         link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
-        link_bounds = np.searchsorted(starts, np.arange(n_slices + 1) * per).astype(np.int64)
+        link_bounds = np.searchsorted(starts, edges).astype(np.int64)
         return StagedPlan(
             Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes, local_bufs),
             ranges,

@@ -64,7 +64,7 @@ def tile_shape(page_bytes: int, tile_bytes: int = DEFAULT_TILE_BYTES) -> tuple[i
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "width", "rows", "stride"])
     def _sm_copy_kernel(src_ptr, dst_ptr, size_ptr, first, width, rows, stride, JOBS: tl.constexpr,
                         VECS: tl.constexpr, BYTES: tl.constexpr):
         # Descriptors ``first + r * stride + c`` for r < rows, c < width: a contiguous range
