@@ -9,11 +9,13 @@ scenario against it to show that each test would catch the defect.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from collections import Counter
 
-from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.copy.base import CopyPath, Direction
+from vllm_npu_offload.errors import CopyError
 from vllm_npu_offload.simple_core import NO_EVENT, Completion, CompletionQueue, StepPlan
 
 
@@ -174,3 +176,22 @@ class NaiveWorker:
             flushed.add(ev_idx)
         self.load_events.clear()
         return flushed
+
+
+class FailingCopyPath(CopyPath):
+    name = "test-failing"
+
+    def copy(self, *a, **kw):
+        raise CopyError("injected copy failure", "test")
+
+
+@contextlib.contextmanager
+def failing_copies(worker, direction: Direction):
+    """Every ``direction`` copy of an ``NPUSimpleCPUOffloadWorker`` fails while inside."""
+    paths = worker.transport.backend._paths
+    orig = paths[direction]
+    paths[direction] = FailingCopyPath()
+    try:
+        yield
+    finally:
+        paths[direction] = orig

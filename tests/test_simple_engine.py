@@ -22,9 +22,10 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVC
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
-from vllm_npu_offload.copy.base import CopyPath, Direction  # noqa: E402
+from simple_fakes import failing_copies  # noqa: E402
+
+from vllm_npu_offload.copy.base import Direction  # noqa: E402
 from vllm_npu_offload.demo.tiny_model import build_tiny_llama, random_words  # noqa: E402
-from vllm_npu_offload.errors import CopyError  # noqa: E402
 
 PROMPTS = {  # 100 words = 3 full blocks of 32 tokens + a partial one
     "roundtrip": [random_words(100, s) for s in (0, 1, 2)],
@@ -90,24 +91,6 @@ def env(tmp_path_factory):
     gc.collect()
 
 
-class _Failing(CopyPath):
-    name = "test-failing"
-
-    def copy(self, *a, **kw):
-        raise CopyError("injected copy failure", "test")
-
-
-@contextlib.contextmanager
-def failing(env, direction):
-    paths = env.worker.transport.backend._paths
-    orig = paths[direction]
-    paths[direction] = _Failing()
-    try:
-        yield
-    finally:
-        paths[direction] = orig
-
-
 def test_connector_is_ours(env):
     from vllm_npu_offload.integration.simple_connector import NPUSimpleCPUOffloadConnector
     from vllm_npu_offload.integration.simple_worker import NPUSimpleCPUOffloadWorker
@@ -153,7 +136,7 @@ def test_injected_load_failure_is_recomputed(env):
     assert _gen(env.llm, p)[0] == env.ref["loadfail"]
     env.llm.reset_prefix_cache()
     failed_before = env.worker.core.stats.failed
-    with failing(env, Direction.H2D):
+    with failing_copies(env.worker, Direction.H2D):
         tokens, _ = _gen(env.llm, p + PROMPTS["other"])
     assert env.worker.core.stats.failed > failed_before
     assert tokens == env.ref["loadfail"] + env.ref["other"]  # recomputed; the other request completes
@@ -168,7 +151,7 @@ def test_injected_store_failure_is_never_loadable(env):
     p = PROMPTS["storefail"]
     free_before = env.mgr.cpu_block_pool.get_num_free_blocks()
     failed_before = env.worker.core.stats.failed
-    with failing(env, Direction.D2H):
+    with failing_copies(env.worker, Direction.D2H):
         tokens, _ = _gen(env.llm, p)
     assert tokens == env.ref["storefail"]
     assert env.worker.core.stats.failed > failed_before

@@ -1,10 +1,12 @@
 """Drive vLLM 0.23's real Scheduler and worker-role connector without a model.
 
-The scheduler-role connector (and its ``CPUOffloadingManager``) lives inside ``Scheduler``; a
-separate worker-role connector gets CPU "device" KV tensors through ``register_kv_caches``.
-Each step runs what the engine core and model runner would: schedule, connector worker
-hooks, a fake model output, ``update_from_output``. Every job the spec's ``OffloadWorkerCore``
-receives is recorded so tests can check bytes block by block.
+The scheduler-role connector (``OffloadingConnector`` with its ``CPUOffloadingManager``, or a
+``SimpleCPUOffloadConnector`` with its ``SimpleCPUOffloadScheduler``) lives inside
+``Scheduler``; a separate worker-role connector gets CPU "device" KV tensors through
+``register_kv_caches``. Each step runs what the engine core and model runner would: schedule,
+connector worker hooks, a fake model output, ``update_from_output``. For the offloading
+connector every job the spec's ``OffloadWorkerCore`` receives is recorded so tests can check
+bytes block by block.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ init_none_hash(sha256)
 
 
 def vllm_config(
-    model: str, extra: dict, connector: str = "OffloadingConnector", module: str | None = None
+    model: str, extra: dict, connector: str = "OffloadingConnector", module: str | None = None, spec: bool = True
 ) -> VllmConfig:
+    """``spec``: add the NPUOffloadingSpec keys (``OffloadingConnector`` family) to ``extra``."""
     model_config = ModelConfig(model=model, dtype="float32", seed=0)
     return VllmConfig(
         model_config=model_config,
@@ -58,7 +61,7 @@ def vllm_config(
             kv_connector=connector,
             kv_connector_module_path=module,
             kv_role="kv_both",
-            kv_connector_extra_config={**SPEC_EXTRA, **extra},
+            kv_connector_extra_config={**(SPEC_EXTRA if spec else {}), **extra},
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -109,7 +112,8 @@ class Engine:
         with set_current_vllm_config(vc):
             worker.register_kv_caches(kv_caches)
         eng = cls(sched, worker)
-        eng._record(eng.core)
+        if hasattr(worker, "connector_worker"):  # OffloadingConnector family
+            eng._record(eng.core)
         return eng
 
     @property
@@ -135,7 +139,7 @@ class Engine:
 
         core.submit = recording
 
-    def run(self, prompt: list[int], max_tokens: int = 2, max_steps: int = 50) -> None:
+    def run(self, prompt: list[int], max_tokens: int = 2, max_steps: int = 50) -> Request:
         """Add one request and step until it has finished and no offload job is pending."""
         self._next_req += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -144,12 +148,19 @@ class Engine:
             block_hasher=get_request_block_hasher(self.sched.cache_config.block_size, sha256),
         )
         self.sched.add_request(req)
-        cs = self.sched.connector.connector_scheduler
         for _ in range(max_steps):
-            if not self.sched.requests and not cs._jobs:
-                return
+            if not self.sched.requests and not self.transfers_pending():
+                return req
             self.step()
         raise AssertionError(f"request did not finish in {max_steps} steps")
+
+    def transfers_pending(self) -> bool:
+        c = self.sched.connector
+        if hasattr(c, "connector_scheduler"):  # OffloadingConnector
+            return bool(c.connector_scheduler._jobs)
+        m = c.scheduler_manager  # SimpleCPUOffloadConnector
+        return bool(m._store_event_to_blocks or m._reqs_to_load or getattr(c, "_store_releaser", None)
+                    and c._store_releaser.events)
 
     def step(self) -> None:
         so = self.sched.schedule()
@@ -158,7 +169,9 @@ class Engine:
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        w.wait_for_save()
         sending, recving = w.get_finished(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta() or OffloadingWorkerMetadata()
         w.clear_connector_metadata()
         ids = [r.request_id for r in self.sched.running]
@@ -170,13 +183,28 @@ class Engine:
             prompt_logprobs_dict={},
             pooler_output=None,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, kv_connector_worker_meta=worker_meta
+                finished_sending=sending, finished_recving=recving, kv_connector_worker_meta=worker_meta,
+                invalid_block_ids=invalid,
             ),
         )
         self.sched.update_from_output(so, out)
 
     def reset_device_prefix_cache(self) -> None:
         assert self.sched.kv_cache_manager.reset_prefix_cache()
+
+
+def stacked_caches(layers: list[str], num_blocks: int, heads: int, head_size: int, seed: int = 1) -> dict:
+    """Upstream layout: one random (num_blocks, 2, block, heads, head) tensor per layer."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(num_blocks, 2, BLOCK, heads, head_size, generator=g) for n in layers}
+
+
+def parts_of(kv_caches: dict) -> list[torch.Tensor]:
+    return [p for v in kv_caches.values() for p in (v if isinstance(v, (tuple, list)) else (v,))]
+
+
+def block_bytes(parts: list[torch.Tensor], b: int) -> list[torch.Tensor]:
+    return [p[b].contiguous().reshape(-1).view(torch.uint8).clone() for p in parts]
 
 
 def host_block(chunks: list[int], i: int, bpc: int) -> int:

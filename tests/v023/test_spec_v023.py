@@ -12,7 +12,8 @@ if not vllm.__version__.startswith("0.23"):
     pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
 
 import torch  # noqa: E402
-from harness import BLOCK, Engine, host_block, kv_cache_config, vllm_config  # noqa: E402
+import harness  # noqa: E402
+from harness import BLOCK, Engine, block_bytes, host_block, kv_cache_config, parts_of, vllm_config  # noqa: E402
 from kv_arena import ALIGN, Arena  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 
@@ -38,17 +39,7 @@ def test_api_generation():
 
 
 def stacked_caches() -> dict:
-    """Upstream layout: one (num_blocks, 2, block, heads, head) tensor per layer."""
-    g = torch.Generator().manual_seed(1)
-    return {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD, generator=g) for n in LAYERS}
-
-
-def parts_of(kv_caches: dict) -> list[torch.Tensor]:
-    return [p for v in kv_caches.values() for p in (v if isinstance(v, (tuple, list)) else (v,))]
-
-
-def block_bytes(parts: list[torch.Tensor], b: int) -> list[torch.Tensor]:
-    return [p[b].contiguous().reshape(-1).view(torch.uint8).clone() for p in parts]
+    return harness.stacked_caches(LAYERS, NB, HEADS, HEAD)
 
 
 def round_trip(eng: Engine, kv_caches: dict, bpc: int) -> None:

@@ -187,3 +187,61 @@ def hand_canonical_to_spec(connector_worker, kv_caches) -> None:
         connector_worker._init_worker(kv_caches)
     else:  # 0.21-0.24: spec.get_handlers() into the worker's handler router
         connector_worker._register_handlers(kv_caches)
+
+
+# -- simple CPU offload (SimpleCPUOffloadConnector) ---------------------------------------
+# What differs between vLLM 0.23 and 0.32 for NPUSimpleCPUOffloadConnector (details in
+# docs/simple_connector.md, "vLLM 0.23"):
+# - results: 0.32 calls ``get_transfer_results()`` and its ``KVConnectorTransferResults`` /
+#   ``KVConnectorOutput`` carry ``failed_recving`` (failed loads per request); 0.23 calls
+#   ``get_finished()`` and has neither. Both call ``get_block_ids_with_load_errors()``, but
+#   0.23's scheduler maps flat block ids to requests for one KV-cache group only.
+# - failed stores: 0.32's scheduler manager keeps an "abandoned" store set (filled by its
+#   ``reset()``) whose events release their refs without caching; 0.23 has none, so the
+#   connector releases failed stores itself (``SIMPLE_RELEASE_ATTRS``).
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _kv_base  # noqa: E402
+
+SIMPLE_HAS_FAILED_RECVING = hasattr(_kv_base, "KVConnectorTransferResults")
+
+# Scheduler-manager state (private) used to fail a store event, per mechanism.
+SIMPLE_ABANDON_ATTRS = (  # 0.32: hand the event to vLLM's abandoned set
+    "_store_event_to_blocks",
+    "_abandoned_store_event_to_blocks",
+    "_in_flight_store_gpu_blocks",
+    "_store_event_to_reqs",
+    "_reqs_to_store",
+    "_cleanup_store_request",
+)
+SIMPLE_RELEASE_ATTRS = (  # 0.23: take the event over and release its refs ourselves
+    "_store_event_to_blocks",
+    "_store_event_pending_counts",
+    "_expected_worker_count",
+    "_in_flight_store_gpu_blocks",
+    "_store_event_to_reqs",
+    "_reqs_to_store",
+    "_cleanup_store_request",
+    "cpu_block_pool",
+    "_gpu_block_pool",
+)
+
+
+def simple_transfer_results(finished_recving: set[str], failed_recving: set[str]):
+    """``get_transfer_results()``'s value (only vLLM with ``SIMPLE_HAS_FAILED_RECVING`` asks)."""
+    return _kv_base.KVConnectorTransferResults(finished_recving=finished_recving, failed_recving=failed_recving)
+
+
+def simple_failed_recving(connector_output) -> set[str]:
+    """Requests the workers reported as failed loads (always empty before ``failed_recving``)."""
+    return set(getattr(connector_output, "failed_recving", None) or ())
+
+
+def simple_failed_store_mode(manager) -> str | None:
+    """How a failed store is kept out of the CPU prefix cache with this scheduler manager:
+    ``"abandon"`` (vLLM's abandoned set), ``"release"`` (the connector's own, 0.23), or
+    ``None`` (neither is possible: the event is never reported complete, its blocks stay pinned)."""
+    if all(hasattr(manager, a) for a in SIMPLE_ABANDON_ATTRS):
+        return "abandon"
+    if all(hasattr(manager, a) for a in SIMPLE_RELEASE_ATTRS):
+        return "release"
+    return None

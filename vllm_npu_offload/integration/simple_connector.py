@@ -12,25 +12,33 @@ from __future__ import annotations
 
 import logging
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
 
 from ..errors import OffloadConfigError
+from . import compat
 from .simple_worker import NPUSimpleCPUOffloadWorker, NPUSimpleWorkerMetadata
 
 logger = logging.getLogger(__name__)
 
 ALLOWED_BACKENDS = ("cpu",)
 
-# Private scheduler-manager state that abandoning a failed store touches.
-_ABANDON_ATTRS = (
-    "_store_event_to_blocks",
-    "_abandoned_store_event_to_blocks",
-    "_in_flight_store_gpu_blocks",
-    "_store_event_to_reqs",
-    "_reqs_to_store",
-    "_cleanup_store_request",
-)
+
+def _take_store_event(manager, ev):
+    """Remove a store event from the manager's pending stores (it will never be cached);
+    returns its ``TransferMeta`` or None if the manager no longer knows it."""
+    transfer = manager._store_event_to_blocks.pop(ev, None)
+    if transfer is None:
+        return None
+    manager._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+    for req_id in manager._store_event_to_reqs.pop(ev, []):
+        state = manager._reqs_to_store.get(req_id)
+        if state is None:
+            continue
+        state.store_events.discard(ev)
+        if state.finished and not state.store_events:
+            manager._cleanup_store_request(req_id)
+    return transfer
 
 
 def abandon_failed_stores(manager, events) -> int:
@@ -39,20 +47,52 @@ def abandon_failed_stores(manager, events) -> int:
     is inserted into the CPU prefix cache. Returns how many events were abandoned."""
     n = 0
     for ev in events:
-        transfer = manager._store_event_to_blocks.pop(ev, None)
+        transfer = _take_store_event(manager, ev)
         if transfer is None:
             continue
         manager._abandoned_store_event_to_blocks[ev] = transfer
-        manager._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
-        for req_id in manager._store_event_to_reqs.pop(ev, []):
-            state = manager._reqs_to_store.get(req_id)
-            if state is None:
-                continue
-            state.store_events.discard(ev)
-            if state.finished and not state.store_events:
-                manager._cleanup_store_request(req_id)
         n += 1
     return n
+
+
+class FailedStoreReleaser:
+    """The abandoned set for a scheduler manager without one (vLLM 0.23).
+
+    A failed store event is taken away from the manager (with the worker reports it has
+    counted so far); reports for it are then counted here, never by the manager, and once
+    every worker has reported it its CPU and device refs are released without inserting
+    any hash into the CPU prefix cache (the workers are done with the blocks by then)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.events: dict[int, list] = {}  # event -> [TransferMeta, worker reports so far]
+
+    def filter(self, meta: NPUSimpleWorkerMetadata) -> NPUSimpleWorkerMetadata:
+        """``meta`` without the events taken over here (what the manager may still process)."""
+        m = self.manager
+        for ev in meta.failed_store_events:
+            transfer = _take_store_event(m, ev)
+            if transfer is not None:
+                self.events[ev] = [transfer, m._store_event_pending_counts.pop(ev, 0)]
+        completed = {}
+        for ev, n in meta.completed_store_events.items():
+            entry = self.events.get(ev)
+            if entry is None:
+                completed[ev] = n
+                continue
+            entry[1] += n
+            if entry[1] >= m._expected_worker_count:
+                del self.events[ev]
+                self._release(entry[0])
+        return NPUSimpleWorkerMetadata(completed_store_events=completed)
+
+    def _release(self, transfer) -> None:
+        m = self.manager
+        cpu_blocks = [m.cpu_block_pool.blocks[b] for b in transfer.cpu_block_ids]
+        for blk in cpu_blocks:
+            blk.reset_hash()  # stamped when allocated; never inserted into the cache
+        m.cpu_block_pool.free_blocks(cpu_blocks)
+        m._gpu_block_pool.free_blocks(m._gpu_block_pool.blocks[b] for b in transfer.gpu_block_ids)
 
 
 class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
@@ -69,21 +109,30 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
             cap = self.worker_handler.cpu_capacity_bytes
             self.worker_handler = NPUSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cap)
         self._no_host_hit: set[str] = set()
-        self._can_abandon = self.scheduler_manager is not None and all(
-            hasattr(self.scheduler_manager, a) for a in _ABANDON_ATTRS
-        )
-        if self.scheduler_manager is not None and not self._can_abandon:
+        mode = compat.simple_failed_store_mode(self.scheduler_manager) if self.scheduler_manager is not None else None
+        self._can_abandon = mode == "abandon"
+        self._store_releaser = FailedStoreReleaser(self.scheduler_manager) if mode == "release" else None
+        if self.scheduler_manager is not None and mode is None:
             logger.warning(
                 "this vLLM's simple offload scheduler lacks %s: a failed store will keep its blocks pinned "
-                "(never reported complete, so never loadable)", _ABANDON_ATTRS,
+                "(never reported complete, so never loadable)", compat.SIMPLE_ABANDON_ATTRS,
             )
 
     # -- worker side ----------------------------------------------------------------------
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    # vLLM 0.23's base class does not forward these two hooks (it launched in get_finished).
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        if self.worker_handler is not None:
+            self.worker_handler.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        if self.worker_handler is not None:
+            self.worker_handler.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]):  # called by vLLM with failed_recving only
         if self.worker_handler is None:
-            return KVConnectorTransferResults()
+            return compat.simple_transfer_results(set(), set())
         fin, failed = self.worker_handler.collect()
-        return KVConnectorTransferResults(finished_recving=fin, failed_recving=failed)
+        return compat.simple_transfer_results(fin, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker_handler is None:
@@ -113,7 +162,7 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
         return super().request_finished_all_groups(request, block_ids)
 
     def _failed_load_requests(self, connector_output) -> set[str]:
-        failed = set(connector_output.failed_recving or ())
+        failed = compat.simple_failed_recving(connector_output)
         bad = set(connector_output.invalid_block_ids or ())
         if bad and self.scheduler_manager is not None:
             for attr in ("_reqs_to_load", "_abandoned_reqs_to_load"):
@@ -136,6 +185,8 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
                 logger.error("simple offload: store events %s failed; their blocks are not cached", sorted(failed))
                 if self._can_abandon:
                     abandon_failed_stores(self.scheduler_manager, failed)
+                elif self._store_releaser is not None:
+                    pass  # below: also counts later reports of events it took over
                 else:
                     # Never count a failed store as complete.
                     meta = NPUSimpleWorkerMetadata(
@@ -144,7 +195,9 @@ class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
                         }
                     )
                     connector_output.kv_connector_worker_meta = meta
+            if self._store_releaser is not None and (failed or self._store_releaser.events):
+                connector_output.kv_connector_worker_meta = self._store_releaser.filter(meta)
         super().update_connector_output(connector_output)
 
 
-__all__ = ["NPUSimpleCPUOffloadConnector", "abandon_failed_stores"]
+__all__ = ["FailedStoreReleaser", "NPUSimpleCPUOffloadConnector", "abandon_failed_stores"]

@@ -17,6 +17,7 @@ from ..copy.base import Direction
 from ..errors import OffloadConfigError
 from ..offload_worker import DeviceKVTensor, device_platform
 from .options import staging_bytes_option
+from . import compat
 from ..simple_core import (
     CoreTransport,
     SimpleOffloadCore,
@@ -124,7 +125,7 @@ class NPUSimpleCPUOffloadWorker:
         self.staging_bytes = staging_bytes_option(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
         # vLLM maps flat invalid block ids to requests only with one KV cache group;
-        # with several it wants failed requests (failed_recving) instead.
+        # with several it wants failed requests (failed_recving; vLLM 0.23 has none).
         self.report_block_errors = len(groups) == 1
         self.core: SimpleOffloadCore | None = None
         self.transport: CoreTransport | None = None
@@ -180,7 +181,16 @@ class NPUSimpleCPUOffloadWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Finished/aborted requests with a load in flight are still reported when it
         # completes: the scheduler defers their cleanup until then.
-        fin, _ = self.collect()
+        fin, failed = self.collect()
+        if failed and not compat.SIMPLE_HAS_FAILED_RECVING:
+            # vLLM 0.23 (the engine calls get_finished) has no per-request load failure and maps
+            # load-error block ids to requests for one KV-cache group only. Finishing these requests
+            # would serve wrong KV, withholding them would hang them: fail the step instead.
+            raise RuntimeError(
+                f"simple offload: host KV loads failed for requests {sorted(failed)} with "
+                f"{len(self.kv_cache_config.kv_cache_groups)} KV-cache groups; vLLM {compat.VLLM_VERSION} "
+                "cannot fail or recompute them (it has no failed_recving)"
+            )
         return None, fin or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
