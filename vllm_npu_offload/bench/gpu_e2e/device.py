@@ -188,6 +188,11 @@ def part_ttft(procs: dict, a) -> dict:
             row["ideal_s"] = row["host_tokens"] * L8B_KV_PER_TOKEN / (bw * 1e9) + row["device_hit_s"]["median"]
         res["rows"].append(row)
         print(f"[ttft] {L}: {json.dumps({k: v for k, v in row.items() if k.endswith('_s')}, default=str)}", flush=True)
+    try:  # which copy paths and staging our worker used (after its calibration ran)
+        res["worker"] = ours.call("worker_info")
+        print(f"[ttft] our worker: {json.dumps(res['worker'])}", flush=True)
+    except EngineError as e:
+        res["errors"]["worker_info"] = str(e)
     return res
 
 

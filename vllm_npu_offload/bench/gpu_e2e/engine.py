@@ -133,13 +133,30 @@ class _Engine:
         cores = live_workers()
         if len(cores) != 1:
             return {"ok": False, "why": f"{len(cores)} live worker cores"}
-        view = cores[0].host.region_view(0)
+        view = cores[0].host_view(0)
         for b in range(view.shape[0]):
             if bool(view[b].any()):
                 g = torch.Generator().manual_seed(seed)
                 view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
                 return {"ok": True, "region": 0, "block": b, "bytes": int(view.shape[1])}
         return {"ok": False, "why": "host region 0 is all zeros"}
+
+    def worker_info(self) -> dict:
+        """How our worker core moves KV here: copy paths, staging, the calibrated choice."""
+        from ...offload_worker import live_workers
+
+        out = []
+        for core in live_workers():
+            st = core.stager
+            out.append({
+                "direct": {"load": core.backend.choice.load, "store": core.backend.choice.store},
+                "staged_from_blocks": {d.name: core.staged_min_blocks[d] for d in core.staged_min_blocks},
+                "staging": None if st is None else {"slots": st.geometry.slots, "slot_blocks": st.geometry.slot_blocks,
+                                                     "local": st.local_path.name, "link": st.link_path.name},
+                "record_bytes": core.layout.record_bytes, "host_bytes": core.host.nbytes,
+                "pinned": core.host.pinned, "numa": core.host.numa.describe(),
+            })
+        return {"cores": out}
 
     def bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
         """One contiguous pinned host <-> device copy of ``nbytes``, median GB/s of ``reps``."""
