@@ -35,6 +35,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_npu_offload.copy.base import Direction
 
 BLOCK = 16
+NB = 24  # device blocks
+HEADS, HEAD = 2, 32
+PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K+V bytes per block and layer (float32)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks
 SPEC_EXTRA = {"spec_name": "NPUOffloadingSpec", "spec_module_path": "vllm_npu_offload.integration.spec"}
 
 init_none_hash(sha256)
@@ -76,6 +81,12 @@ def kv_cache_config(num_blocks: int, layers: list[str], heads: int, head_size: i
             )
         ],
     )
+
+
+def stacked_caches() -> dict:
+    """Upstream layout: one (num_blocks, 2, block, heads, head) tensor per layer."""
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD, generator=g) for n in LAYERS}
 
 
 @dataclass

@@ -12,7 +12,20 @@ if not vllm.__version__.startswith("0.23"):
     pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
 
 import torch  # noqa: E402
-from harness import BLOCK, Engine, host_block, kv_cache_config, vllm_config  # noqa: E402
+from harness import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    HEADS,
+    LAYERS,
+    NB,
+    PAGE,
+    PROMPT,
+    Engine,
+    host_block,
+    kv_cache_config,
+    stacked_caches,
+    vllm_config,
+)
 from kv_arena import ALIGN, Arena  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 
@@ -22,11 +35,6 @@ from vllm_npu_offload.integration import compat  # noqa: E402
 from vllm_npu_offload.integration.connector import NPUOffloadingConnector  # noqa: E402
 from vllm_npu_offload.integration.spec import NPUOffloadingSpec  # noqa: E402
 
-NB = 24  # device blocks
-HEADS, HEAD = 2, 32
-PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K+V bytes per block and layer (float32)
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks
 
 
 def test_api_generation():
@@ -35,12 +43,6 @@ def test_api_generation():
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def stacked_caches() -> dict:
-    """Upstream layout: one (num_blocks, 2, block, heads, head) tensor per layer."""
-    g = torch.Generator().manual_seed(1)
-    return {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD, generator=g) for n in LAYERS}
 
 
 def parts_of(kv_caches: dict) -> list[torch.Tensor]:
