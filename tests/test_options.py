@@ -59,7 +59,7 @@ def test_unknown_key_suggests_the_nearest_known_key(monkeypatch):
 
 
 def test_staging_bytes_must_be_a_positive_integer():
-    assert validate_extra_config({"cpu_bytes_to_use": 1, "staging_bytes": 4096}).staging_bytes == 4096
+    validate_extra_config({"cpu_bytes_to_use": 1, "staging_bytes": 4096})
     with pytest.raises(OffloadConfigError, match=r"\['staging_bytes'\]=-4096 must be a positive integer"):
         validate_extra_config({"cpu_bytes_to_use": 1, "staging_bytes": -4096})
 
@@ -67,8 +67,8 @@ def test_staging_bytes_must_be_a_positive_integer():
 def test_simple_options_name_the_size_key():
     from vllm_npu_offload.integration.options import SimpleOptions, validate_simple_extra_config
 
-    assert validate_simple_extra_config({}) == SimpleOptions("cpu_bytes_to_use", None, None)
+    assert validate_simple_extra_config({}) == SimpleOptions("cpu_bytes_to_use", None)
     both = {"cpu_bytes_to_use": 8, "cpu_bytes_to_use_per_rank": 4, "staging_bytes": 2}
-    assert validate_simple_extra_config(both) == SimpleOptions("cpu_bytes_to_use_per_rank", 4, 2)
+    assert validate_simple_extra_config(both) == SimpleOptions("cpu_bytes_to_use_per_rank", 4)
     with pytest.raises(OffloadConfigError, match=r"\['cpu_bytes_to_use_per_rank'\]=0 must be a positive"):
         validate_simple_extra_config({"cpu_bytes_to_use_per_rank": 0})

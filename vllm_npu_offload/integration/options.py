@@ -62,7 +62,7 @@ def reject_unknown_keys(extra: Mapping[str, Any], known: Iterable[str], owner: s
     raise OffloadConfigError(f"{msg}. ({ALLOW_UNKNOWN_ENV}=1 turns this into a warning.)")
 
 
-def positive_int(extra: Mapping[str, Any], key: str) -> int | None:
+def _positive_int(extra: Mapping[str, Any], key: str) -> int | None:
     if key not in extra or extra[key] is None:
         return None
     raw = extra[key]
@@ -85,7 +85,6 @@ class OffloadOptions:
     num_cpu_blocks: int | None
     blocks_per_chunk: int
     eviction_policy: str
-    staging_bytes: int | None = None
 
 
 def validate_extra_config(
@@ -94,8 +93,8 @@ def validate_extra_config(
     allowed_policies: Iterable[str] = ("lru", "arc"),
 ) -> OffloadOptions:
     """Check every key we understand; raise ``OffloadConfigError`` naming the key and the allowed values."""
-    cpu_bytes = positive_int(extra, "cpu_bytes_to_use")
-    num_blocks = positive_int(extra, "num_cpu_blocks")
+    cpu_bytes = _positive_int(extra, "cpu_bytes_to_use")
+    num_blocks = _positive_int(extra, "num_cpu_blocks")
     if cpu_bytes is None and num_blocks is None:
         raise OffloadConfigError(
             "kv_connector_extra_config needs 'cpu_bytes_to_use' (total host bytes for offloaded KV "
@@ -106,8 +105,8 @@ def validate_extra_config(
             f"kv_connector_extra_config sets both 'cpu_bytes_to_use'={cpu_bytes} and 'num_cpu_blocks'={num_blocks}; "
             "give only one"
         )
-    block_size = positive_int(extra, "block_size")
-    bpc = positive_int(extra, "blocks_per_chunk")
+    block_size = _positive_int(extra, "block_size")
+    bpc = _positive_int(extra, "blocks_per_chunk")
     if block_size is not None and bpc is not None:
         raise OffloadConfigError("kv_connector_extra_config: give only one of 'block_size' and 'blocks_per_chunk'")
     blocks_per_chunk = bpc or 1
@@ -125,7 +124,8 @@ def validate_extra_config(
             f"kv_connector_extra_config['eviction_policy']={policy!r} is not one of {allowed} "
             "(or set 'cache_policy_module_path' for an out-of-tree policy)"
         )
-    return OffloadOptions(cpu_bytes, num_blocks, blocks_per_chunk, str(policy), positive_int(extra, "staging_bytes"))
+    _positive_int(extra, "staging_bytes")  # read where staged copies are set up; checked here, at start-up
+    return OffloadOptions(cpu_bytes, num_blocks, blocks_per_chunk, str(policy))
 
 
 def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alignment: int = 1) -> int:
@@ -146,14 +146,13 @@ def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alig
 class SimpleOptions:
     size_key: str  # the key that sets this rank's host bytes
     size_value: int | None  # None: not set, vLLM's default applies
-    staging_bytes: int | None
 
 
 def validate_simple_extra_config(extra: Mapping[str, Any]) -> SimpleOptions:
     """Values of the keys ``NPUSimpleCPUOffloadConnector`` and vLLM's simple connector read."""
-    total = positive_int(extra, "cpu_bytes_to_use")
-    per_rank = positive_int(extra, "cpu_bytes_to_use_per_rank")
-    staging = positive_int(extra, "staging_bytes")
+    total = _positive_int(extra, "cpu_bytes_to_use")
+    per_rank = _positive_int(extra, "cpu_bytes_to_use_per_rank")
+    _positive_int(extra, "staging_bytes")  # read where staged copies are set up; checked here, at start-up
     backend = str(extra.get("kv_offload_backend", "cpu"))
     if backend not in SIMPLE_BACKENDS:
         raise OffloadConfigError(
@@ -161,5 +160,5 @@ def validate_simple_extra_config(extra: Mapping[str, Any]) -> SimpleOptions:
             f"NPUSimpleCPUOffloadConnector; allowed: {SIMPLE_BACKENDS}"
         )
     if per_rank is not None:  # vLLM's simple connector prefers it over cpu_bytes_to_use / world size
-        return SimpleOptions("cpu_bytes_to_use_per_rank", per_rank, staging)
-    return SimpleOptions("cpu_bytes_to_use", total, staging)
+        return SimpleOptions("cpu_bytes_to_use_per_rank", per_rank)
+    return SimpleOptions("cpu_bytes_to_use", total)

@@ -116,7 +116,7 @@ def num_host_blocks_for(kv_cache_config, cpu_capacity_bytes: int, bytes_per_bloc
 class NPUSimpleCPUOffloadWorker:
     def __init__(self, vllm_config, kv_cache_config, cpu_capacity_bytes: int, options: SimpleOptions | None = None):
         # options: the validated extra config; its size key and value name the setting in errors
-        self.options = options or SimpleOptions("cpu_bytes_to_use", cpu_capacity_bytes, None)
+        self.options = options or SimpleOptions("cpu_bytes_to_use", cpu_capacity_bytes)
         if cpu_capacity_bytes <= 0:
             raise OffloadConfigError(
                 f"kv_connector_extra_config[{self.options.size_key!r}]={cpu_capacity_bytes} must be a positive "
