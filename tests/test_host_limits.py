@@ -117,7 +117,8 @@ def test_pin_failure_hint_names_the_limit_and_how_to_raise_it(monkeypatch):
 
 
 def test_fmt_bytes():
-    assert [hl.fmt_bytes(n) for n in (512, 1536, 10 << 40, 5000 << 40)] == ["512 B", "1.5 KiB", "10.0 TiB", "5000.0 TiB"]
+    sizes = (512, 1536, 10 << 40, 5000 << 40)
+    assert [hl.fmt_bytes(n) for n in sizes] == ["512 B", "1.5 KiB", "10.0 TiB", "5000.0 TiB"]
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="not Linux")

@@ -7,7 +7,17 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from kv_arena import ALIGN, Arena  # noqa: E402
-from vllm_configs import BLOCK, HEAD, HEADS, LAYERS, NB, PAGE, SPEC_EXTRA, stacked_caches, worker_connector  # noqa: E402
+from vllm_configs import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    HEADS,
+    LAYERS,
+    NB,
+    PAGE,
+    SPEC_EXTRA,
+    stacked_caches,
+    worker_connector,
+)
 
 from vllm_npu_offload.integration import compat  # noqa: E402
 

@@ -88,7 +88,8 @@ def test_spec_rejects_bad_config(extra, match):
 def test_spec_sizes_and_legacy_key():
     from vllm_npu_offload.integration.spec import NPUOffloadingSpec
 
-    spec = NPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 64 * 4096 * 2, "blocks_per_chunk": 2}, world_size=2))
+    cfg = offloading_config({"cpu_bytes_to_use": 64 * 4096 * 2, "blocks_per_chunk": 2}, world_size=2)
+    spec = NPUOffloadingSpec(cfg)
     assert spec.blocks_per_chunk == 2
     assert spec.num_chunks == 32  # 512 KiB / (4 KiB x 2 ranks x 2 blocks)
     legacy = NPUOffloadingSpec(offloading_config({"num_cpu_blocks": 10}))

@@ -168,7 +168,9 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def check_host_allocation(nbytes: int, key: str, value=None, detail: str = "", memory: HostMemory | None = None) -> None:
+def check_host_allocation(
+    nbytes: int, key: str, value=None, detail: str = "", memory: HostMemory | None = None
+) -> None:
     """Raise ``OffloadConfigError`` if ``nbytes`` of host memory cannot be had.
 
     ``key`` / ``value``: the setting that asked for it (``value`` None: not set, a default);

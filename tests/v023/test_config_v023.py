@@ -14,7 +14,18 @@ if not vllm.__version__.startswith("0.23"):
     pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
 
 from extra_samples import SAMPLES  # noqa: E402
-from harness import HEAD, HEADS, LAYERS, NB, PAGE, PROMPT, Engine, kv_cache_config, stacked_caches, vllm_config  # noqa: E402
+from harness import (  # noqa: E402
+    HEAD,
+    HEADS,
+    LAYERS,
+    NB,
+    PAGE,
+    PROMPT,
+    Engine,
+    kv_cache_config,
+    stacked_caches,
+    vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 
 from vllm_npu_offload import host_limits  # noqa: E402
