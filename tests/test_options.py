@@ -45,3 +45,30 @@ def test_too_small_for_one_block_and_legacy_conversion():
     legacy = validate_extra_config({"num_cpu_blocks": 1000})
     assert resolve_cpu_bytes(legacy, 4000, alignment=4096) == 1000 * 4096
     assert resolve_cpu_bytes(legacy, 4096, alignment=1) == 1000 * 4096
+
+
+def test_unknown_key_suggests_the_nearest_known_key(monkeypatch):
+    from vllm_npu_offload.integration.options import ALLOW_UNKNOWN_ENV, SPEC_KEYS, reject_unknown_keys
+
+    reject_unknown_keys({"cpu_bytes_to_use": 1, "staging_bytes": 2}, SPEC_KEYS, "X")
+    with pytest.raises(OffloadConfigError, match=r"an unknown key for X: 'blocks_per_chunck' \(did you mean "
+                                                 r"'blocks_per_chunk'\?\)\. Known keys: block_size, "):
+        reject_unknown_keys({"blocks_per_chunck": 2}, SPEC_KEYS, "X")
+    monkeypatch.setenv(ALLOW_UNKNOWN_ENV, "1")
+    reject_unknown_keys({"blocks_per_chunck": 2}, SPEC_KEYS, "X")  # a warning only
+
+
+def test_staging_bytes_must_be_a_positive_integer():
+    validate_extra_config({"cpu_bytes_to_use": 1, "staging_bytes": 4096})
+    with pytest.raises(OffloadConfigError, match=r"\['staging_bytes'\]=-4096 must be a positive integer"):
+        validate_extra_config({"cpu_bytes_to_use": 1, "staging_bytes": -4096})
+
+
+def test_simple_options_name_the_size_key():
+    from vllm_npu_offload.integration.options import SimpleOptions, validate_simple_extra_config
+
+    assert validate_simple_extra_config({}) == SimpleOptions("cpu_bytes_to_use", None)
+    both = {"cpu_bytes_to_use": 8, "cpu_bytes_to_use_per_rank": 4, "staging_bytes": 2}
+    assert validate_simple_extra_config(both) == SimpleOptions("cpu_bytes_to_use_per_rank", 4)
+    with pytest.raises(OffloadConfigError, match=r"\['cpu_bytes_to_use_per_rank'\]=0 must be a positive"):
+        validate_simple_extra_config({"cpu_bytes_to_use_per_rank": 0})

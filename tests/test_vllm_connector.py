@@ -7,66 +7,26 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from kv_arena import ALIGN, Arena  # noqa: E402
+from vllm_configs import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    HEADS,
+    LAYERS,
+    NB,
+    PAGE,
+    SPEC_EXTRA,
+    stacked_caches,
+    worker_connector,
+)
 
 from vllm_npu_offload.integration import compat  # noqa: E402
 
 if compat.API == "handlers":
     pytest.skip("tests/v023 covers the 0.21-0.24 API", allow_module_level=True)
 
-NB, BLOCK, HEADS, HEAD = 12, 16, 2, 32
-PAGE = 2 * BLOCK * HEADS * HEAD * 4
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-
 
 def _connector(tiny_model, cls):
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    vc = VllmConfig(
-        model_config=ModelConfig(model=tiny_model, dtype="float32", seed=0),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, is_encoder_decoder=False
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="NPUOffloadingConnector",
-            kv_connector_module_path="vllm_npu_offload.integration.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "cpu_bytes_to_use": 8 * PAGE * len(LAYERS),
-                "spec_name": "NPUOffloadingSpec",
-                "spec_module_path": "vllm_npu_offload.integration.spec",
-            },
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    kcc = KVCacheConfig(
-        num_blocks=NB,
-        kv_cache_tensors=[
-            KVCacheTensor(size=NB * PAGE, layers=[n], layer_stride=NB * PAGE, block_stride=PAGE) for n in LAYERS
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                LAYERS, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
-            )
-        ],
-    )
-    conn = cls(vc, KVConnectorRole.WORKER, kcc)
-    return conn, lambda caches: _register(conn, vc, caches, set_current_vllm_config)
-
-
-def _register(conn, vc, caches, set_current_vllm_config):
-    with set_current_vllm_config(vc):
-        conn.register_kv_caches(caches)
+    return worker_connector(tiny_model, cls, {"cpu_bytes_to_use": 8 * PAGE * len(LAYERS), **SPEC_EXTRA})
 
 
 def test_connector_tuples_round_trip(tiny_model):
@@ -113,7 +73,7 @@ def test_connector_plain_tensors_take_upstream_path(tiny_model, monkeypatch):
     seen = []
     orig = NPUOffloadingSpec.get_worker
     monkeypatch.setattr(NPUOffloadingSpec, "get_worker", lambda self, kv: (seen.append(kv), orig(self, kv))[1])
-    caches = {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD) for n in LAYERS}
+    caches = stacked_caches()
     for cls in (OffloadingConnector, NPUOffloadingConnector):
         conn, register = _connector(tiny_model, cls)
         register(caches)

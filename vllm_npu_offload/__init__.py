@@ -17,6 +17,7 @@ CORE_MODULES = (
     "vllm_npu_offload.copy.backend",
     "vllm_npu_offload.engine",
     "vllm_npu_offload.errors",
+    "vllm_npu_offload.host_limits",
     "vllm_npu_offload.stats",
     "vllm_npu_offload.offload_worker",
     "vllm_npu_offload.layouts",

@@ -14,6 +14,7 @@ import torch
 
 from . import numa
 from .errors import OffloadConfigError
+from .host_limits import pin_failure_hint
 from .platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class HostKVBuffer:
         self.tensor.zero_()
         self.pinned = bool(pin and platform.pin_memory_available and platform.pin(self.tensor))
         if pin and platform.pin_memory_available and not self.pinned:
-            logger.warning("could not page-lock %d host bytes; copies to/from them will be slower", nbytes)
+            logger.warning("%s; copies to/from them will be slower", pin_failure_hint(nbytes))
         self.base = self.tensor.data_ptr()
 
     def strided_view(self, offset: int, rows: int, row_bytes: int, row_stride: int) -> torch.Tensor:

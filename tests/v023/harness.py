@@ -37,6 +37,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_npu_offload.copy.base import Direction
 
 BLOCK = 16
+NB = 24  # device blocks
+HEADS, HEAD = 2, 32
+PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K+V bytes per block and layer (float32)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks
 SPEC_EXTRA = {"spec_name": "NPUOffloadingSpec", "spec_module_path": "vllm_npu_offload.integration.spec"}
 
 init_none_hash(sha256)
@@ -193,7 +198,8 @@ class Engine:
         assert self.sched.kv_cache_manager.reset_prefix_cache()
 
 
-def stacked_caches(layers: list[str], num_blocks: int, heads: int, head_size: int, seed: int = 1) -> dict:
+def stacked_caches(layers: list[str] = LAYERS, num_blocks: int = NB, heads: int = HEADS, head_size: int = HEAD,
+                   seed: int = 1) -> dict:
     """Upstream layout: one random (num_blocks, 2, block, heads, head) tensor per layer."""
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(num_blocks, 2, BLOCK, heads, head_size, generator=g) for n in layers}

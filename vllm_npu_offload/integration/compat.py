@@ -50,6 +50,50 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
 
+# -- kv_connector_extra_config keys that vLLM itself reads -------------------------------
+# Our connectors reject every other key they do not read themselves (options.SPEC_KEYS,
+# options.SIMPLE_KEYS), so these lists must hold everything vLLM reads for that connector.
+# Read from the installed sources (grep extra_config / kv_connector_extra_config /
+# get_from_extra_config in v1/kv_offload/{factory,base}.py, v1/kv_offload/cpu/spec.py,
+# distributed/kv_transfer/kv_connector/v1/{offloading_connector,offloading/*,
+# simple_cpu_offload_connector}.py, v1/simple_kv_offload/).
+
+# OffloadingConnector + OffloadingSpecFactory + OffloadingSpec + CPUOffloadingSpec.
+_OFFLOADING_KEYS_023 = (  # vLLM 0.23.0, the "handlers" generation (0.21-0.24)
+    "spec_name", "spec_module_path",  # factory.py
+    "offload_prompt_only", "block_size",  # base.py OffloadingSpec
+    "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size",  # cpu/spec.py
+)
+_OFFLOADING_KEYS_032 = (  # vLLM 0.32.0, the "config" generation (>= 0.26)
+    "spec_name", "spec_module_path",  # factory.py
+    "self_describing_kv_events", "offload_prompt_only",  # base.py OffloadingSpec
+    "block_size", "blocks_per_chunk", "canonical_layout",  # offloading/config.py
+    "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path", "store_threshold",
+    "max_tracker_size",  # cpu/spec.py (store_threshold also in its metric definitions)
+)
+OFFLOADING_KEYS = {
+    "handlers": _OFFLOADING_KEYS_023,
+    # vLLM 0.25 is not installed anywhere here: accept what either neighbour reads.
+    "worker": tuple(dict.fromkeys(_OFFLOADING_KEYS_023 + _OFFLOADING_KEYS_032)),
+    "config": _OFFLOADING_KEYS_032,
+}[API]
+
+# SimpleCPUOffloadConnector.__init__ (nothing under v1/simple_kv_offload reads the extra config).
+_SIMPLE_KEYS_023 = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload")
+_SIMPLE_DISK_KEYS = ("kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache")
+
+# vLLM-Ascend's own OffloadingSpec reads the legacy 'num_cpu_blocks' (ours reads it too);
+# its connectors read no other key (shared/research/vllm_ascend.md).
+ASCEND_KEYS = ("num_cpu_blocks",)
+
+
+def simple_connector_keys() -> tuple[str, ...]:
+    """Keys the installed vLLM's SimpleCPUOffloadConnector reads (0.32 adds the disk backend's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as m
+
+    return _SIMPLE_KEYS_023 + (_SIMPLE_DISK_KEYS if hasattr(m, "VALID_KV_OFFLOAD_BACKENDS") else ())
+
+
 def registered_cache_policies() -> tuple[str, ...]:
     try:
         from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory

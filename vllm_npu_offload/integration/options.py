@@ -11,17 +11,55 @@ Pure Python (no vLLM import) so it is tested directly. Keys keep upstream's mean
   ``blocks_per_chunk`` (engine blocks per offloaded block); not both.
 - ``eviction_policy``: a registered cache policy (``lru``, ``arc``) unless
   ``cache_policy_module_path`` names an out-of-tree one.
+- ``staging_bytes``: device staging memory for staged copies (a positive integer).
+
+Keys are strict: a key that neither we nor the installed vLLM read for the connector in use
+is an error naming the nearest known key (``reject_unknown_keys``; vLLM's own keys per
+version are listed in ``compat``), so a misspelt size is never silently replaced by a default.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..errors import OffloadConfigError
 from ..memory import round_up
 
+logger = logging.getLogger(__name__)
+
 SIZE_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks")
+
+# Keys our own code reads, per connector; vLLM's keys (which it reads itself) come from compat.
+SPEC_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size", "blocks_per_chunk", "eviction_policy", "staging_bytes")
+SIMPLE_KEYS = ("cpu_bytes_to_use", "kv_offload_backend", "staging_bytes")
+SIMPLE_BACKENDS = ("cpu",)
+
+# Escape hatch for a newer vLLM that reads a key we do not list yet: warn instead of failing.
+ALLOW_UNKNOWN_ENV = "NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS"
+
+
+def reject_unknown_keys(extra: Mapping[str, Any], known: Iterable[str], owner: str) -> None:
+    """Raise ``OffloadConfigError`` for keys outside ``known``, suggesting the nearest known key."""
+    known = sorted(set(known))
+    unknown = sorted((k for k in extra if k not in known), key=str)
+    if not unknown:
+        return
+    parts = []
+    for k in unknown:
+        near = difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)
+        parts.append(f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    msg = (
+        f"kv_connector_extra_config has {'an unknown key' if len(unknown) == 1 else 'unknown keys'} for "
+        f"{owner}: {', '.join(parts)}. Known keys: {', '.join(known)}"
+    )
+    if os.environ.get(ALLOW_UNKNOWN_ENV) == "1":
+        logger.warning("%s (ignored: %s=1)", msg, ALLOW_UNKNOWN_ENV)
+        return
+    raise OffloadConfigError(f"{msg}. ({ALLOW_UNKNOWN_ENV}=1 turns this into a warning.)")
 
 
 def _positive_int(extra: Mapping[str, Any], key: str) -> int | None:
@@ -86,6 +124,7 @@ def validate_extra_config(
             f"kv_connector_extra_config['eviction_policy']={policy!r} is not one of {allowed} "
             "(or set 'cache_policy_module_path' for an out-of-tree policy)"
         )
+    _positive_int(extra, "staging_bytes")  # read where staged copies are set up; checked here, at start-up
     return OffloadOptions(cpu_bytes, num_blocks, blocks_per_chunk, str(policy))
 
 
@@ -106,3 +145,25 @@ def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alig
             f"block ({chunk} bytes across all ranks); use at least {chunk}"
         )
     return opts.cpu_bytes_to_use
+
+
+@dataclass(frozen=True)
+class SimpleOptions:
+    size_key: str  # the key that sets this rank's host bytes
+    size_value: int | None  # None: not set, vLLM's default applies
+
+
+def validate_simple_extra_config(extra: Mapping[str, Any]) -> SimpleOptions:
+    """Values of the keys ``NPUSimpleCPUOffloadConnector`` and vLLM's simple connector read."""
+    total = _positive_int(extra, "cpu_bytes_to_use")
+    per_rank = _positive_int(extra, "cpu_bytes_to_use_per_rank")
+    _positive_int(extra, "staging_bytes")  # read where staged copies are set up; checked here, at start-up
+    backend = str(extra.get("kv_offload_backend", "cpu"))
+    if backend not in SIMPLE_BACKENDS:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['kv_offload_backend']={backend!r} is not supported by "
+            f"NPUSimpleCPUOffloadConnector; allowed: {SIMPLE_BACKENDS}"
+        )
+    if per_rank is not None:  # vLLM's simple connector prefers it over cpu_bytes_to_use / world size
+        return SimpleOptions("cpu_bytes_to_use_per_rank", per_rank)
+    return SimpleOptions("cpu_bytes_to_use", total)

@@ -15,13 +15,12 @@ import logging
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import SimpleCPUOffloadConnector
 
-from ..errors import OffloadConfigError
+from ..host_limits import check_host_allocation
 from . import compat
+from .options import SIMPLE_KEYS, reject_unknown_keys, validate_simple_extra_config
 from .simple_worker import NPUSimpleCPUOffloadWorker, NPUSimpleWorkerMetadata
 
 logger = logging.getLogger(__name__)
-
-ALLOWED_BACKENDS = ("cpu",)
 
 
 def _take_store_event(manager, ev):
@@ -98,16 +97,24 @@ class FailedStoreReleaser:
 class NPUSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        backend = str(extra.get("kv_offload_backend", "cpu"))
-        if backend not in ALLOWED_BACKENDS:
-            raise OffloadConfigError(
-                f"kv_connector_extra_config['kv_offload_backend']={backend!r} is not supported by "
-                f"NPUSimpleCPUOffloadConnector; allowed: {ALLOWED_BACKENDS}"
-            )
+        reject_unknown_keys(
+            extra,
+            SIMPLE_KEYS + compat.simple_connector_keys(),
+            f"NPUSimpleCPUOffloadConnector on vLLM {compat.VLLM_VERSION}",
+        )
+        opts = validate_simple_extra_config(extra)
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.WORKER and self.worker_handler is not None:
             cap = self.worker_handler.cpu_capacity_bytes
-            self.worker_handler = NPUSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cap)
+            # Fail here, before the model's KV caches are allocated; register_kv_caches checks
+            # the exact size again right before the host buffer is allocated.
+            ws = vllm_config.parallel_config.world_size
+            if opts.size_value is None:
+                how = f"vLLM's default capacity / {ws} rank(s)"
+            else:
+                how = "" if opts.size_value == cap else f"its share over {ws} ranks"
+            check_host_allocation(cap, opts.size_key, opts.size_value, how)
+            self.worker_handler = NPUSimpleCPUOffloadWorker(vllm_config, kv_cache_config, cap, opts)
         self._no_host_hit: set[str] = set()
         mode = compat.simple_failed_store_mode(self.scheduler_manager) if self.scheduler_manager is not None else None
         self._can_abandon = mode == "abandon"

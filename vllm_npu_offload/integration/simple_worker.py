@@ -15,9 +15,8 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleC
 
 from ..copy.base import Direction
 from ..errors import OffloadConfigError
+from ..host_limits import check_host_allocation
 from ..offload_worker import DeviceKVTensor, device_platform
-from .options import staging_bytes_option
-from . import compat
 from ..simple_core import (
     CoreTransport,
     SimpleOffloadCore,
@@ -26,6 +25,9 @@ from ..simple_core import (
     placement_segments,
     tensor_segments,
 )
+
+from . import compat
+from .options import SimpleOptions, staging_bytes_option
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +116,13 @@ def num_host_blocks_for(kv_cache_config, cpu_capacity_bytes: int, bytes_per_bloc
 
 
 class NPUSimpleCPUOffloadWorker:
-    def __init__(self, vllm_config, kv_cache_config, cpu_capacity_bytes: int):
+    def __init__(self, vllm_config, kv_cache_config, cpu_capacity_bytes: int, options: SimpleOptions | None = None):
+        # options: the validated extra config; its size key and value name the setting in errors
+        self.options = options or SimpleOptions("cpu_bytes_to_use", cpu_capacity_bytes)
         if cpu_capacity_bytes <= 0:
             raise OffloadConfigError(
-                f"kv_connector_extra_config['cpu_bytes_to_use']={cpu_capacity_bytes} must be a positive byte count"
+                f"kv_connector_extra_config[{self.options.size_key!r}]={cpu_capacity_bytes} must be a positive "
+                "byte count"
             )
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -139,6 +144,10 @@ class NPUSimpleCPUOffloadWorker:
         platform = device_platform([t for _, t in flatten_kv_values(kv_caches)])
         bpb = sum(s.page_bytes for s in segments)
         n_host = num_host_blocks_for(self.kv_cache_config, self.cpu_capacity_bytes, bpb)
+        check_host_allocation(
+            n_host * bpb, self.options.size_key, self.options.size_value,
+            f"{n_host} host blocks x {bpb} bytes for a per-rank capacity of {self.cpu_capacity_bytes} bytes",
+        )
         self.transport = CoreTransport.from_segments(segments, n_host, platform, staging_bytes=self.staging_bytes)
         self.core = SimpleOffloadCore(self.transport)
         logger.info(

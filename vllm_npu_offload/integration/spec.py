@@ -11,10 +11,11 @@ serves vLLM 0.21-0.24 (``get_handlers``), 0.25 (``get_worker``) and >= 0.26
 from __future__ import annotations
 
 from ..errors import OffloadConfigError
+from ..host_limits import check_host_allocation
 from ..memory import round_up
 from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore, device_platform
 from . import compat
-from .options import resolve_cpu_bytes, staging_bytes_option, validate_extra_config
+from .options import SPEC_KEYS, reject_unknown_keys, resolve_cpu_bytes, staging_bytes_option, validate_extra_config
 from .workers import NPUOffloadingWorker, handler_pair
 
 
@@ -37,6 +38,11 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
 
     def __init__(self, *args, **kwargs):
         inp = compat.spec_inputs(args, kwargs)
+        reject_unknown_keys(
+            inp.extra,
+            SPEC_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
+            f"NPUOffloadingSpec on vLLM {compat.VLLM_VERSION}",
+        )
         opts = validate_extra_config(
             inp.extra,
             engine_block_size=inp.engine_block_size,
@@ -53,6 +59,9 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         compat.init_base(self, args, kwargs, extra)
         self._npu_worker = None
         self._npu_handlers = None
+        # The setting that sized the host buffer, for the memory check's message.
+        size_key = "cpu_bytes_to_use" if opts.num_cpu_blocks is None else "num_cpu_blocks"
+        self._npu_size_setting = (size_key, inp.extra[size_key])
         if per_chunk > 0 and self.geometry[1] <= 0:
             need = round_up(per_chunk, self.BLOCK_SIZE_ALIGNMENT)
             raise OffloadConfigError(
@@ -70,7 +79,16 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         return False
 
     def _new_core(self, kv_caches) -> OffloadWorkerCore:
-        return core_from_canonical(kv_caches, *self.geometry, staging_bytes=self._staging_bytes)
+        # Only workers build a core, right before allocating this rank's host buffer: the
+        # scheduler's spec never allocates (and may run after the workers took their memory).
+        bpc, chunks = self.geometry
+        per_block = sum(t.page_size_bytes for t in kv_caches.tensors)
+        key, value = self._npu_size_setting
+        check_host_allocation(
+            per_block * bpc * chunks, key, value,
+            f"{chunks} chunks x {bpc} blocks x {per_block} bytes of KV per block on this rank",
+        )
+        return core_from_canonical(kv_caches, bpc, chunks, staging_bytes=self._staging_bytes)
 
     def get_worker(self, kv_caches):
         """vLLM >= 0.25: one worker for both directions."""

@@ -14,6 +14,8 @@ COUNTERS = {
     "external_hits": "vllm:external_prefix_cache_hits",
     "offload_load_bytes": "vllm:kv_offload_load_bytes",
     "offload_store_bytes": "vllm:kv_offload_store_bytes",
+    "offload_load_seconds": "vllm:kv_offload_load_time",
+    "offload_store_seconds": "vllm:kv_offload_store_time",
     "preemptions": "vllm:num_preemptions",
 }
 
