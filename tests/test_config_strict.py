@@ -20,7 +20,6 @@ vllm = pytest.importorskip("vllm")
 from extra_samples import SAMPLES  # noqa: E402
 from vllm_configs import (  # noqa: E402
     LAYERS,
-    NB,
     NPU_OFFLOADING,
     OFFLOADING,
     PAGE,

@@ -9,7 +9,6 @@ next identical prompt must come back from host memory.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 

@@ -27,6 +27,7 @@ import torch
 from ..copy.base import Direction
 from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
 from ..platform import Platform, get_platform
+from .gemm_load import GemmLoad
 
 
 @dataclass(frozen=True)
@@ -181,42 +182,24 @@ def interference(platform: Platform, shape: KVShape, gemm_n: int = 8192, gemms: 
                  staging_bytes: int | None = None) -> dict[str, Any]:
     """Slowdown of a bf16 GEMM loop while the core moves KV back to back (direct and staged)."""
     rig = CoreRig(platform, shape, staging_bytes)
-    a = torch.randn(gemm_n, gemm_n, device=platform.device, dtype=torch.bfloat16)
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    cs = platform.new_stream()
-    ev0, ev1 = platform.new_event(), platform.new_event()
-
-    def gemms_async():
-        with platform.stream_context(cs):
-            ev0.record(cs)
-            for _ in range(gemms):
-                torch.matmul(a, b, out=c)
-            ev1.record(cs)
-
-    alone = []
-    for _ in range(3):
-        gemms_async()
-        ev1.synchronize()
-        alone.append(ev0.elapsed_time(ev1))
-    base = float(np.median(alone))
+    load = GemmLoad(platform, gemm_n, gemms)
+    base = load.alone_ms(3)
     res: dict[str, Any] = {"shape": shape.name, "gemm_n": gemm_n, "gemm_ms_alone": base, "rows": []}
     nbytes = shape.blocks * sum(shape.pages)
     for mode in (("direct", "staged") if rig.core.stager is not None else ("direct",)):
         for d in Direction:
             dev, chunks = rig.ids("random", 1)
-            rig.transfer(d, dev, chunks, mode == "staged")
-            rig.finish()
+
+            def move_once():
+                rig.transfer(d, dev, chunks, mode == "staged")
+                rig.finish()
+
+            move_once()  # warm-up
             slow, copies, wall = [], 0, 0.0
             for _ in range(2):
-                gemms_async()
-                t0 = time.perf_counter()
-                while not ev1.query():
-                    rig.transfer(d, dev, chunks, mode == "staged")
-                    rig.finish()
-                    copies += 1
-                wall += time.perf_counter() - t0
-                ev1.synchronize()
-                slow.append(ev0.elapsed_time(ev1))
+                ms, n, w = load.while_running(move_once)
+                slow.append(ms)
+                copies, wall = copies + n, wall + w
             res["rows"].append({"mode": mode, "dir": d.name, "gemm_ms": float(np.median(slow)),
                                 "slowdown_pct": 100.0 * (float(np.median(slow)) / base - 1.0),
                                 "copy_gbps": copies * nbytes / wall / 1e9})

@@ -21,6 +21,7 @@ from ..copy.backend import NPUDmaCopyBackend, _PATH_FACTORIES, load_accelerator_
 from ..copy.base import Direction
 from ..plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
 from ..platform import Platform, get_platform
+from .gemm_load import GemmLoad
 
 BLOCK_TOKENS = 16
 DTYPE_BYTES = 2  # bf16
@@ -177,24 +178,9 @@ def interference(platform: Platform, cfg: ModelConfig, gemm_n: int = 8192, gemms
                  paths: tuple[str, ...] = ACCEL_PATHS) -> dict[str, Any]:
     """Slowdown of a bf16 GEMM loop on one stream while each path copies on another."""
     rig = KVRig(platform, cfg, max(256, 4 * cfg.blocks))
-    a = torch.randn(gemm_n, gemm_n, device=platform.device, dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    c = torch.empty_like(a)
-    cs, xs = platform.new_stream(), platform.new_stream()
-    ev0, ev1 = platform.new_event(), platform.new_event()
-
-    def run_gemms():
-        with platform.stream_context(cs):
-            ev0.record(cs)
-            for _ in range(gemms):
-                torch.matmul(a, b, out=c)
-            ev1.record(cs)
-
-    run_gemms()
-    ev1.synchronize()
-    run_gemms()
-    ev1.synchronize()
-    alone = ev0.elapsed_time(ev1)
+    load = GemmLoad(platform, gemm_n, gemms)
+    xs = platform.new_stream()
+    alone = load.alone_ms(1)
     res: dict[str, Any] = {"config": cfg.name, "gemm_n": gemm_n, "gemm_ms_alone": alone, "paths": {}}
     for name in paths:
         if name not in _PATH_FACTORIES:
@@ -204,17 +190,12 @@ def interference(platform: Platform, cfg: ModelConfig, gemm_n: int = 8192, gemms
             desc = rig.descriptors(d, cfg.blocks)
             try:
                 path = _PATH_FACTORIES[name](platform, rig.page_sizes)
-                path.copy(desc.src, desc.dst, desc.sizes, d, xs, desc.buffers)  # warm-up
-                xs.synchronize()
-                run_gemms()
-                copies, t0 = 0, time.perf_counter()
-                while not ev1.query():
+                def copy_once():
                     path.copy(desc.src, desc.dst, desc.sizes, d, xs, desc.buffers)
                     xs.synchronize()
-                    copies += 1
-                wall = time.perf_counter() - t0
-                ev1.synchronize()
-                with_copy = ev0.elapsed_time(ev1)
+
+                copy_once()  # warm-up
+                with_copy, copies, wall = load.while_running(copy_once)
                 entry[d.name] = {"gemm_ms": with_copy, "slowdown_pct": 100.0 * (with_copy / alone - 1.0),
                                  "copies": copies, "copy_gbps": copies * int(desc.sizes.sum()) / wall / 1e9}
             except Exception as e:  # noqa: BLE001
