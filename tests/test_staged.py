@@ -238,3 +238,26 @@ def test_slices_ramp_small_then_slot_sized(monkeypatch):
     assert plan.link.sizes.tolist() == [r * core.layout.record_bytes for r in (6, 16, 16, 2)]
     core.pool.release(plan.buffers)
     core.shutdown()
+
+
+def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
+    """The crossover measurement runs real direct and staged transfers (here on CPU, with
+    two KV groups) and caches its result; a cached entry is reused without measuring."""
+    from vllm_npu_offload import calibration, staging_choice
+
+    monkeypatch.setenv("NPU_OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    core, tensors, refs, rng = random_core(4, 2, staging_chunks=8, groups=2)
+    entry = staging_choice.measure(core)
+    assert entry["sizes"] == [1, 2, 4, 8, 16, 32]  # not 64: the rig has 48 device blocks
+    for d in ("H2D", "D2H"):
+        assert len(entry["direct"][d]) == len(entry["staged"][d]) == 6
+        assert all(t > 0 for t in entry["direct"][d] + entry["staged"][d])
+        assert entry["min_blocks"][d] in entry["sizes"] or entry["min_blocks"][d] == staging_choice._NEVER
+    monkeypatch.delenv("NPU_OFFLOAD_STAGED")
+    calls = []
+    monkeypatch.setattr(staging_choice, "measure", lambda c: calls.append(c) or entry)
+    first = staging_choice.staged_thresholds(core)
+    assert calls == [core] and staging_choice.staged_thresholds(core) == first and len(calls) == 1
+    assert (tmp_path / calibration.CACHE_FILE).exists()
+    core.shutdown()

@@ -32,8 +32,9 @@ VERSION = 1
 
 def _time_transfer(core: "OffloadWorkerCore", direction: Direction, dev: np.ndarray, chunks: np.ndarray,
                    staged: bool, job: int) -> float:
+    rest = [0] * (core.num_groups - 1)  # the first KV group's tensors stand for all
     t0 = time.perf_counter()
-    core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=staged)
+    core.submit(job, direction, dev, [len(dev)] + rest, [0] + rest, chunks, staged=staged)
     core.wait([job])
     dt = time.perf_counter() - t0
     for r in core.poll():
