@@ -196,7 +196,7 @@ triton_missing = importlib.util.find_spec("triton") is None
 
 @pytest.mark.skipif(triton_missing, reason="triton is not installed")
 def test_sm_kernel_interpreter():
-    r = subprocess.run([sys.executable, str(HERE / "sm_interp_cases.py"), "odd", "tiles", "errors"], capture_output=True,
+    r = subprocess.run([sys.executable, str(HERE / "sm_interp_cases.py"), "odd", "tiles", "ranges", "errors"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 
