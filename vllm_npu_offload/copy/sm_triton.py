@@ -73,20 +73,13 @@ if HAS_TRITON:
         nprog = tl.num_programs(0)
         lane2 = tl.arange(0, 2)  # the two 8-byte halves of one 16-byte vector
         n = rows * width
-        # The descriptors of the next group are loaded before this group's bytes move, so
-        # their memory latency overlaps the copy instead of adding to it.
-        k = pid * JOBS + tl.arange(0, JOBS)
-        job = first + (k // width) * stride + k % width
-        s_next = tl.load(src_ptr + job, mask=k < n, other=0)
-        d_next = tl.load(dst_ptr + job, mask=k < n, other=0)
-        size_next = tl.load(size_ptr + job, mask=k < n, other=0)
         for g in range(pid, tl.cdiv(n, JOBS), nprog):
-            s, d, size = s_next, d_next, size_next
-            k = (g + nprog) * JOBS + tl.arange(0, JOBS)
+            k = g * JOBS + tl.arange(0, JOBS)
+            live = k < n
             job = first + (k // width) * stride + k % width
-            s_next = tl.load(src_ptr + job, mask=k < n, other=0)
-            d_next = tl.load(dst_ptr + job, mask=k < n, other=0)
-            size_next = tl.load(size_ptr + job, mask=k < n, other=0)
+            s = tl.load(src_ptr + job, mask=live, other=0)
+            d = tl.load(dst_ptr + job, mask=live, other=0)
+            size = tl.load(size_ptr + job, mask=live, other=0)
             aligned = ((s | d) & 15) == 0
             nvec = tl.where(aligned, size >> 4, 0)
             # 16-byte part: [JOBS, VECS, 2] int64, contiguous pairs -> 128-bit accesses.
