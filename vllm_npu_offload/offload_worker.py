@@ -122,7 +122,7 @@ class OffloadWorkerCore:
             "(%s, %s); staged from %s blocks (load) / %s (store)",
             len(self.device_tensors), self.num_groups, num_chunks, blocks_per_chunk, self.layout.record_bytes,
             self.host.nbytes / 2**20, "pinned" if self.host.pinned else "pageable", self.host.numa.describe(),
-            self.staged_min_blocks[Direction.H2D], self.staged_min_blocks[Direction.D2H],
+            *(self.staged_from(d) for d in (Direction.H2D, Direction.D2H)),
         )
 
     # -- set-up -----------------------------------------------------------------------------
@@ -239,6 +239,11 @@ class OffloadWorkerCore:
             if planner is not None:
                 groups.append(GroupBlocks(planner, self._spans[g], dev, host))
         return self.stager.plan(direction, groups)
+
+    def staged_from(self, direction: Direction) -> str:
+        """The staging threshold in words: a block count, or 'never'."""
+        n = self.staged_min_blocks[Direction(direction)]
+        return "never" if self.stager is None or n >= _NEVER else str(n)
 
     def uses_staging(self, direction: Direction, num_blocks: int) -> bool:
         return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]

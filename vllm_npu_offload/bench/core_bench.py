@@ -132,7 +132,7 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
     rig = CoreRig(platform, shape, staging_bytes)
     core = rig.core
     out: dict[str, Any] = {"shape": asdict(shape), "record_bytes": core.layout.record_bytes,
-                           "staged_min_blocks": {d.name: core.staged_min_blocks[d] for d in Direction},
+                           "staged_min_blocks": {d.name: core.staged_from(d) for d in Direction},
                            "staging": None if core.stager is None else asdict(core.stager.geometry), "rows": []}
     nbytes = shape.blocks * sum(shape.pages)
     host_t = core.host.tensor[:nbytes]

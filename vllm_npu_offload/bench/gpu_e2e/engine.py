@@ -150,7 +150,7 @@ class _Engine:
             st = core.stager
             out.append({
                 "direct": {"load": core.backend.choice.load, "store": core.backend.choice.store},
-                "staged_from_blocks": {d.name: core.staged_min_blocks[d] for d in core.staged_min_blocks},
+                "staged_from_blocks": {d.name: core.staged_from(d) for d in core.staged_min_blocks},
                 "staging": None if st is None else {"slots": st.geometry.slots, "slot_blocks": st.geometry.slot_blocks,
                                                      "local": st.local_path.name, "link": st.link_path.name},
                 "record_bytes": core.layout.record_bytes, "host_bytes": core.host.nbytes,
