@@ -125,6 +125,17 @@ def test_spread_and_outside():
     assert tables.kv_bytes_per_token(32, 8, 128, 2) == 131072
 
 
+def test_paired_change_on_the_recorded_miss_run():
+    """Per-round ratios cancel the machine's drift that the unpaired ranges cannot (H200 run, 2026-11-23)."""
+    res = json.loads((ROOT / "docs/results/gpu_e2e_staged_2026-11-23/miss.json").read_text())
+    p = tables.paired_change(res["runs"]["ours"], res["runs"]["off"])
+    assert p["n"] == 5 and p["min"] <= p["median"] <= p["max"]
+    ratios = sorted(o / f - 1 for o, f in zip(res["runs"]["ours"], res["runs"]["off"]))
+    assert p["median"] == ratios[2] and (p["min"], p["max"]) == (ratios[0], ratios[-1])
+    assert "paired vs off" in tables.miss_table(res) and f"{p['median'] * 100:+.1f}%" in tables.miss_table(res)
+    assert tables.paired_change([2.0, 3.0], [1.0]) == {"n": 1, "median": 1.0, "min": 1.0, "max": 1.0}
+
+
 def test_kv_transfer_configs():
     assert kv_transfer_config("off", 1, 64) is None
     nat = kv_transfer_config("native", 1 << 30, 64)

@@ -54,6 +54,12 @@ def outside_spread(a: list[float], b: list[float]) -> bool:
     return bool(a and b) and (min(a) > max(b) or min(b) > max(a))
 
 
+def paired_change(xs: list[float], base: list[float]) -> dict[str, float]:
+    """Per-round relative change x_i / base_i - 1 of interleaved runs (round i of both ran under the
+    same conditions, so slow drifts of the machine cancel): median, min, max and n."""
+    return spread([x / b - 1.0 for x, b in zip(xs, base)])
+
+
 def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:,.1f}"
 
@@ -100,11 +106,14 @@ def miss_table(res: dict) -> str:
             rows.append([k, "-", "-", "-", "-", "-"])
             continue
         rel = f"{(s['median'] / statistics.median(off) - 1) * 100:+.1f}%" if k != "off" and off else ""
-        rows.append([k, f"{s['median']:.3f}", f"{s['min']:.3f}-{s['max']:.3f}", rel,
+        p = paired_change(xs, off) if k != "off" else {"n": 0}
+        paired = f"{p['median'] * 100:+.1f}% ({p['min'] * 100:+.1f}..{p['max'] * 100:+.1f}%)" if p["n"] else ""
+        rows.append([k, f"{s['median']:.3f}", f"{s['min']:.3f}-{s['max']:.3f}", rel, paired,
                      "" if k == "off" else ("yes" if outside_spread(xs, off) else "no"), s["n"]])
-    return (table(["offload", "median s", "min-max s", "vs off", "outside spread", "runs"], rows)
+    return (table(["offload", "median s", "min-max s", "vs off", "paired vs off (min..max)", "outside spread", "runs"],
+                  rows)
             + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
-              f"interleaved off/native/ours after one warm-up round")
+              f"interleaved off/native/ours after one warm-up round; paired = median of the per-round changes")
 
 
 def multiturn_table(res: dict) -> str:
