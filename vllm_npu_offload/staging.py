@@ -157,14 +157,16 @@ class Stager:
         if not groups:
             raise ValueError("a staged transfer needs at least one block")
         g = self.geometry
-        gid = np.concatenate([np.full(len(gb.device_ids), i, np.int64) for i, gb in enumerate(groups)])
-        dev = np.concatenate([gb.device_ids for gb in groups])
-        host = np.concatenate([gb.host_ids for gb in groups])
-        n = len(dev)
+        if len(groups) == 1:  # the usual case: no concatenation, no group key
+            gid, host = None, groups[0].host_ids
+        else:
+            gid = np.concatenate([np.full(len(gb.device_ids), i, np.int64) for i, gb in enumerate(groups)])
+            host = np.concatenate([gb.host_ids for gb in groups])
+        n = len(host)
         sizes = self.slice_sizes(n, direction)
         n_slices = len(sizes)
         edges = np.zeros(n_slices + 1, np.int64)
-        np.cumsum(sizes, out=edges[1:])
+        np.cumsum(np.asarray(sizes, np.int64), out=edges[1:])
         slice_of = np.repeat(np.arange(n_slices, dtype=np.int64), sizes)
         pos = (slice_of % g.slots) * g.slot_blocks + np.arange(n, dtype=np.int64) - edges[slice_of]
         # Local (page) descriptors: one planner call per group, tensor-major (row = tensor,
@@ -176,7 +178,7 @@ class Stager:
             src, dst = (gb.device_ids, p_ids) if direction is Direction.D2H else (p_ids, gb.device_ids)
             work.append((src, dst, gb.planner))
             blk += k_g
-        local_bufs = self.pool.acquire(sum(w[2].count(w[0], w[1]) for w in work))
+        local_bufs = self.pool.acquire(sum(len(w[2].pairs) * len(w[0]) for w in work))  # one per page
         ranges: list[list[DescriptorRange]] = [[] for _ in range(n_slices)]
         at = nbytes = 0
         try:
@@ -185,6 +187,8 @@ class Stager:
                 k_g = len(src)
                 w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
                                          local_bufs.sizes_np[at:])
+                if w != len(planner.pairs) * k_g:  # slices are column ranges of a (tensor, block) table
+                    raise ValueError("staged planners must not merge runs (CopyPlanner(merge=False))")
                 for s_i in range(int(slice_of[blk]), int(slice_of[blk + k_g - 1]) + 1):
                     c0, c1 = max(int(edges[s_i]), blk) - blk, min(int(edges[s_i + 1]), blk + k_g) - blk
                     ranges[s_i].append(DescriptorRange(at + c0, c1 - c0, w // k_g, k_g))
@@ -192,10 +196,13 @@ class Stager:
                 nbytes += b
                 blk += k_g
             # Link descriptors: runs of consecutive host blocks inside one slice and one group.
-            starts = _link_runs(host, gid * n_slices + slice_of)
+            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of)
             ends = np.append(starts[1:], n)
-            spans = np.array([gb.span for gb in groups], np.int64)
-            lo, hi = spans[gid[starts], 0], spans[gid[starts], 1]
+            if gid is None:
+                lo, hi = groups[0].span
+            else:
+                spans = np.array([gb.span for gb in groups], np.int64)
+                lo, hi = spans[gid[starts], 0], spans[gid[starts], 1]
             rec = self.layout.record_bytes
             stg = self.base[direction] + pos[starts] * rec + lo
             hst = self.host_base + host[starts] * rec + lo
