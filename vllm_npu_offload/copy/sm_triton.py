@@ -129,15 +129,18 @@ class SmCopyPath(CopyPath):
         self.num_warps = num_warps
         self.page = max(page_sizes) if page_sizes else 16 * 1024
 
-    def _upload(self, arr: np.ndarray, pinned: torch.Tensor | None, device) -> torch.Tensor:
-        n = len(arr)
-        off = (arr.ctypes.data - pinned.data_ptr()) // 8 if pinned is not None else -1
-        if pinned is not None and arr.flags.c_contiguous and 0 <= off and off + n <= pinned.numel():
-            host = pinned[off:off + n]  # the array is (a slice of) the pinned buffer itself
-        else:  # plain numpy: stage through pinned memory so the upload stays asynchronous
-            host = self.platform.empty_pinned(n, torch.int64)
-            host.numpy()[:] = arr
-        return host.to(device, non_blocking=True)
+    def _upload(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, buffers) -> tuple:
+        """The three descriptor rows on the device, in one asynchronous copy on the current stream:
+        the pinned (3, capacity) buffer they live in, or a pinned staging copy of plain arrays."""
+        n = len(sizes)
+        packed = getattr(buffers, "packed", None)
+        if packed is None or src.ctypes.data != packed[0].data_ptr() or dst.ctypes.data != packed[1].data_ptr() \
+                or sizes.ctypes.data != packed[2].data_ptr():
+            packed = self.platform.empty_pinned((3, max(1, n)), torch.int64)
+            for i, a in enumerate((src, dst, sizes)):
+                packed.numpy()[i, :n] = a
+        dev = packed.to(self.platform.device, non_blocking=True)
+        return dev[0], dev[1], dev[2]
 
     def copy(self, src, dst, sizes, direction: Direction, stream: Any, buffers=None) -> None:
         check_descriptors(src, dst, sizes)
@@ -145,14 +148,9 @@ class SmCopyPath(CopyPath):
         if n == 0:
             return
         _refuse_null(src, dst)
-        device = self.platform.device
         try:
             with self.platform.stream_context(stream):
-                t = [
-                    self._upload(a, getattr(buffers, k, None), device)
-                    for a, k in ((src, "src"), (dst, "dst"), (sizes, "sizes"))
-                ]
-                self._launch(t, 0, n)
+                self._launch(self._upload(src, dst, sizes, buffers), 0, n)
         except Exception as e:  # noqa: BLE001 - surface as the copy contract's error
             raise CopyError(f"sm copy of {n} descriptors failed to launch: {type(e).__name__}: {e}", "sm.launch") from e
 
@@ -164,18 +162,10 @@ class SmCopyPath(CopyPath):
 
     def prepare(self, descriptors):
         """Check and upload a whole transfer's descriptors in one copy, on the current stream."""
-        src, dst, sizes, bufs = descriptors.src, descriptors.dst, descriptors.sizes, descriptors.buffers
+        src, dst, sizes = descriptors.src, descriptors.dst, descriptors.sizes
         check_descriptors(src, dst, sizes)
         _refuse_null(src, dst)
-        n = len(sizes)
-        packed = getattr(bufs, "packed", None)
-        if packed is None or n == 0 or src.ctypes.data != packed[0].data_ptr():
-            host = self.platform.empty_pinned((3, max(1, n)), torch.int64)
-            for i, a in enumerate((src, dst, sizes)):
-                host.numpy()[i, :n] = a
-            packed = host
-        dev = packed.to(self.platform.device, non_blocking=True)
-        return dev[0], dev[1], dev[2]
+        return self._upload(src, dst, sizes, descriptors.buffers)
 
     def copy_range(self, prepared, rng: DescriptorRange, direction: Direction, stream: Any) -> None:
         if rng.count <= 0:
