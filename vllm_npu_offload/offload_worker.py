@@ -174,7 +174,8 @@ class OffloadWorkerCore:
         expanded = (chunk_ids[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).ravel()
         return expanded[skip : skip + count]
 
-    def split_groups(self, device_block_ids, group_sizes, block_indices, chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    def split_groups(self, device_block_ids, group_sizes, block_indices,
+                     chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Per non-empty group: (group, device block ids, host block ids); validates the transfer."""
         device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)

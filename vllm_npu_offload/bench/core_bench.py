@@ -16,7 +16,6 @@ start and end events ("dev"), and the copies alone with descriptors planned befo
 from __future__ import annotations
 
 import json
-import time
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from ..copy.base import Direction
 from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
 from ..platform import Platform, get_platform
 from .gemm_load import GemmLoad
+from .transfer import contiguous_copy_fn, median_seconds
 
 
 @dataclass(frozen=True)
@@ -114,19 +114,6 @@ class CoreRig:
         self.core.shutdown()
 
 
-def _median(fn, finish, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-        finish()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        finish()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_bytes: int | None = None,
                 hosts: tuple[str, ...] = ("random", "seq")) -> dict[str, Any]:
     rig = CoreRig(platform, shape, staging_bytes)
@@ -138,25 +125,19 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
     host_t = core.host.tensor[:nbytes]
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
     stream = platform.new_stream()
-
-    def contiguous(direction):
-        def run():
-            with platform.stream_context(stream):
-                (dev_t.copy_(host_t, non_blocking=True) if direction.is_load else
-                 host_t.copy_(dev_t, non_blocking=True))
-        return run
-
     for d in Direction:
-        limit = nbytes / _median(contiguous(d), stream.synchronize, reps) / 1e9
+        limit = nbytes / median_seconds(contiguous_copy_fn(platform, dev_t, host_t, d, stream), stream.synchronize,
+                                        reps) / 1e9
         for host in hosts:
             dev, chunks = rig.ids(host, seed=zlib.crc32(f"{shape.name}/{host}".encode()))
             row = {"dir": d.name, "host": host, "bytes": nbytes, "contiguous_gbps": limit}
             for mode in (("direct", "staged") if core.stager is not None else ("direct",)):
                 staged = mode == "staged"
                 dev_s: list[float] = []
-                sec = _median(lambda: rig.transfer(d, dev, chunks, staged), lambda: dev_s.extend(rig.finish()), reps)
+                sec = median_seconds(lambda: rig.transfer(d, dev, chunks, staged),
+                                     lambda: dev_s.extend(rig.finish()), reps)
                 fn, planned = rig.executor(d, dev, chunks, staged, stream)
-                exec_s = _median(fn, stream.synchronize, reps)
+                exec_s = median_seconds(fn, stream.synchronize, reps)
                 if staged:  # the device-local half alone (gather or scatter of every slice)
                     plan = planned
                     loc = core.stager.local_path
@@ -167,7 +148,7 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
                             for rngs in plan.local_ranges:
                                 for rng in rngs:
                                     loc.copy_range(prep, rng, d, stream)
-                    row["gather_gbps"] = nbytes / _median(local_only, stream.synchronize, reps) / 1e9
+                    row["gather_gbps"] = nbytes / median_seconds(local_only, stream.synchronize, reps) / 1e9
                 for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):
                     row[f"{mode}{what}_gbps"] = nbytes / t / 1e9
                     row[f"{mode}{what}_pct"] = 100.0 * nbytes / t / 1e9 / limit

@@ -93,21 +93,22 @@ class KVRig:
         self.dev = self.host = None
 
 
-def _median_seconds(fn, stream, reps: int, warmup: int = 2) -> float:
+def median_seconds(fn, finish, reps: int, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn(); finish()`` (``finish`` waits for the work, e.g. a stream sync)."""
     for _ in range(warmup):
         fn()
-        stream.synchronize()
+        finish()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        stream.synchronize()
+        finish()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
 
-def _contiguous_fn(platform: Platform, rig: KVRig, nbytes: int, direction: Direction, stream):
-    dev, host = rig.dev[:nbytes], rig.host[:nbytes]
+def contiguous_copy_fn(platform: Platform, dev: torch.Tensor, host: torch.Tensor, direction: Direction, stream):
+    """One contiguous copy between ``dev`` and ``host`` on ``stream``: the link's limit."""
     if platform.kind == "cpu":
         return lambda: stream.submit(lambda: (dev.copy_(host) if direction.is_load else host.copy_(dev)))
 
@@ -154,16 +155,17 @@ def bench_config(platform: Platform, cfg: ModelConfig, blocks: int | None = None
         for name in paths:
             try:
                 path = _PATH_FACTORIES[name](platform, rig.page_sizes)
-                sec = _median_seconds(lambda: path.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
-                                      stream, reps)
+                sec = median_seconds(lambda: path.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
+                                      stream.synchronize, reps)
                 row["gbps"][name] = nbytes / sec / 1e9
             except Exception as e:  # noqa: BLE001 - report, keep benchmarking the rest
                 row["errors"][name] = f"{type(e).__name__}: {e}"
-        sec = _median_seconds(lambda: backend.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
-                              stream, reps)
+        sec = median_seconds(lambda: backend.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
+                             stream.synchronize, reps)
         row["gbps"]["chosen"] = nbytes / sec / 1e9
         row["chosen"] = backend.path(d).name
-        sec = _median_seconds(_contiguous_fn(platform, rig, nbytes, d, stream), stream, reps)
+        sec = median_seconds(contiguous_copy_fn(platform, rig.dev[:nbytes], rig.host[:nbytes], d, stream),
+                             stream.synchronize, reps)
         row["gbps"]["contiguous"] = nbytes / sec / 1e9
         row["pct_of_limit"] = {k: 100.0 * v / row["gbps"]["contiguous"] for k, v in row["gbps"].items()}
         rig.pool.release(desc.buffers)
@@ -220,8 +222,8 @@ def sm_variants(platform: Platform, cfg: ModelConfig, programs=(4, 8, 12, 16), t
         for p in programs:
             for t in tiles:
                 path = SmCopyPath(platform, rig.page_sizes, programs=p, tile_bytes=t)
-                sec = _median_seconds(lambda: path.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
-                                      stream, reps)
+                sec = median_seconds(lambda: path.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
+                                      stream.synchronize, reps)
                 rows.append({"config": cfg.name, "dir": d.name, "programs": p, "tile_bytes": t,
                              "gbps": nbytes / sec / 1e9})
         rig.pool.release(desc.buffers)
