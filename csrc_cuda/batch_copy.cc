@@ -6,11 +6,8 @@
 #include "driver.h"
 #include "npo_cuda.h"
 
-extern "C" int npo_cuda_batch_copy(const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
-                                   int src_order_any, void *stream, char *msg, size_t msg_len) {
-    const npo_driver *drv;
-    int rc = npo_prepare(&drv, src, dst, sizes, n, stream, "cuMemcpyBatchAsync", msg, msg_len);
-    if (rc != 0 || n == 0) return rc;
+int npo_batch_range(const npo_driver *drv, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
+                    int src_order_any, CUstream stream, char *msg, size_t msg_len) {
 #if NPO_BATCH_MEMCPY
     // The batch API rejects the legacy NULL stream; so do drivers < 12.8: loop there.
     if (drv->mode != NPO_MODE_LOOP && stream != nullptr) {
@@ -30,10 +27,10 @@ extern "C" int npo_cuda_batch_copy(const uint64_t *src, const uint64_t *dst, con
             CUresult r;
             long long where = (long long)off;
             if (drv->mode == NPO_MODE_BATCH_V2) {
-                r = drv->batch_v2(d + off, s + off, z + off, cnt, &attr, &attr_idx, 1, (CUstream)stream);
+                r = drv->batch_v2(d + off, s + off, z + off, cnt, &attr, &attr_idx, 1, stream);
             } else {
                 size_t fail_idx = (size_t)-1;
-                r = drv->batch_v1(d + off, s + off, z + off, cnt, &attr, &attr_idx, 1, &fail_idx, (CUstream)stream);
+                r = drv->batch_v1(d + off, s + off, z + off, cnt, &attr, &attr_idx, 1, &fail_idx, stream);
                 if (fail_idx != (size_t)-1 && fail_idx < cnt) where = (long long)(off + fail_idx);
             }
             if (r != CUDA_SUCCESS) {
@@ -49,5 +46,13 @@ extern "C" int npo_cuda_batch_copy(const uint64_t *src, const uint64_t *dst, con
 #else
     (void)src_order_any;
 #endif
-    return npo_loop_range(drv, src, dst, sizes, 0, n, (CUstream)stream, msg, msg_len);
+    return npo_loop_range(drv, src, dst, sizes, 0, n, stream, msg, msg_len);
+}
+
+extern "C" int npo_cuda_batch_copy(const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
+                                   int src_order_any, void *stream, char *msg, size_t msg_len) {
+    const npo_driver *drv;
+    int rc = npo_prepare(&drv, src, dst, sizes, n, stream, "cuMemcpyBatchAsync", msg, msg_len);
+    if (rc != 0 || n == 0) return rc;
+    return npo_batch_range(drv, src, dst, sizes, n, src_order_any, (CUstream)stream, msg, msg_len);
 }

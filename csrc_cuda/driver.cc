@@ -89,6 +89,14 @@ void resolve() {
             return;
         }
     }
+    // The kernel launch entry points are optional: without them only the gather is unsupported.
+    g_drv.module_load_data = reinterpret_cast<npo_cuModuleLoadData_t>(r.get("cuModuleLoadData", 11030));
+    g_drv.module_get_function = reinterpret_cast<npo_cuModuleGetFunction_t>(r.get("cuModuleGetFunction", 11030));
+    g_drv.launch_kernel = reinterpret_cast<npo_cuLaunchKernel_t>(r.get("cuLaunchKernel", 11030));
+    g_drv.event_create = reinterpret_cast<npo_cuEventCreate_t>(r.get("cuEventCreate", 11030));
+    g_drv.event_destroy = reinterpret_cast<npo_cuEventDestroy_t>(r.get("cuEventDestroy", 11030));
+    g_drv.event_record = reinterpret_cast<npo_cuEventRecord_t>(r.get("cuEventRecord", 11030));
+    g_drv.stream_wait_event = reinterpret_cast<npo_cuStreamWaitEvent_t>(r.get("cuStreamWaitEvent", 11030));
 #if NPO_BATCH_MEMCPY
     // Ask for the ABI we have a prototype for: 13.0 gives cuMemcpyBatchAsync_v2,
     // 12.8 the form with failIdx. Drivers older than 12.8 have neither: loop.
@@ -148,6 +156,10 @@ int npo_prepare(const npo_driver **out, const uint64_t *src, const uint64_t *dst
                              call, i, (unsigned long long)src[i], (unsigned long long)dst[i],
                              (unsigned long long)sizes[i]);
     }
+    return npo_bind_context(drv, stream, msg, msg_len);
+}
+
+int npo_bind_context(const npo_driver *drv, void *stream, char *msg, size_t msg_len) {
     // Driver calls need a current context; a thread that never touched the runtime
     // has none, so borrow the stream's (the primary context torch made current).
     CUcontext ctx = nullptr;

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 1
+#define NPO_CUDA_ABI_VERSION 2
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -52,6 +52,50 @@ NPO_EXPORT int npo_cuda_batch_copy(const uint64_t *src, const uint64_t *dst, con
 /* Copy n descriptors on `stream` with one cuMemcpyAsync each. */
 NPO_EXPORT int npo_cuda_loop_copy(const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
                        void *stream, char *msg, size_t msg_len);
+
+/* 1 if the gather kernel (gather_kernel.cu, needs nvcc at build time) is compiled in. */
+NPO_EXPORT int npo_cuda_gather_built(void);
+
+/* Device-local gather/scatter: copy descriptors first + r * stride + c (r < rows,
+ * c < width) whose columns src/dst/size are DEVICE arrays (uploaded by the caller), with
+ * one kernel of at most `programs` blocks (so at most that many SMs) on `stream`.
+ * min_page (the smallest page size) sizes the lane groups. Addresses must be device
+ * memory or pinned host memory mapped into the device's address space. */
+NPO_EXPORT int npo_cuda_gather(uint64_t src, uint64_t dst, uint64_t size, uint64_t first, uint64_t width,
+                               uint64_t rows, uint64_t stride, uint64_t min_page, int programs, void *stream,
+                               char *msg, size_t msg_len);
+
+/* One staged transfer, enqueued whole by npo_cuda_staged_run (see staging.py for the
+ * pipeline). Page addresses come from pair tables on the device ((5, m) int64 rows:
+ * src base, src block stride, dst base, dst block stride, bytes; uploaded once per KV
+ * group and direction) and this transfer's block ids, uploaded here in one copy. Per
+ * slice s: the ranges ranges[range_off[s] .. range_off[s+1]) (4 values each: table
+ * pointer, m, first block, blocks; gather/scatter on `aux`) and the link descriptors
+ * link_bounds[s] .. link_bounds[s+1] (copy engines on `stream`). */
+typedef struct {
+    int store;                 /* 1: gather on aux, then link on stream; 0: link, then scatter */
+    int programs;              /* gather blocks (SMs): 1..1024 */
+    void *stream;              /* the job's stream (CUstream) */
+    void *aux;                 /* the direction's aux stream */
+    const int64_t *host_ids;   /* pinned: src block ids (n_ids), then dst block ids (n_ids) */
+    uint64_t dev_ids;          /* device buffer of 2 * n_ids int64 they are uploaded to */
+    uint64_t n_ids;
+    uint64_t min_page;         /* smallest page: sizes the kernel's lane groups */
+    uint64_t n_slices;
+    uint64_t slots;
+    const uint64_t *range_off; /* n_slices + 1 */
+    const uint64_t *ranges;
+    const uint64_t *link_src, *link_dst, *link_size;
+    const uint64_t *link_bounds; /* n_slices + 1 */
+    void *const *events;         /* 1 + 2 * slots CUevents: entry, filled[slots], drained[slots] */
+    int skip_link;               /* benchmarks: the device-local copies alone */
+} npo_staged_job;
+
+NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len);
+
+/* Timing-disabled CUevents for the pipeline (created in the current or primary context). */
+NPO_EXPORT int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len);
+NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len);
 
 #ifdef __cplusplus
 }

@@ -17,7 +17,7 @@ export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 declare -a SUMMARY=()
 T0=$(date +%s)
 
-STEPS=${STEPS:-env build tests core core_interference bench interference}  # a subset re-runs parts
+STEPS=${STEPS:-env build tests core core_triton core_pyloop core_interference bench interference}  # a subset re-runs parts
 step() {  # step NAME TIMEOUT_S CMD...
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -38,6 +38,10 @@ else
   step tests 300 $PY tests/test_cuda_gpu.py
 fi
 step core 240 $PY scripts/bench_core.py --reps 10 --json "$OUT/core.json"
+step core_triton 120 env NPU_OFFLOAD_STAGE_GATHER=triton $PY scripts/bench_core.py --reps 10 \
+  --shapes tiny-1k,qwen2.5-0.5b-fp8,llama-70b-tp8,llama-8b,mla-ascend-split --json "$OUT/core_triton.json"
+step core_pyloop 120 env NPU_OFFLOAD_STAGE_PIPELINE=python $PY scripts/bench_core.py --reps 10 \
+  --shapes tiny-1k,qwen2.5-0.5b-fp8,llama-70b-tp8,llama-8b,mla-ascend-split --json "$OUT/core_pyloop.json"
 step core_interference 120 $PY scripts/bench_core.py --shapes "" --interference llama-8b,qwen2.5-0.5b,mla-ascend-split \
   --json "$OUT/core_interference.json"
 step bench 200 $PY scripts/bench_transfer.py --reps 20 --json "$OUT/bench.json"

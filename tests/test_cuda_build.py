@@ -49,9 +49,9 @@ def _has_real_driver() -> bool:
 def libs(tmp_path_factory):
     _include()
     out = {}
-    for mode in ("1", "0"):
+    for mode in ("1", "0"):  # batch + gather kernel (when nvcc is here) / loop, no kernel
         d = tmp_path_factory.mktemp(f"cuda_lib_{mode}")
-        built = builder.build(ROOT / "csrc_cuda", d, required=True, batch=mode)
+        built = builder.build(ROOT / "csrc_cuda", d, required=True, batch=mode, gather=None if mode == "1" else "0")
         assert built == [str(d / builder.LIB_NAME)]
         out[mode] = d
     return out
@@ -63,7 +63,7 @@ def fake_driver(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake_cuda")
     so = d / "libcuda.so.1"
     cc = os.environ.get("CC", "cc")
-    r = subprocess.run([cc, "-shared", "-fPIC", f"-I{inc}", "-Wl,-soname,libcuda.so.1",
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O2", f"-I{inc}", f"-I{ROOT / 'csrc_cuda'}", "-Wl,-soname,libcuda.so.1",
                         str(HERE / "cuda_fake" / "fake_libcuda.c"), "-o", str(so)], capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"cannot compile the fake driver: {r.stderr}")
@@ -82,7 +82,7 @@ def test_build_modes(libs):
     for mode, d in libs.items():
         lib = ctypes.CDLL(str(d / builder.LIB_NAME))
         assert lib.npo_cuda_built_mode() == int(mode)
-        assert lib.npo_cuda_abi_version() == 1
+        assert lib.npo_cuda_abi_version() == 2
 
 
 def test_bad_batch_flag_is_named(libs):
@@ -189,6 +189,53 @@ def test_loop_build_and_null_address(libs, fake_driver):
     assert out[0] == "loop"
     assert out[1].startswith("1 ") and "descriptor 1 is invalid" in out[1]  # rejected before the driver
     assert out[2].startswith("2 ") and "cuMemcpyAsync failed at descriptor 2" in out[2]
+
+
+def _gather_cases(lib_dir, fake, *cases, env=None):
+    r = subprocess.run([sys.executable, str(HERE / "cuda_fake" / "gather_cases.py"), str(fake), *cases],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), NPU_OFFLOAD_NATIVE_DIR=str(lib_dir),
+                                NPU_OFFLOAD_CACHE_DIR=str(lib_dir), **(env or {})))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+needs_nvcc = pytest.mark.skipif(builder.find_nvcc() is None, reason="nvcc not found: no gather kernel to test")
+
+
+@needs_nvcc
+def test_gather_kernel_ranges_staged_and_errors(libs, fake_driver):
+    """The kernel body (run on the CPU by the fake driver) copies exactly the selected descriptors;
+    the launcher sizes the grid and lane groups; the worker core's staged path round-trips."""
+    out = _gather_cases(libs["1"], fake_driver, "ranges", "staged", "staged_groups", "errors")
+    assert out.split() == ["ranges", "ok", "staged", "ok", "staged_groups", "ok", "errors", "ok"]
+
+
+@needs_nvcc
+def test_native_pipeline_link_failure_fails_the_job(libs, fake_driver):
+    # upload (3 copies) then the first slice's link copies: fail the 5th copy of the process
+    out = _gather_cases(libs["1"], fake_driver, "staged_fail", env={"FAKE_CUDA_FAIL_AT": "4"})
+    assert out.strip() == "staged_fail ok"
+
+
+@needs_nvcc
+def test_gather_kernel_missing_binary_is_named(libs, fake_driver):
+    out = _gather_cases(libs["1"], fake_driver, "no_binary", env={"FAKE_CUDA_NO_BINARY": "1"})
+    assert out.strip() == "no_binary ok"
+
+
+def test_library_without_gather_kernel(libs, fake_driver):
+    lib = ctypes.CDLL(str(libs["0"] / builder.LIB_NAME))
+    assert lib.npo_cuda_gather_built() == 0
+    assert _gather_cases(libs["0"], fake_driver, "not_built").strip() == "not_built ok"
+
+
+def test_gather_and_arch_flags_are_checked():
+    with pytest.raises(ValueError, match="NPU_OFFLOAD_CUDA_GATHER='yes'"):
+        builder.gather_mode("yes")
+    with pytest.raises(ValueError, match="NPU_OFFLOAD_CUDA_ARCHS='70'"):
+        builder.archs("70")
+    assert builder.archs("90, 80") == [80, 90]
 
 
 triton_missing = importlib.util.find_spec("triton") is None

@@ -33,7 +33,7 @@ from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorBuffers, TensorPair  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
-PATHS = ("dma", "dma_loop", "sm", "chosen")
+PATHS = ("dma", "dma_loop", "sm", "gather_native", "chosen")
 DIRS = (Direction.H2D, Direction.D2H)
 POISON = 0xA5
 
@@ -142,7 +142,7 @@ def test_100k_descriptors(name, direction):
               rng.permutation(n).astype(np.int64) * 128, with_buffers=True)
 
 
-@_param("name", ("dma", "dma_loop", "sm"))
+@_param("name", ("dma", "dma_loop", "sm", "gather_native"))
 def test_null_address_raises_copy_error(name):
     p = _platform()
     path = make_path(name, [64])
@@ -170,7 +170,7 @@ path = _PATH_FACTORIES[name](p, [4096])
 dev = torch.empty(1 << 20, dtype=torch.uint8, device=p.device)
 host = p.empty_pinned(64 << 20, torch.uint8)
 p.synchronize()
-if name == "sm":  # an unmapped, non-null address
+if name in ("sm", "gather_native"):  # an unmapped, non-null address
     src, size = 0x10, 4096
 else:  # a device pointer whose range runs 64 MiB past its allocation
     src, size = dev.data_ptr() + (1 << 20) - 4096, 64 << 20
@@ -188,7 +188,7 @@ print("NOERROR")
 """
 
 
-@_param("name", ("dma", "dma_loop", "sm"))
+@_param("name", ("dma", "dma_loop", "sm", "gather_native"))
 def test_invalid_address_fails_cleanly(name):
     """In a subprocess: a sticky CUDA error must not poison the other tests."""
     make_path(name, [4096])  # skip when the path is unavailable
@@ -203,8 +203,43 @@ def test_invalid_address_fails_cleanly(name):
     out = marks[-1] if marks else r.stdout
     print(f"{name}: {out}")
     # The copy engines validate at submit (CopyError); a kernel can only fault later.
-    allowed = ("SYNCERROR",) if name == "sm" else ("COPYERROR",)
+    allowed = ("SYNCERROR",) if name in ("sm", "gather_native") else ("COPYERROR",)
     assert out.startswith(allowed), f"{name}: expected {allowed}, got {out}"
+
+
+@_param("rows_sizes", ([1024, 1024, 2048, 16384], [17, 4097, 1, 40960 + 48], [576 * 32, 64 * 32]))
+def test_native_gather_column_ranges_device_local(rows_sizes):
+    """The staged slices' shape: the same column range of every row of a tensor-major table,
+    device -> device, only the selected pages written."""
+    from vllm_npu_offload.plan import Descriptors
+    from vllm_npu_offload.copy.base import DescriptorRange
+
+    p = _platform()
+    path = make_path("gather_native", rows_sizes)
+    rng = np.random.default_rng(len(rows_sizes))
+    rows, cols = len(rows_sizes), 300
+    sizes = np.repeat(np.asarray(rows_sizes, np.int64), cols)
+    stride = int(max(rows_sizes) + 255) // 256 * 256
+    n = rows * cols
+    src = torch.randint(0, 256, (n * stride,), dtype=torch.uint8, device=p.device)
+    dst = torch.full((n * stride,), POISON, dtype=torch.uint8, device=p.device)
+    so = rng.permutation(n).astype(np.int64) * stride
+    do = rng.permutation(n).astype(np.int64) * stride
+    bufs = DescriptorBuffers(p, n)
+    bufs.src_np[:n], bufs.dst_np[:n], bufs.sizes_np[:n] = src.data_ptr() + so, dst.data_ptr() + do, sizes
+    stream = p.new_stream()
+    with p.stream_context(stream):
+        prepared = path.prepare(Descriptors(bufs.src_np[:n], bufs.dst_np[:n], bufs.sizes_np[:n], 0, bufs))
+    picked = set()
+    for r in (DescriptorRange(3, 100, rows, cols), DescriptorRange(250, 50, rows - 1, cols), DescriptorRange(n - 7, 7)):
+        path.copy_range(prepared, r, Direction.D2H, stream)
+        picked.update(r.indices().tolist())
+    stream.synchronize()
+    expect = np.full(n * stride, POISON, np.uint8)
+    s_np = src.cpu().numpy()
+    for i in picked:
+        expect[do[i]:do[i] + sizes[i]] = s_np[so[i]:so[i] + sizes[i]]
+    assert np.array_equal(dst.cpu().numpy(), expect)
 
 
 @_param("force", (None, "dma", "sm"))

@@ -227,9 +227,15 @@ def test_slices_ramp_small_then_slot_sized(monkeypatch):
     slot = core.stager.geometry.slot_blocks
     assert slot == 16
     monkeypatch.setattr(staging, "RAMP", 8)
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
+    monkeypatch.setattr(staging, "GROWTH", 4)
     assert core.stager.slice_sizes(40, Direction.D2H) == [5, 16, 16, 3]  # small slice first for stores
     assert core.stager.slice_sizes(40, Direction.H2D) == [3, 16, 16, 5]  # ... and last for loads
     assert core.stager.slice_sizes(3, Direction.D2H) == [1, 2]
+    monkeypatch.setattr(staging, "GROWTH", 2)
+    assert core.stager.slice_sizes(40, Direction.D2H) == [5, 10, 16, 9]  # growing up to the slot size
+    assert core.stager.slice_sizes(18, Direction.D2H) == [3, 6, 9]  # a small remainder joins its neighbour
+    monkeypatch.setattr(staging, "GROWTH", 4)
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 6 * core.layout.record_bytes)
     assert core.stager.slice_sizes(40, Direction.D2H) == [6, 16, 16, 2]
     assert core.stager.slice_sizes(4, Direction.D2H) == [4]

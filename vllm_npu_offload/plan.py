@@ -157,6 +157,16 @@ class CopyPlanner:
         _check_ids("dst", dst_ids, self.dst_limit)
         return src_ids, dst_ids
 
+    def check_ids(self, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
+        """The ids as int64 arrays, or ValueError naming the first out-of-range id."""
+        return self._ids(src_ids, dst_ids)
+
+    def pair_table(self) -> np.ndarray:
+        """(5, m) int64 rows: src base, src block stride, dst base, dst block stride, bytes per
+        pair: what a device kernel needs to address any (pair, block) page itself."""
+        a = self._all
+        return np.concatenate([a.src_base, a.src_stride, a.dst_base, a.dst_stride, a.page], axis=1).T.copy()
+
     def _runs_of(self, src_ids, dst_ids):
         if self._runs is None or len(src_ids) < 2:
             return None
@@ -222,6 +232,7 @@ class DescriptorBuffers:
         self.src_np = self.src.numpy()
         self.dst_np = self.dst.numpy()
         self.sizes_np = self.sizes.numpy()
+        self.device_cols = None  # a device mirror for paths that upload the rows (kept with the set)
 
 
 class DescriptorPool:

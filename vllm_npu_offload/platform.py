@@ -72,6 +72,10 @@ class Platform(ABC):
         """A stable name of the device model (keys calibration caches)."""
         return self.kind
 
+    def hold(self, stream, seconds: float) -> bool:
+        """Keep ``stream`` busy for about ``seconds``; False where the platform cannot (benchmarks)."""
+        return False
+
     def multiprocessor_count(self) -> int:
         """SMs / AI cores of the device (0 when not applicable); caps SM copy grids."""
         return 0
@@ -133,6 +137,13 @@ class CudaPlatform(_TorchAcceleratorPlatform):
 
     def multiprocessor_count(self) -> int:
         return int(torch.cuda.get_device_properties().multi_processor_count)
+
+    def hold(self, stream, seconds: float) -> bool:
+        """Keep ``stream`` busy for about ``seconds`` (one spinning thread), so that work the CPU
+        enqueues meanwhile is timed on the device alone (benchmarks)."""
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(seconds * 2e9))  # cycles at ~2 GHz; only "long enough" matters
+        return True
 
 
 class NpuPlatform(_TorchAcceleratorPlatform):

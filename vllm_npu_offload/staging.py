@@ -36,10 +36,13 @@ DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x
 MAX_SLOTS = 4
 MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs/benchmarks.md)
 # The first slice (stores) / last slice (loads) is the part whose device-local copy the link
-# does not hide, so it is small: 1/RAMP of the transfer, at least MIN_SLICE_BYTES. The rest
-# goes in slot-sized slices: every slice costs a kernel launch (~tens of us of CPU).
-RAMP = 8
-MIN_SLICE_BYTES = 2 * 1024 * 1024
+# does not hide, so it is small: 1/RAMP of the transfer, at least MIN_SLICE_BYTES (smaller
+# DMA copies lose link bandwidth to their start-up). Later slices grow GROWTH-fold up to the
+# slot size: slice i+1's gather (device memory, >= 4x the link's speed with the native kernel)
+# then finishes while slice i is still on the link, and few slices keep per-slice costs low.
+RAMP = 16
+MIN_SLICE_BYTES = 512 * 1024
+GROWTH = 4
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,35 @@ class StagingGeometry:
         return self.slots * self.slot_blocks * self.record_bytes
 
 
+@dataclass(frozen=True)
+class TableRange:
+    """Pages of one slice in table form: every tensor pair of ``planner``'s table for blocks
+    ``[block0, block0 + blocks)`` of the transfer's id arrays."""
+
+    planner: CopyPlanner
+    block0: int
+    blocks: int
+
+
 @dataclass
 class StagedPlan:
-    """One transfer's descriptors; slice i copies ``local_ranges[i]`` and links ``link_bounds[i]:[i+1]``."""
+    """One transfer's copies; slice i copies its local part, then links ``link_bounds[i]:[i+1]``.
 
-    local: Descriptors  # device pages <-> staging positions, tensor-major per group
+    The local part comes in one of two forms: per-page descriptors (``local`` and
+    ``local_ranges``; any local path) or, for paths that address pages themselves from
+    per-group pair tables, the transfer's block ids (``ids``: src ids then dst ids, ``n_ids``
+    each, in one pinned buffer) and ``table_ranges``, which plans nothing per page.
+    """
+
+    local: Descriptors | None  # device pages <-> staging positions, tensor-major per group
     local_ranges: list[list[DescriptorRange]]  # per slice, the descriptors its gather/scatter copies
     link: Descriptors  # staging runs <-> host runs
     link_bounds: np.ndarray
+    ids: DescriptorBuffers | None = None
+    n_ids: int = 0
+    table_ranges: list[list[TableRange]] | None = None
+    local_bytes: int = 0
+    pages: int = 0
 
     @property
     def num_slices(self) -> int:
@@ -83,14 +107,15 @@ class StagedPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.local.total_bytes
+        return self.local.total_bytes if self.local is not None else self.local_bytes
 
     def __len__(self) -> int:
-        return len(self.local) + len(self.link)
+        return (len(self.local) if self.local is not None else self.pages) + len(self.link)
 
     @property
     def buffers(self) -> list[DescriptorBuffers]:
-        return [b for b in (self.local.buffers, self.link.buffers) if b is not None]
+        return [b for b in (self.local.buffers if self.local is not None else self.ids, self.link.buffers)
+                if b is not None]
 
 
 @dataclass(frozen=True)
@@ -130,9 +155,11 @@ class Stager:
         self._aux = {d: platform.new_stream() for d in Direction}
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
-        logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s)",
+        self._fused = local_path.fused_pipeline(link_path, g.slots)  # the whole pipeline in one native call
+        self.table_form = bool(getattr(self._fused, "table_form", False))
+        logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
-                    local_path.name, link_path.name)
+                    local_path.name, link_path.name, "native" if self._fused is not None else "python")
 
     def staging_layouts(self, direction: Direction, tensor_ids: Sequence[int]):
         """Per tensor: where its pages sit in ``direction``'s staging area (record-strided)."""
@@ -142,13 +169,18 @@ class Stager:
     # -- planning ---------------------------------------------------------------------------
     def slice_sizes(self, n: int, direction: Direction) -> list[int]:
         """Blocks per slice for an ``n``-block transfer: a small unhidden slice (first for
-        stores, last for loads), then slot-sized ones."""
+        stores, last for loads), then slices growing GROWTH-fold up to the slot size; a
+        remainder smaller than the first slice joins the slice before it when that fits."""
         g = self.geometry
-        floor = -(-MIN_SLICE_BYTES // g.record_bytes)
-        small = max(1, min(g.slot_blocks, n, max(floor, -(-n // RAMP))))
-        rest = n - small
-        sizes = [small] + [g.slot_blocks] * (rest // g.slot_blocks) + ([rest % g.slot_blocks] if rest % g.slot_blocks
-                                                                       else [])
+        first = max(1, -(-MIN_SLICE_BYTES // g.record_bytes), -(-n // RAMP))
+        sizes, cur, left = [], first, n
+        while left > 0:
+            take = min(cur, g.slot_blocks, left)
+            if 0 < left - take < first and left <= g.slot_blocks:
+                take = left
+            sizes.append(take)
+            left -= take
+            cur *= GROWTH
         return sizes if Direction(direction) is Direction.D2H else sizes[::-1]
 
     def plan(self, direction: Direction, groups: Sequence[GroupBlocks]) -> StagedPlan:
@@ -169,32 +201,12 @@ class Stager:
         np.cumsum(np.asarray(sizes, np.int64), out=edges[1:])
         slice_of = np.repeat(np.arange(n_slices, dtype=np.int64), sizes)
         pos = (slice_of % g.slots) * g.slot_blocks + np.arange(n, dtype=np.int64) - edges[slice_of]
-        # Local (page) descriptors: one planner call per group, tensor-major (row = tensor,
-        # column = block); slice s is the column range [s*per, (s+1)*per) of every row.
-        work, blk = [], 0
-        for gb in groups:
-            k_g = len(gb.device_ids)
-            p_ids = pos[blk:blk + k_g]
-            src, dst = (gb.device_ids, p_ids) if direction is Direction.D2H else (p_ids, gb.device_ids)
-            work.append((src, dst, gb.planner))
-            blk += k_g
-        local_bufs = self.pool.acquire(sum(len(w[2].pairs) * len(w[0]) for w in work))  # one per page
-        ranges: list[list[DescriptorRange]] = [[] for _ in range(n_slices)]
-        at = nbytes = 0
+        local, ranges, ids, tables, nbytes, pages = None, [], None, None, 0, 0
+        if self.table_form:
+            ids, tables, nbytes, pages = self._plan_tables(direction, groups, pos, slice_of, edges)
+        else:
+            local, ranges = self._plan_pages(direction, groups, pos, slice_of, edges)
         try:
-            blk = 0
-            for src, dst, planner in work:
-                k_g = len(src)
-                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
-                                         local_bufs.sizes_np[at:])
-                if w != len(planner.pairs) * k_g:  # slices are column ranges of a (tensor, block) table
-                    raise ValueError("staged planners must not merge runs (CopyPlanner(merge=False))")
-                for s_i in range(int(slice_of[blk]), int(slice_of[blk + k_g - 1]) + 1):
-                    c0, c1 = max(int(edges[s_i]), blk) - blk, min(int(edges[s_i + 1]), blk + k_g) - blk
-                    ranges[s_i].append(DescriptorRange(at + c0, c1 - c0, w // k_g, k_g))
-                at += w
-                nbytes += b
-                blk += k_g
             # Link descriptors: runs of consecutive host blocks inside one slice and one group.
             starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of)
             ends = np.append(starts[1:], n)
@@ -210,18 +222,76 @@ class Stager:
             m = len(starts)
             link_bufs = self.pool.acquire(m)
         except BaseException:
-            self.pool.release(local_bufs)
+            self.pool.release(local.buffers if local is not None else ids)
             raise
         src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
         link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
         link_bounds = np.searchsorted(starts, edges).astype(np.int64)
-        return StagedPlan(
-            Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes, local_bufs),
-            ranges,
-            Descriptors(link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m], int(size.sum()),
-                        link_bufs),
-            link_bounds,
-        )
+        link = Descriptors(link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m], int(size.sum()),
+                           link_bufs)
+        return StagedPlan(local, ranges, link, link_bounds, ids, n, tables, nbytes, pages)
+
+    def _group_slices(self, blk: int, k_g: int, slice_of: np.ndarray, edges: np.ndarray):
+        """(slice, first column, columns) of each slice that blocks [blk, blk + k_g) fall in."""
+        for s_i in range(int(slice_of[blk]), int(slice_of[blk + k_g - 1]) + 1):
+            c0, c1 = max(int(edges[s_i]), blk) - blk, min(int(edges[s_i + 1]), blk + k_g) - blk
+            yield s_i, c0, c1 - c0
+
+    def _sides(self, direction: Direction, gb: GroupBlocks, p_ids: np.ndarray):
+        return (gb.device_ids, p_ids) if direction is Direction.D2H else (p_ids, gb.device_ids)
+
+    def _plan_pages(self, direction: Direction, groups: Sequence[GroupBlocks], pos, slice_of, edges):
+        """Per-page descriptors: one planner call per group, tensor-major (row = tensor, column =
+        block); slice s is the column range [s*per, (s+1)*per) of every row."""
+        n_slices = len(edges) - 1
+        work, blk = [], 0
+        for gb in groups:
+            k_g = len(gb.device_ids)
+            work.append((*self._sides(direction, gb, pos[blk:blk + k_g]), gb.planner))
+            blk += k_g
+        local_bufs = self.pool.acquire(sum(len(w[2].pairs) * len(w[0]) for w in work))  # one per page
+        ranges: list[list[DescriptorRange]] = [[] for _ in range(n_slices)]
+        at = nbytes = blk = 0
+        try:
+            for src, dst, planner in work:
+                k_g = len(src)
+                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
+                                         local_bufs.sizes_np[at:])
+                if w != len(planner.pairs) * k_g:  # slices are column ranges of a (tensor, block) table
+                    raise ValueError("staged planners must not merge runs (CopyPlanner(merge=False))")
+                for s_i, c0, cols in self._group_slices(blk, k_g, slice_of, edges):
+                    ranges[s_i].append(DescriptorRange(at + c0, cols, w // k_g, k_g))
+                at += w
+                nbytes += b
+                blk += k_g
+        except BaseException:
+            self.pool.release(local_bufs)
+            raise
+        return Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes,
+                           local_bufs), ranges
+
+    def _plan_tables(self, direction: Direction, groups: Sequence[GroupBlocks], pos, slice_of, edges):
+        """Table form: the block ids of both sides, checked, in one pinned buffer; per slice, one
+        range per group. Nothing per page: the kernel forms the addresses."""
+        n = len(pos)
+        bufs = self.pool.acquire(-(-2 * n // 3))  # the (3, cap) rows hold [src ids | dst ids] flat
+        flat = bufs.packed.view(-1).numpy()
+        tables: list[list[TableRange]] = [[] for _ in range(len(edges) - 1)]
+        blk = nbytes = pages = 0
+        try:
+            for gb in groups:
+                k_g = len(gb.device_ids)
+                src, dst = gb.planner.check_ids(*self._sides(direction, gb, pos[blk:blk + k_g]))
+                flat[blk:blk + k_g], flat[n + blk:n + blk + k_g] = src, dst
+                for s_i, c0, cols in self._group_slices(blk, k_g, slice_of, edges):
+                    tables[s_i].append(TableRange(gb.planner, blk + c0, cols))
+                nbytes += gb.planner.bytes_per_block * k_g
+                pages += len(gb.planner.pairs) * k_g
+                blk += k_g
+        except BaseException:
+            self.pool.release(bufs)
+            raise
+        return bufs, tables, nbytes, pages
 
     # -- execution ------------------------------------------------------------------------------
     def run(self, plan: StagedPlan, direction: Direction, stream: Any) -> None:
@@ -233,6 +303,9 @@ class Stager:
         """
         direction = Direction(direction)
         aux = self._aux[direction]
+        if self._fused is not None:
+            self._fused.run(plan, direction, stream, aux)
+            return
         filled, drained = self._filled[direction], self._drained[direction]
         slots, lr, kb = self.geometry.slots, plan.local_ranges, plan.link_bounds.tolist()
         lk, local, link = plan.link, self.local_path, self.link_path
@@ -264,4 +337,7 @@ class Stager:
                 stream.wait_event(drained[(plan.num_slices - 1) % slots])
 
     def release(self) -> None:
+        if self._fused is not None:
+            self._fused.close()
+            self._fused = None
         self.buffer = None

@@ -2,10 +2,16 @@
  * entry points libnpu_offload_cuda.so resolves. Behaviour via env:
  *   FAKE_CUDA_VERSION  driver version reported (default 13000; 12080 -> 9-arg batch ABI)
  *   FAKE_CUDA_FAIL_AT  descriptor index (counted over the process) whose copy fails
- * Counters are exported for the tests (fake_*). */
+ *   FAKE_CUDA_NO_BINARY  cuModuleLoadData fails with CUDA_ERROR_NO_BINARY_FOR_GPU
+ * cuLaunchKernel runs the gather kernel's body (csrc_cuda/gather_body.h) on the CPU,
+ * thread by thread, so the launcher's arguments and the kernel's indexing are checked
+ * byte for byte. Counters are exported for the tests (fake_*). */
 #include <cuda.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
+
+#include "gather_body.h"
 
 long long fake_batch_calls = 0, fake_memcpy_calls = 0, fake_copied = 0, fake_max_batch = 0;
 int fake_last_order = -1, fake_last_version_asked = 0;
@@ -42,11 +48,71 @@ static CUresult f_batch_v1(CUdeviceptr *d, CUdeviceptr *s, size_t *z, size_t n, 
     for (size_t i = 0; i < n; ++i) if (one(d[i], s[i], z[i])) { *fail = i; return CUDA_ERROR_INVALID_VALUE; }
     return CUDA_SUCCESS;
 }
-static CUresult f_err_string(CUresult r, const char **s) { *s = r == 1 ? "invalid argument" : "fake error"; return CUDA_SUCCESS; }
-static CUresult f_err_name(CUresult r, const char **s) { *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_FAKE"; return CUDA_SUCCESS; }
+static CUresult f_err_string(CUresult r, const char **s) {
+    *s = r == 1 ? "invalid argument" : r == 209 ? "no kernel image is available for execution on the device" : "fake error";
+    return CUDA_SUCCESS;
+}
+static CUresult f_err_name(CUresult r, const char **s) {
+    *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : r == 209 ? "CUDA_ERROR_NO_BINARY_FOR_GPU" : "CUDA_ERROR_FAKE";
+    return CUDA_SUCCESS;
+}
 static CUresult f_ctx_get(CUcontext *c) { *c = (CUcontext)0x1; return CUDA_SUCCESS; }
 static CUresult f_ctx_set(CUcontext c) { (void)c; return CUDA_SUCCESS; }
 static CUresult f_stream_ctx(CUstream s, CUcontext *c) { (void)s; *c = (CUcontext)0x1; return CUDA_SUCCESS; }
+
+long long fake_launches = 0, fake_table_launches = 0, fake_modules = 0;
+unsigned fake_last_grid = 0, fake_last_block = 0, fake_last_group = 0;
+
+static CUresult f_module_load(CUmodule *m, const void *image) {
+    if (getenv("FAKE_CUDA_NO_BINARY")) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    if (!image) return CUDA_ERROR_INVALID_VALUE;
+    fake_modules++;
+    *m = (CUmodule)0x2;
+    return CUDA_SUCCESS;
+}
+static CUresult f_get_function(CUfunction *f, CUmodule m, const char *name) {
+    (void)m;
+    if (!strcmp(name, "npo_gather_pages")) *f = (CUfunction)0x3;
+    else if (!strcmp(name, "npo_gather_table")) *f = (CUfunction)0x4;
+    else return CUDA_ERROR_NOT_FOUND;
+    return CUDA_SUCCESS;
+}
+static CUresult f_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned shmem, CUstream st, void **p, void **extra) {
+    (void)shmem; (void)st; (void)extra;
+    if (gy != 1 || gz != 1 || by != 1 || bz != 1 || !gx || !bx) return CUDA_ERROR_INVALID_VALUE;
+    if (f == (CUfunction)0x4) {
+        npo_table_args t = {*(const int64_t **)p[0], *(const int64_t **)p[2], *(const int64_t **)p[3],
+                            *(uint64_t *)p[1], *(uint64_t *)p[4], *(uint64_t *)p[5], *(uint32_t *)p[6]};
+        fake_launches++; fake_table_launches++; fake_last_grid = gx; fake_last_block = bx; fake_last_group = t.group;
+        for (unsigned b = 0; b < gx; ++b)
+            for (unsigned th = 0; th < bx; ++th) npo_table_thread(&t, b, gx, th, bx);
+        return CUDA_SUCCESS;
+    }
+    if (f != (CUfunction)0x3) return CUDA_ERROR_INVALID_HANDLE;
+    npo_gather_args a = {*(const uint64_t **)p[0], *(const uint64_t **)p[1], *(const uint64_t **)p[2],
+                         *(uint64_t *)p[3], *(uint64_t *)p[4], *(uint64_t *)p[5], *(uint64_t *)p[6],
+                         *(uint32_t *)p[7]};
+    fake_launches++; fake_last_grid = gx; fake_last_block = bx; fake_last_group = a.group;
+    for (unsigned b = 0; b < gx; ++b)
+        for (unsigned t = 0; t < bx; ++t) npo_gather_thread(&a, b, gx, t, bx);
+    return CUDA_SUCCESS;
+}
+
+long long fake_events = 0, fake_records = 0, fake_waits = 0;
+static CUresult f_event_create(CUevent *e, unsigned flags) {
+    (void)flags;
+    *e = (CUevent)(uintptr_t)(0x1000 + ++fake_events);
+    return CUDA_SUCCESS;
+}
+static CUresult f_event_destroy(CUevent e) { (void)e; fake_events--; return CUDA_SUCCESS; }
+static CUresult f_event_record(CUevent e, CUstream s) { (void)s; if (!e) return CUDA_ERROR_INVALID_HANDLE; fake_records++; return CUDA_SUCCESS; }
+static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
+    (void)s; (void)f;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    fake_waits++;
+    return CUDA_SUCCESS;
+}
 
 static void *lookup(const char *name, int ver) {
     fake_last_version_asked = ver;
@@ -56,6 +122,13 @@ static void *lookup(const char *name, int ver) {
     if (!strcmp(name, "cuCtxGetCurrent")) return (void *)f_ctx_get;
     if (!strcmp(name, "cuCtxSetCurrent")) return (void *)f_ctx_set;
     if (!strcmp(name, "cuStreamGetCtx")) return (void *)f_stream_ctx;
+    if (!strcmp(name, "cuModuleLoadData")) return (void *)f_module_load;
+    if (!strcmp(name, "cuModuleGetFunction")) return (void *)f_get_function;
+    if (!strcmp(name, "cuLaunchKernel")) return (void *)f_launch;
+    if (!strcmp(name, "cuEventCreate")) return (void *)f_event_create;
+    if (!strcmp(name, "cuEventDestroy")) return (void *)f_event_destroy;
+    if (!strcmp(name, "cuEventRecord")) return (void *)f_event_record;
+    if (!strcmp(name, "cuStreamWaitEvent")) return (void *)f_wait_event;
     if (!strcmp(name, "cuMemcpyBatchAsync") && version() >= 12080 && ver >= 12080)
         return ver >= 13000 ? (void *)f_batch_v2 : (void *)f_batch_v1;
     return NULL;

@@ -7,15 +7,18 @@ planning included, on KV shaped like real models (per-layer K and V tensors, fp8
 single-head tensor-parallel pages, MLA, Ascend's split MLA), random device block ids,
 host chunks either random (a long-running cache) or consecutive (a fresh one). Each
 number is compared with one contiguous copy of the same bytes between the same pinned
-host buffer and device memory, in the same run. Three times per transfer: wall clock of
+host buffer and device memory, in the same run. Four times per transfer: wall clock of
 ``submit`` + wait (planning and Python included), the device time between the engine's
-start and end events ("dev"), and the copies alone with descriptors planned beforehand
-("exec", how transfer.py times the single paths).
+start and end events ("dev"), the copies alone with descriptors planned beforehand
+("exec", how transfer.py times the single paths), and those copies on the device alone
+("gpu": the stream is held busy while the CPU enqueues them, and so is the contiguous
+reference's; with "cpu", the enqueue's CPU time, it splits exec's loss into device and CPU).
 """
 
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -114,6 +117,40 @@ class CoreRig:
         self.core.shutdown()
 
 
+def _local_only(stager, plan, direction: Direction, stream):
+    """A function enqueueing only the gather/scatter of every slice of ``plan``."""
+    if plan.local is None:  # table form: the native pipeline without its link copies
+        return lambda: stager._fused.run(plan, direction, stream, stager._aux[direction], link=False)
+    loc = stager.local_path
+
+    def run():
+        with stager.platform.stream_context(stream):
+            prep = loc.prepare(plan.local)
+            for rngs in plan.local_ranges:
+                for rng in rngs:
+                    loc.copy_range(prep, rng, direction, stream)
+    return run
+
+
+def device_only_seconds(platform: Platform, fn, stream, reps: int, hold_s: float = 2e-3) -> tuple[float, float]:
+    """(median device seconds of ``fn``'s work, median CPU seconds of the ``fn()`` call) with the
+    stream held busy while ``fn`` enqueues: the device time it would take if enqueueing were free.
+    (nan, cpu) where the platform cannot hold a stream."""
+    start, end = platform.new_event(), platform.new_event()
+    dev, cpu = [], []
+    for i in range(reps + 1):
+        held = platform.hold(stream, hold_s)
+        start.record(stream)
+        t0 = time.perf_counter()
+        fn()
+        cpu.append(time.perf_counter() - t0)
+        end.record(stream)
+        stream.synchronize()
+        if held and i:
+            dev.append(start.elapsed_time(end) * 1e-3)
+    return (float(np.median(dev)) if dev else float("nan")), float(np.median(cpu[1:]))
+
+
 def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_bytes: int | None = None,
                 hosts: tuple[str, ...] = ("random", "seq")) -> dict[str, Any]:
     rig = CoreRig(platform, shape, staging_bytes)
@@ -126,8 +163,9 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
     stream = platform.new_stream()
     for d in Direction:
-        limit = nbytes / median_seconds(contiguous_copy_fn(platform, dev_t, host_t, d, stream), stream.synchronize,
-                                        reps) / 1e9
+        ref = contiguous_copy_fn(platform, dev_t, host_t, d, stream)
+        limit = nbytes / median_seconds(ref, stream.synchronize, reps) / 1e9
+        ref_dev_s = device_only_seconds(platform, ref, stream, reps)[0]
         for host in hosts:
             dev, chunks = rig.ids(host, seed=zlib.crc32(f"{shape.name}/{host}".encode()))
             row = {"dir": d.name, "host": host, "bytes": nbytes, "contiguous_gbps": limit}
@@ -138,17 +176,13 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
                                      lambda: dev_s.extend(rig.finish()), reps)
                 fn, planned = rig.executor(d, dev, chunks, staged, stream)
                 exec_s = median_seconds(fn, stream.synchronize, reps)
+                gpu_s, cpu_s = device_only_seconds(platform, fn, stream, reps)
+                row[f"{mode}_gpu_pct"] = 100.0 * ref_dev_s / gpu_s  # both device-only: CPU cost hidden
+                row[f"{mode}_enqueue_us"] = cpu_s * 1e6
                 if staged:  # the device-local half alone (gather or scatter of every slice)
-                    plan = planned
-                    loc = core.stager.local_path
-
-                    def local_only():
-                        with platform.stream_context(stream):
-                            prep = loc.prepare(plan.local)
-                            for rngs in plan.local_ranges:
-                                for rng in rngs:
-                                    loc.copy_range(prep, rng, d, stream)
+                    local_only = _local_only(core.stager, planned, d, stream)
                     row["gather_gbps"] = nbytes / median_seconds(local_only, stream.synchronize, reps) / 1e9
+                    row["gather_gpu_gbps"] = nbytes / device_only_seconds(platform, local_only, stream, reps)[0] / 1e9
                 for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):
                     row[f"{mode}{what}_gbps"] = nbytes / t / 1e9
                     row[f"{mode}{what}_pct"] = 100.0 * nbytes / t / 1e9 / limit
@@ -196,8 +230,10 @@ def format_shape(res: dict[str, Any]) -> str:
              f"record {res['record_bytes'] // 1024} KiB, staged from {res['staged_min_blocks']}"]
     for r in res["rows"]:
         cells = [f"{m} {r[m + '_gbps']:5.1f} GB/s {r[m + '_pct']:3.0f}% (dev {r[m + '_dev_pct']:3.0f}%, "
-                 f"exec {r[m + '_exec_pct']:3.0f}%)" for m in ("direct", "staged") if m + "_gbps" in r]
-        gather = f" | gather {r['gather_gbps']:5.0f} GB/s" if "gather_gbps" in r else ""
+                 f"exec {r[m + '_exec_pct']:3.0f}%, gpu {r[m + '_gpu_pct']:3.0f}%, cpu {r[m + '_enqueue_us']:4.0f} us)"
+                 for m in ("direct", "staged") if m + "_gbps" in r]
+        gather = (f" | gather {r['gather_gbps']:5.0f} GB/s (gpu {r['gather_gpu_gbps']:5.0f})"
+                  if "gather_gbps" in r else "")
         lines.append(f"  {r['dir']} host={r['host']:6s} limit {r['contiguous_gbps']:6.2f} GB/s | "
                      + " | ".join(cells) + gather + f" | auto={r['auto']}")
     return "\n".join(lines)

@@ -61,6 +61,11 @@ class CopyPath(ABC):
         d, idx = prepared, rng.indices()
         self.copy(d.src[idx], d.dst[idx], d.sizes[idx], direction, stream)
 
+    def fused_pipeline(self, link: "CopyPath", slots: int) -> Any:
+        """As a staged transfer's local path: an object whose ``run(plan, direction, stream, aux)``
+        enqueues the whole slice pipeline with ``link`` itself, or None (the Stager's loop runs it)."""
+        return None
+
 
 @dataclass(frozen=True)
 class DescriptorRange:

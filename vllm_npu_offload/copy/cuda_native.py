@@ -1,4 +1,5 @@
-"""ctypes wrapper over ``libnpu_offload_cuda.so``: the DMA (copy engine) paths.
+"""ctypes wrapper over ``libnpu_offload_cuda.so``: the DMA (copy engine) paths and the
+launcher of its device-local gather kernel.
 
 ``dma`` submits a batch with cuMemcpyBatchAsync (chunked in C); ``dma_loop`` issues
 one cuMemcpyAsync per descriptor (the pre-batching baseline, kept for benchmarks).
@@ -21,7 +22,7 @@ from ..platform import Platform
 from .base import CopyPath, Direction, check_descriptors
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 1
+ABI_VERSION = 2
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 _MSG_LEN = 512
 
@@ -38,8 +39,14 @@ class NativeCudaLib:
         lib.npo_cuda_batch_copy.argtypes = copy_args + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_loop_copy.argtypes = copy_args + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_runtime_mode.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+        u64 = ctypes.c_uint64
+        lib.npo_cuda_gather.argtypes = [u64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        events_args = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_events_create.argtypes = lib.npo_cuda_events_destroy.argtypes = events_args
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
-                   "npo_cuda_abi_version"):
+                   "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
+                   "npo_cuda_events_create", "npo_cuda_events_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
         if abi != ABI_VERSION:
@@ -50,6 +57,11 @@ class NativeCudaLib:
     @property
     def built_batch(self) -> bool:
         return bool(self._lib.npo_cuda_built_mode())
+
+    @property
+    def built_gather(self) -> bool:
+        """The device-local gather kernel is compiled in (the library was built with nvcc)."""
+        return bool(self._lib.npo_cuda_gather_built())
 
     def runtime_mode(self) -> tuple[int, int, str]:
         """(mode, driver_version, error): mode < 0 means the driver could not be resolved."""
@@ -63,6 +75,7 @@ class NativeCudaLib:
         return {
             "library": self.path,
             "built": "batch" if self.built_batch else "loop",
+            "gather_kernel": self.built_gather,
             "runtime": MODE_NAMES.get(mode, "unavailable"),
             "driver_version": ver,
             "error": err,
@@ -91,6 +104,41 @@ class NativeCudaLib:
             m = re.search(r"descriptor (\d+)", msg)
             call = msg.split(" ", 1)[0].rstrip(":")
             raise CopyError(f"{msg} (rc={rc}, {n} descriptors)", call, int(m.group(1)) if m else None)
+
+
+    def gather(self, columns: tuple[int, int, int], first: int, width: int, rows: int, stride: int, min_page: int,
+               programs: int, stream_handle: int) -> None:
+        """Launch the gather kernel over device-resident descriptor ``columns`` (src, dst, size)."""
+        buf = self._msg()
+        rc = self._lib.npo_cuda_gather(*columns, first, width, rows, stride, min_page, programs,
+                                       stream_handle or None, buf, _MSG_LEN)
+        if rc != 0:
+            msg = buf.value.decode(errors="replace")
+            raise CopyError(f"{msg} (rc={rc}, {rows * width} descriptors)", "npo_cuda_gather")
+
+
+    def staged_run(self, job, rows: int) -> None:
+        """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""
+        buf = self._msg()
+        rc = self._lib.npo_cuda_staged_run(ctypes.byref(job), buf, _MSG_LEN)
+        if rc != 0:
+            msg = buf.value.decode(errors="replace")
+            raise CopyError(f"{msg} (rc={rc}, {rows} page descriptors)", "npo_cuda_staged_run")
+
+    def create_events(self, n: int):
+        """``n`` timing-disabled CUevents, as a ctypes array of handles."""
+        evs = (ctypes.c_void_p * n)()
+        buf = self._msg()
+        rc = self._lib.npo_cuda_events_create(n, evs, buf, _MSG_LEN)
+        if rc != 0:
+            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc})", "cuEventCreate")
+        return evs
+
+    def destroy_events(self, evs) -> None:
+        buf = self._msg()
+        rc = self._lib.npo_cuda_events_destroy(len(evs), evs, buf, _MSG_LEN)
+        if rc != 0:
+            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc})", "cuEventDestroy")
 
 
 _LIB: NativeCudaLib | None = None

@@ -1,9 +1,9 @@
 """CUDA copy paths and the calibrated per-direction choice.
 
 Registers ``dma`` (cuMemcpyBatchAsync), ``dma_loop`` (cuMemcpyAsync per descriptor),
-``sm`` (Triton) and the ``cuda`` chooser. Which path wins depends on the page size,
-the GPU and the link (batch DMA collapses below ~28 KiB host->device; SM copies do
-not), so the chooser measures both on the real GPU with the real page sizes at first
+``sm`` (Triton), ``gather_native`` (the library's own kernel) and the ``cuda`` chooser.
+Which path wins depends on the page size, the GPU and the link (batch DMA collapses
+below ~28 KiB host->device; SM copies do not), so the chooser measures them on the real GPU with the real page sizes at first
 use, for a few ms, and caches the winner per (GPU, direction, page sizes) in
 ``~/.cache/vllm_npu_offload/copy_calibration.json``. ``NPU_OFFLOAD_CALIBRATE=0`` uses
 the size heuristic instead; ``NPU_OFFLOAD_COPY_PATH`` (backend.py) forces a path.
@@ -46,6 +46,29 @@ def _dma(platform: Platform, pages, batch: bool):
 register_path("dma", lambda platform, pages: _dma(platform, pages, True))
 register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
 register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
+
+
+def _gather_native(platform: Platform, pages):
+    """The native kernel as a direct SM path (pinned host memory through unified addressing),
+    on as many SMs as the Triton path (``NPU_OFFLOAD_SM_PROGRAMS``)."""
+    from .cuda_gather import NativeGatherPath
+
+    programs = sm_triton._env_int(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    return NativeGatherPath(platform, pages, programs=programs)
+
+
+register_path("gather_native", _gather_native)
+
+
+def native_gather_built() -> bool:
+    try:
+        from .cuda_native import load_library
+
+        return load_library().built_gather
+    except (ImportError, OSError):
+        return False
+
+
 def dma_available() -> str | None:
     """None when the native library loads and the driver resolves, else why not."""
     try:
@@ -126,12 +149,13 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
     if not (have_dma and have_sm) or not page_sizes or not calibration.enabled():
         return fallback
     pages = sorted(set(int(p) for p in page_sizes))
+    names = ["dma", "sm"] + (["gather_native"] if native_gather_built() else [])
     picks = {}
     for d in Direction:
         key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
-               f"|sm{os.environ.get(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS)}")
+               f"|sm{os.environ.get(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS)}|{'+'.join(names)}")
         try:
-            picks[d] = calibration.cached(key, lambda: calibrate(platform, pages, d, ["dma", "sm"]))["choice"]
+            picks[d] = calibration.cached(key, lambda: calibrate(platform, pages, d, names))["choice"]
         except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
             logger.warning("copy path calibration failed (%s); using the heuristic", e)
             return fallback
@@ -141,18 +165,40 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
 register_chooser("cuda", choose_cuda)
 
 ENV_STAGE_PROGRAMS = "NPU_OFFLOAD_STAGE_PROGRAMS"
+ENV_STAGE_GATHER = "NPU_OFFLOAD_STAGE_GATHER"
+GATHER_KINDS = ("native", "triton")
+
+
+def _gather_kind() -> str | None:
+    raw = os.environ.get(ENV_STAGE_GATHER, "").strip()
+    if raw not in ("",) + GATHER_KINDS:
+        raise ValueError(f"{ENV_STAGE_GATHER}={raw!r}; allowed: {', '.join(GATHER_KINDS)} or unset (native when built)")
+    return raw or None
 
 
 def staged_cuda(platform: Platform, page_sizes: list[int]):
-    """Gather/scatter as a short SM burst (device <-> device, at most 16 SMs), link on the copy engines."""
-    if not sm_triton.HAS_TRITON:
-        raise ImportError("staged copies on CUDA need triton for the device-side gather")
-    programs = sm_triton._env_int(ENV_STAGE_PROGRAMS, sm_triton.MAX_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    """Gather/scatter as a short burst on at most 16 SMs (device <-> device), link on the copy engines.
+
+    The gather is the library's native kernel when it was built with nvcc, else Triton;
+    ``NPU_OFFLOAD_STAGE_GATHER=native|triton`` picks one (benchmarks compare them).
+    """
     why = dma_available()
     if why is not None:
         raise RuntimeError(f"the copy-engine library is unavailable: {why}")
-    local = sm_triton.SmCopyPath(platform, page_sizes, programs=programs, tile_bytes=64 * 1024)
-    local.name = "sm_local"
+    programs = sm_triton._env_int(ENV_STAGE_PROGRAMS, sm_triton.MAX_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    kind = _gather_kind()
+    if kind is None:
+        kind = "native" if native_gather_built() else "triton"
+    if kind == "native":
+        from .cuda_gather import NativeGatherPath
+
+        local = NativeGatherPath(platform, page_sizes, programs=programs)
+    else:
+        if not sm_triton.HAS_TRITON:
+            raise ImportError("staged copies on CUDA need the native gather kernel (build csrc_cuda with nvcc) "
+                              "or triton")
+        local = sm_triton.SmCopyPath(platform, page_sizes, programs=programs, tile_bytes=64 * 1024)
+        local.name = "sm_local"
     return local, _dma(platform, [], True)
 
 

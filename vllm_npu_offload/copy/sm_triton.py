@@ -20,6 +20,7 @@ import torch
 from ..errors import CopyError
 from ..platform import Platform
 from .base import CopyPath, DescriptorRange, Direction, check_descriptors
+from .device_descriptors import refuse_null, upload
 
 try:
     import triton
@@ -103,15 +104,6 @@ if HAS_TRITON:
                 tl.store(d8[:, None] + b[None, :], x, mask=m)
 
 
-def _refuse_null(src: np.ndarray, dst: np.ndarray) -> None:
-    """The kernel would fault and poison the context on a null address: refuse up front."""
-    bad = np.flatnonzero((src == 0) | (dst == 0))
-    if len(bad):
-        i = int(bad[0])
-        raise CopyError(f"sm copy: descriptor {i} has a null address (src={int(src[i]):#x}, "
-                        f"dst={int(dst[i]):#x}); addresses must be nonzero", "sm.copy", i)
-
-
 class SmCopyPath(CopyPath):
     """Triton copy on a few SMs, for loads and stores alike."""
 
@@ -129,28 +121,15 @@ class SmCopyPath(CopyPath):
         self.num_warps = num_warps
         self.page = max(page_sizes) if page_sizes else 16 * 1024
 
-    def _upload(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, buffers) -> tuple:
-        """The three descriptor rows on the device, in one asynchronous copy on the current stream:
-        the pinned (3, capacity) buffer they live in, or a pinned staging copy of plain arrays."""
-        n = len(sizes)
-        packed = getattr(buffers, "packed", None)
-        if packed is None or src.ctypes.data != packed[0].data_ptr() or dst.ctypes.data != packed[1].data_ptr() \
-                or sizes.ctypes.data != packed[2].data_ptr():
-            packed = self.platform.empty_pinned((3, max(1, n)), torch.int64)
-            for i, a in enumerate((src, dst, sizes)):
-                packed.numpy()[i, :n] = a
-        dev = packed.to(self.platform.device, non_blocking=True)
-        return dev[0], dev[1], dev[2]
-
     def copy(self, src, dst, sizes, direction: Direction, stream: Any, buffers=None) -> None:
         check_descriptors(src, dst, sizes)
         n = len(sizes)
         if n == 0:
             return
-        _refuse_null(src, dst)
+        refuse_null(src, dst, "sm copy")
         try:
             with self.platform.stream_context(stream):
-                self._launch(self._upload(src, dst, sizes, buffers), 0, n)
+                self._launch(upload(self.platform, src, dst, sizes, buffers), 0, n)
         except Exception as e:  # noqa: BLE001 - surface as the copy contract's error
             raise CopyError(f"sm copy of {n} descriptors failed to launch: {type(e).__name__}: {e}", "sm.launch") from e
 
@@ -164,8 +143,8 @@ class SmCopyPath(CopyPath):
         """Check and upload a whole transfer's descriptors in one copy, on the current stream."""
         src, dst, sizes = descriptors.src, descriptors.dst, descriptors.sizes
         check_descriptors(src, dst, sizes)
-        _refuse_null(src, dst)
-        return self._upload(src, dst, sizes, descriptors.buffers)
+        refuse_null(src, dst, "sm copy")
+        return upload(self.platform, src, dst, sizes, descriptors.buffers)
 
     def copy_range(self, prepared, rng: DescriptorRange, direction: Direction, stream: Any) -> None:
         if rng.count <= 0:

@@ -200,9 +200,9 @@ def part_miss(procs: dict, a) -> dict:
                  "prompt_tokens": a.miss_tokens, "max_tokens": a.miss_out, "runs": {"off": [], "native": [], "ours": []},
                  "store_gbps": [], "errors": {}}
     kinds = [k for k in ("off", "native", "ours") if not procs[k].error]
-    for r in range(a.reps + 1):
+    for r in range(a.miss_reps + 1):
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
-        for k in kinds:
+        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
             try:
                 g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240)
             except EngineError as e:
@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
+    ap.add_argument("--miss-reps", type=int, default=12,
+                    help="timed miss rounds after one warm-up (engines take turns going first)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
     ap.add_argument("--ttft-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
     ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")

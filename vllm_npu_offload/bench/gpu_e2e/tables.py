@@ -113,7 +113,8 @@ def miss_table(res: dict) -> str:
     return (table(["offload", "median s", "min-max s", "vs off", "paired vs off (min..max)", "outside spread", "runs"],
                   rows)
             + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
-              f"interleaved off/native/ours after one warm-up round; paired = median of the per-round changes")
+              f"interleaved (the engines take turns going first) after one warm-up round; paired = median of the "
+              f"per-round changes")
 
 
 def multiturn_table(res: dict) -> str:

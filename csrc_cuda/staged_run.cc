@@ -1,0 +1,137 @@
+// npo_cuda_staged_run: enqueue a whole staged transfer in one call (the slice pipeline of
+// vllm_npu_offload/staging.py): the page-descriptor upload and the gather/scatter
+// launches on the direction's aux stream, the link copies on the job's stream, and the
+// slot events between them. Every driver call is checked; a failure names the call and
+// the slice. Done in C because each slice costs several driver calls, and from Python
+// each cost tens of microseconds that the device spends waiting on small transfers.
+#include <stdio.h>
+#include <string.h>
+
+#include "driver.h"
+#include "npo_cuda.h"
+
+namespace {
+
+int pipeline_ready(const npo_driver *drv, char *msg, size_t msg_len) {
+    if (!drv->event_record || !drv->stream_wait_event)
+        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_run: the driver lacks cuEventRecord/"
+                         "cuStreamWaitEvent");
+    return 0;
+}
+
+struct Ctx {
+    const npo_driver *drv;
+    char *msg;
+    size_t msg_len;
+    uint64_t slice;
+
+    int check(CUresult r, const char *call) const {
+        if (r == CUDA_SUCCESS) return 0;
+        char what[160];
+        snprintf(what, sizeof(what), "%s (staged slice %llu)", call, (unsigned long long)slice);
+        return npo_fail(drv, r, what, -1, msg, msg_len);
+    }
+    int record(CUevent e, CUstream s) const { return check(drv->event_record(e, s), "cuEventRecord"); }
+    int wait(CUstream s, CUevent e) const { return check(drv->stream_wait_event(s, e, 0), "cuStreamWaitEvent"); }
+};
+
+}  // namespace
+
+extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
+    const npo_driver *drv = npo_driver_get();
+    if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
+    npo_gather_fns fns = {nullptr, nullptr};
+    int rc = npo_gather_ready(drv, job->stream, &fns, msg, msg_len);
+    if (rc == 0) rc = pipeline_ready(drv, msg, msg_len);
+    if (rc != 0) return rc;
+    if (!job->stream || !job->aux || !job->events || job->slots < 1 || !job->host_ids || !job->dev_ids ||
+        !job->n_ids || !job->range_off || !job->ranges || !job->link_bounds)
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len,
+                         "npo_cuda_staged_run: bad job (null stream, events, ids or arrays; slots=%llu, n_ids=%llu)",
+                         (unsigned long long)job->slots, (unsigned long long)job->n_ids);
+    const uint64_t n_link = job->skip_link ? 0 : job->link_bounds[job->n_slices];
+    for (uint64_t i = 0; i < n_link; ++i)
+        if (!job->link_src[i] || !job->link_dst[i] || !job->link_size[i])
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: link descriptor %llu is invalid "
+                             "(src=0x%llx dst=0x%llx size=%llu)", (unsigned long long)i,
+                             (unsigned long long)job->link_src[i], (unsigned long long)job->link_dst[i],
+                             (unsigned long long)job->link_size[i]);
+    CUstream stream = (CUstream)job->stream, aux = (CUstream)job->aux;
+    CUevent entry = (CUevent)job->events[0];
+    CUevent const *filled = (CUevent const *)job->events + 1;
+    CUevent const *drained = (CUevent const *)job->events + 1 + job->slots;
+    Ctx c{drv, msg, msg_len, 0};
+    const bool store = job->store != 0;
+    // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
+    if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
+    // This transfer's block ids (both sides, 16 bytes per block) in one copy, on aux.
+    rc = c.check(drv->memcpy_async((CUdeviceptr)job->dev_ids, (CUdeviceptr)(uintptr_t)job->host_ids, 16 * job->n_ids,
+                                   aux), "cuMemcpyAsync (block id upload)");
+    if (rc) return rc;
+    const uint64_t src_ids = job->dev_ids, dst_ids = job->dev_ids + 8 * job->n_ids;
+    const bool link = !job->skip_link;
+    for (uint64_t i = 0; i < job->n_slices; ++i) {
+        c.slice = i;
+        const uint64_t s = i % job->slots;
+        if (i >= job->slots && (rc = c.wait(store ? aux : stream, drained[s]))) return rc;
+        const uint64_t k0 = job->link_bounds[i], k1 = job->link_bounds[i + 1];
+        if (!store && link) {
+            rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1, stream,
+                                 msg, msg_len);
+            if (rc || (rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s]))) return rc;
+        }
+        for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
+            const uint64_t *r = job->ranges + 4 * g;
+            if (r[2] + r[3] > job->n_ids)
+                return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: slice %llu range %llu covers "
+                                 "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
+                                 (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
+                                 (unsigned long long)job->n_ids);
+            rc = npo_table_launch(drv, fns.table, r[0], r[1], src_ids, dst_ids, r[2], r[3], job->min_page,
+                                  job->programs, aux, msg, msg_len);
+            if (rc) return rc;
+        }
+        if (!link) {
+            if ((rc = c.record(filled[s], aux)) || (rc = c.record(drained[s], aux))) return rc;
+        } else if (store) {
+            if ((rc = c.record(filled[s], aux)) || (rc = c.wait(stream, filled[s]))) return rc;
+            rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 0, stream,
+                                 msg, msg_len);
+            if (rc || (rc = c.record(drained[s], stream))) return rc;
+        } else if ((rc = c.record(drained[s], aux))) {
+            return rc;
+        }
+    }
+    if ((!store || !link) && job->n_slices) return c.wait(stream, drained[(job->n_slices - 1) % job->slots]);
+    return 0;
+}
+
+extern "C" int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len) {
+    const npo_driver *drv = npo_driver_get();
+    if (drv->status != 0) return npo_failf(drv->status, msg, msg_len, "cuEventCreate: %s", drv->error);
+    if (!drv->event_create) return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "the driver lacks cuEventCreate");
+    if (!out) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "cuEventCreate: null output array");
+    int rc = npo_bind_context(drv, nullptr, msg, msg_len);
+    if (rc != 0) return rc;
+    for (size_t i = 0; i < n; ++i) {
+        CUresult r = drv->event_create((CUevent *)&out[i], CU_EVENT_DISABLE_TIMING);
+        if (r != CUDA_SUCCESS) {
+            for (size_t j = 0; j < i; ++j) drv->event_destroy((CUevent)out[j]);
+            return npo_fail(drv, r, "cuEventCreate", (long long)i, msg, msg_len);
+        }
+    }
+    return 0;
+}
+
+extern "C" int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len) {
+    const npo_driver *drv = npo_driver_get();
+    if (drv->status != 0 || !drv->event_destroy || !events) return 0;
+    int first = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (!events[i]) continue;
+        CUresult r = drv->event_destroy((CUevent)events[i]);
+        if (r != CUDA_SUCCESS && !first) first = npo_fail(drv, r, "cuEventDestroy", (long long)i, msg, msg_len);
+        events[i] = nullptr;
+    }
+    return first;
+}

@@ -1,0 +1,271 @@
+"""Native gather kernel cases against the fake libcuda.so.1 (its cuLaunchKernel runs the
+kernel body on the CPU, thread by thread). Run in a subprocess: argv[1] = the fake's path,
+the rest = case names. The library resolves the driver once per process."""
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+import torch
+
+fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+
+from vllm_npu_offload.copy.base import DescriptorRange, Direction  # noqa: E402
+from vllm_npu_offload.copy.cuda_gather import NativeGatherPath  # noqa: E402
+from vllm_npu_offload.copy.cuda_native import load_library  # noqa: E402
+from vllm_npu_offload.errors import CopyError  # noqa: E402
+from vllm_npu_offload.plan import DescriptorBuffers, Descriptors  # noqa: E402
+from vllm_npu_offload.platform import CpuPlatform  # noqa: E402
+
+POISON = 0xA5
+
+
+def counter(name, kind=ctypes.c_uint):
+    return kind.in_dll(fake, name).value
+
+
+class FakeCuda(CpuPlatform):
+    """A CPU platform posing as 'cuda': streams run inline, the fake driver copies at call time."""
+
+    kind = "cuda"
+
+    def raw_stream_handle(self, stream) -> int:
+        return 0x51
+
+    def device_name(self) -> str:
+        return "fake-cuda"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def table(rng, rows, cols, sizes_per_row, span_extra=0):
+    """A tensor-major (rows x cols) table of scattered descriptors with row-specific sizes."""
+    sizes = np.repeat(np.asarray(sizes_per_row, np.int64), cols)
+    stride = int(max(sizes_per_row)) + 48
+    n = rows * cols
+    span = n * stride + 64 + span_extra
+    src = torch.randint(0, 256, (span,), dtype=torch.uint8)
+    dst = torch.full((span,), POISON, dtype=torch.uint8)
+    so = rng.permutation(n).astype(np.int64) * stride
+    do = rng.permutation(n).astype(np.int64) * stride
+    return src, dst, so, do, sizes
+
+
+def expect(src, dst_len, so, do, sizes, idx):
+    ref = np.full(dst_len, POISON, np.uint8)
+    sn = src.numpy()
+    for i in idx:
+        ref[do[i]:do[i] + sizes[i]] = sn[so[i]:so[i] + sizes[i]]
+    return ref
+
+
+def case_ranges():
+    p = FakeCuda()
+    rng = np.random.default_rng(7)
+    # Row sizes: 1 KiB (8 lanes per page), an odd tail, sub-vector pages, a 40 KiB page (several passes).
+    for row_sizes, offset in (([1024, 1024, 2048, 16384], 0), ([17, 4097, 1, 40960 + 48], 0),
+                              ([4096, 4096], 8)):  # offset 8: every page unaligned -> byte path
+        rows, cols = len(row_sizes), 37
+        src, dst, so, do, sizes = table(rng, rows, cols, row_sizes, span_extra=offset)
+        so = so + offset
+        n = rows * cols
+        bufs = DescriptorBuffers(p, n + 3)
+        bufs.src_np[:n], bufs.dst_np[:n], bufs.sizes_np[:n] = src.data_ptr() + so, dst.data_ptr() + do, sizes
+        d = Descriptors(bufs.src_np[:n], bufs.dst_np[:n], bufs.sizes_np[:n], int(sizes.sum()), bufs)
+        path = NativeGatherPath(p, row_sizes, programs=3)
+        prepared = path.prepare(d)
+        chosen = []
+        for rng_ in (DescriptorRange(5, 11, rows, cols), DescriptorRange(30, 7, rows - 1, cols),
+                     DescriptorRange(cols * (rows - 1) + 1, 2)):
+            path.copy_range(prepared, rng_, Direction.D2H, None)
+            chosen.extend(rng_.indices().tolist())
+            assert counter("fake_last_block") == 512
+            assert 1 <= counter("fake_last_grid") <= 3, counter("fake_last_grid")
+        ref = expect(src, dst.numel(), so, do, sizes, sorted(set(chosen)))
+        assert np.array_equal(dst.numpy(), ref), f"{row_sizes}: wrong bytes or poison overwritten"
+        group = counter("fake_last_group")
+        assert group == {1024: 8, 1: 1, 4096: 32}[min(row_sizes)], (row_sizes, group)
+    # copy(): plain arrays (no pooled buffers) and a single descriptor
+    src, dst, so, do, sizes = table(rng, 1, 200, [2048])
+    NativeGatherPath(p, [2048]).copy(src.data_ptr() + so, dst.data_ptr() + do, sizes, Direction.H2D, None)
+    assert np.array_equal(dst.numpy(), expect(src, dst.numel(), so, do, sizes, range(200)))
+    # the grid never exceeds the programs asked for, and shrinks for small ranges
+    assert counter("fake_last_grid") == 7  # 200 pages / (512 threads / 16 lanes per page) -> 7 blocks
+    print("ranges ok")
+
+
+def case_staged():
+    """The worker core's staged store and load through the native gather and the batch DMA,
+    enqueued by the native pipeline (one call per transfer) and by the Python loop."""
+    for mode in ("native", "python"):
+        os.environ["NPU_OFFLOAD_STAGE_PIPELINE"] = mode
+        staged_round_trip(mode)
+    print("staged ok")
+
+
+def case_staged_groups():
+    """Two KV groups in one table-form transfer: each group's table and block ids, its tensors only."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    rng = np.random.default_rng(5)
+    pages = [1024, 1024, 2048, 512]
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
+                             [[GroupRef(0, 1024), GroupRef(1, 1024)], [GroupRef(2, 2048), GroupRef(3, 512)]], 2, 20,
+                             FakeCuda(), staging_bytes=2 * 3 * 2 * sum(pages))
+    assert core.stager.table_form
+    a, b = rng.choice(32, 5, replace=False).astype(np.int64), rng.choice(32, 6, replace=False).astype(np.int64)
+    chunks = np.array([3, 7, 1, 9, 4, 12], np.int64)  # group 0: 5 blocks from sub-block 1 -> 3 chunks; group 1: 3
+    original = [t.clone() for t in kv]
+    core.submit(1, Direction.D2H, np.concatenate([a, b]), [5, 6], [1, 0], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    for t in kv:
+        t.zero_()
+    a2, b2 = rng.permutation(32)[:5].astype(np.int64), rng.permutation(32)[:6].astype(np.int64)
+    core.submit(2, Direction.H2D, np.concatenate([a2, b2]), [5, 6], [1, 0], chunks)
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    for i, (t, o) in enumerate(zip(kv, original)):
+        src, dst = (a, a2) if i < 2 else (b, b2)
+        assert torch.equal(t[dst], o[src]), i
+        untouched = np.setdiff1d(np.arange(32), dst)
+        assert not t[untouched].any(), i  # the other group's blocks were not written into this tensor
+    core.shutdown()
+    print("staged_groups ok")
+
+
+def case_staged_fail():
+    """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    kv = [torch.zeros(16, 1024, dtype=torch.uint8) for _ in range(4)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
+                             [[GroupRef(i, 1024) for i in range(4)]], 1, 16, FakeCuda(), staging_bytes=2 * 4 * 4096)
+    core.submit(1, Direction.D2H, np.arange(8, dtype=np.int64), [8], [0], np.arange(8, dtype=np.int64))
+    core.wait([1])
+    res = core.poll()
+    assert len(res) == 1 and not res[0].success and "cuMemcpyBatchAsync" in res[0].error, res
+    core.shutdown()
+    print("staged_fail ok")
+
+
+def staged_round_trip(mode):
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+
+    os.environ["NPU_OFFLOAD_STAGED"] = "1"
+    os.environ["NPU_OFFLOAD_CALIBRATE"] = "0"
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    p = FakeCuda()
+    rng = np.random.default_rng(11)
+    pages = [2048, 2048, 1152, 4096]
+    kv = [torch.from_numpy(rng.integers(0, 256, (40, q), dtype=np.uint8)).clone() for q in pages]
+    dev = [DeviceKVTensor.from_block_view(t) for t in kv]
+    bpc, record = 2, sum(pages)
+    core = OffloadWorkerCore(dev, [[GroupRef(i, q) for i, q in enumerate(pages)]], bpc, 24, p,
+                             staging_bytes=2 * 3 * bpc * record)
+    assert (core.stager.local_path.name, core.stager.link_path.name) == ("gather_native", "dma")
+    assert (core.stager._fused is not None) == (mode == "native") == core.stager.table_form
+    tables0 = counter("fake_table_launches", ctypes.c_longlong)
+    records0 = counter("fake_records", ctypes.c_longlong)
+    ids = rng.choice(40, 15, replace=False).astype(np.int64)
+    chunks = np.array([9, 3, 4, 5, 17, 0, 11, 20], np.int64)
+    original = [t.clone() for t in kv]
+    launches0 = counter("fake_launches", ctypes.c_longlong)
+    core.submit(1, Direction.D2H, ids, [15], [1], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    host_ids = core._host_blocks(chunks, 1, 15)
+    for i, t in enumerate(original):
+        assert torch.equal(core.host_view(i)[host_ids], t[ids])
+    for t in kv:
+        t.zero_()
+    back = rng.permutation(40)[:15].astype(np.int64)
+    core.submit(2, Direction.H2D, back, [15], [1], chunks)
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    for t, o in zip(kv, original):
+        assert torch.equal(t[back], o[ids])
+    assert counter("fake_launches", ctypes.c_longlong) - launches0 >= 4  # one per slice, both directions
+    native_records = counter("fake_records", ctypes.c_longlong) - records0
+    assert (native_records > 0) == (mode == "native"), native_records  # the Python loop uses torch events
+    tables = counter("fake_table_launches", ctypes.c_longlong) - tables0
+    assert (tables > 0) == (mode == "native"), tables  # native: the table kernel, no page descriptors
+    core.shutdown()
+    assert mode == "python" or counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
+
+
+def case_errors():
+    p = FakeCuda()
+    lib = load_library()
+    col = np.zeros(4, np.int64)
+    base = col.ctypes.data
+    for kwargs, needle in (({"stride": 1, "rows": 2, "width": 3}, "stride=1 < width=3"),
+                           ({"programs": 0}, "programs=0; allowed: 1..1024")):
+        args = dict(first=0, width=1, rows=1, stride=0, min_page=16, programs=4, stream_handle=1)
+        args.update(kwargs)
+        try:
+            lib.gather((base, base, base), **args)
+        except CopyError as e:
+            assert needle in str(e) and e.call == "npo_cuda_gather", e
+        else:
+            raise AssertionError(f"{kwargs} accepted")
+    try:
+        lib.gather((0, base, base), 0, 1, 1, 0, 16, 4, 1)
+    except CopyError as e:
+        assert "null descriptor column" in str(e), e
+    try:
+        NativeGatherPath(p, [64], programs=17)
+    except ValueError as e:
+        assert "programs=17; allowed: 1..16" in str(e)
+    try:
+        NativeGatherPath(p, [64]).copy(np.array([0], np.int64), np.array([base]), np.array([8]), Direction.D2H, None)
+    except CopyError as e:
+        assert "null address" in str(e) and e.index == 0
+    print("errors ok")
+
+
+def case_no_binary():
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    try:
+        NativeGatherPath(FakeCuda(), [64]).copy(np.array([src.data_ptr()]), np.array([dst.data_ptr()]),
+                                                np.array([64]), Direction.D2H, None)
+    except CopyError as e:
+        assert "cuModuleLoadData" in str(e) and "CUDA_ERROR_NO_BINARY_FOR_GPU" in str(e), e
+        assert "NPU_OFFLOAD_CUDA_ARCHS" in str(e)
+    else:
+        raise AssertionError("a missing binary was not reported")
+    print("no_binary ok")
+
+
+def case_not_built():
+    from vllm_npu_offload.copy import cuda_paths
+
+    assert not load_library().built_gather
+    try:
+        NativeGatherPath(FakeCuda(), [64])
+    except ImportError as e:
+        assert "without the gather kernel" in str(e)
+    os.environ.pop("NPU_OFFLOAD_STAGE_GATHER", None)
+    try:
+        local, link = cuda_paths.staged_cuda(FakeCuda(), [4096])
+        assert local.name == "sm_local", local.name  # triton installed: the fallback gather
+    except ImportError as e:
+        assert "native gather kernel" in str(e) and "triton" in str(e)
+    print("not_built ok")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        globals()[f"case_{name}"]()
