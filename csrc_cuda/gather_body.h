@@ -90,31 +90,37 @@ NPO_HD void npo_copy_page(uint64_t s, uint64_t d, uint64_t z, uint32_t lane, uin
     for (uint64_t b = nvec * 16 + lane; b < z; b += g) ((uint8_t *)d)[b] = ((const uint8_t *)s)[b];
 }
 
-/* Thread `thread` of block `block` (blocks of `nthreads`, `nblocks` of them): page groups
- * stride over the range; each lane group copies its page, then the next it prefetched. */
+/* Page p of a range in page form: its descriptor columns. */
+NPO_HD void npo_desc_page(const npo_gather_args *a, uint64_t p, uint64_t *s, uint64_t *d, uint64_t *z) {
+    const uint64_t i = npo_desc_index(a, p);
+    *s = a->src[i];
+    *d = a->dst[i];
+    *z = a->size[i];
+}
+
+/* One thread's loop, for either form: lane groups of G stride over pages 0..N-1 of ARGS;
+ * each copies its page, then the next one, whose descriptor PAGE(ARGS, p, &s, &d, &z)
+ * loaded before the copy. (A macro, not a function pointer: the body is also C.) */
+#define NPO_PAGE_LOOP(PAGE, ARGS, N, G, BLOCK, NBLOCKS, THREAD, NTHREADS)                          \
+    do {                                                                                          \
+        const uint64_t n_ = (N), ngroups_ = (uint64_t)(NBLOCKS) * (NTHREADS) / (G);               \
+        const uint32_t lane_ = (THREAD) % (G);                                                    \
+        uint64_t p_ = ((uint64_t)(BLOCK) * (NTHREADS) + (THREAD)) / (G), s_, d_, z_;              \
+        if (p_ < n_) PAGE(ARGS, p_, &s_, &d_, &z_);                                               \
+        for (; p_ < n_; p_ += ngroups_) {                                                         \
+            uint64_t ns_ = 0, nd_ = 0, nz_ = 0;                                                   \
+            if (p_ + ngroups_ < n_) PAGE(ARGS, p_ + ngroups_, &ns_, &nd_, &nz_);                  \
+            npo_copy_page(s_, d_, z_, lane_, (G));                                                \
+            s_ = ns_;                                                                             \
+            d_ = nd_;                                                                             \
+            z_ = nz_;                                                                             \
+        }                                                                                         \
+    } while (0)
+
+/* Thread `thread` of block `block` (blocks of `nthreads`, `nblocks` of them), page form. */
 NPO_HD void npo_gather_thread(const npo_gather_args *a, uint32_t block, uint32_t nblocks, uint32_t thread,
                               uint32_t nthreads) {
-    const uint32_t g = a->group;
-    const uint64_t n = a->rows * a->width;
-    const uint64_t ngroups = (uint64_t)nblocks * nthreads / g;
-    const uint32_t lane = thread % g;
-    uint64_t p = ((uint64_t)block * nthreads + thread) / g;
-    if (p >= n) return;
-    uint64_t i = npo_desc_index(a, p);
-    uint64_t s = a->src[i], d = a->dst[i], z = a->size[i];
-    for (; p < n; p += ngroups) {
-        uint64_t ns = 0, nd = 0, nz = 0;
-        if (p + ngroups < n) {
-            uint64_t j = npo_desc_index(a, p + ngroups);
-            ns = a->src[j];
-            nd = a->dst[j];
-            nz = a->size[j];
-        }
-        npo_copy_page(s, d, z, lane, g);
-        s = ns;
-        d = nd;
-        z = nz;
-    }
+    NPO_PAGE_LOOP(npo_desc_page, a, a->rows * a->width, a->group, block, nblocks, thread, nthreads);
 }
 
 /* Table form (the staged pipeline's): page p of a range is tensor pair t = p / nb, block
@@ -137,22 +143,7 @@ NPO_HD void npo_table_page(const npo_table_args *a, uint64_t p, uint64_t *s, uin
 
 NPO_HD void npo_table_thread(const npo_table_args *a, uint32_t block, uint32_t nblocks, uint32_t thread,
                              uint32_t nthreads) {
-    const uint32_t g = a->group;
-    const uint64_t n = a->m * a->nb;
-    const uint64_t ngroups = (uint64_t)nblocks * nthreads / g;
-    const uint32_t lane = thread % g;
-    uint64_t p = ((uint64_t)block * nthreads + thread) / g;
-    if (p >= n) return;
-    uint64_t s, d, z;
-    npo_table_page(a, p, &s, &d, &z);
-    for (; p < n; p += ngroups) {
-        uint64_t ns = 0, nd = 0, nz = 0;
-        if (p + ngroups < n) npo_table_page(a, p + ngroups, &ns, &nd, &nz);
-        npo_copy_page(s, d, z, lane, g);
-        s = ns;
-        d = nd;
-        z = nz;
-    }
+    NPO_PAGE_LOOP(npo_table_page, a, a->m * a->nb, a->group, block, nblocks, thread, nthreads);
 }
 
 /* Lanes per page for a range whose smallest page is `min_page` bytes: one pass of

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from _npu_build_support import INCLUDE, SKIP_REASON, built, emu, fake_npu_platform  # noqa: F401  (fixtures)
+from staged_round_trip import store_then_load
 
 from vllm_npu_offload import staging
-from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
 
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
@@ -43,23 +43,7 @@ def test_staged_round_trip_through_acl(built, emu, monkeypatch, toggle):
     names = (core.stager.local_path.name, core.stager.link_path.name)
     assert names == (("acl_batch_local", "acl_batch") if toggle == "1" else ("acl_loop_local", "acl_loop"))
     assert core.stager.geometry.slots == 3
-    ids = rng.choice(40, 15, replace=False).astype(np.int64)
-    chunks = np.array([9, 3, 4, 5, 17, 0, 11, 20], np.int64)  # 15 blocks from sub-block 1: 8 chunks
-    original = [t.clone() for t in kv]
-    core.submit(1, Direction.D2H, ids, [15], [1], chunks)
-    core.wait([1])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    host_ids = core._host_blocks(chunks, 1, 15)
-    for i, t in enumerate(original):
-        assert torch.equal(core.host_view(i)[host_ids], t[ids])
-    for t in kv:
-        t.zero_()
-    back = rng.permutation(40)[:15].astype(np.int64)
-    core.submit(2, Direction.H2D, back, [15], [1], chunks)
-    core.wait([2])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    for t, o in zip(kv, original):
-        assert torch.equal(t[back], o[ids])
+    store_then_load(core, kv, rng)
     # Every page went device<->staging as a D2D copy; the link copies were far fewer.
     assert emu.acl_emu_count(b"d2d_copies") == 2 * 15 * len(pages)
     core.shutdown()

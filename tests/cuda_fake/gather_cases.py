@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: shared helpers
 
 from vllm_npu_offload.copy.base import DescriptorRange, Direction  # noqa: E402
 from vllm_npu_offload.copy.cuda_gather import NativeGatherPath  # noqa: E402
@@ -17,6 +18,7 @@ from vllm_npu_offload.copy.cuda_native import load_library  # noqa: E402
 from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import DescriptorBuffers, Descriptors  # noqa: E402
 from vllm_npu_offload.platform import CpuPlatform  # noqa: E402
+from staged_round_trip import store_then_load  # noqa: E402
 
 POISON = 0xA5
 
@@ -178,24 +180,8 @@ def staged_round_trip(mode):
     assert (core.stager._fused is not None) == (mode == "native") == core.stager.table_form
     tables0 = counter("fake_table_launches", ctypes.c_longlong)
     records0 = counter("fake_records", ctypes.c_longlong)
-    ids = rng.choice(40, 15, replace=False).astype(np.int64)
-    chunks = np.array([9, 3, 4, 5, 17, 0, 11, 20], np.int64)
-    original = [t.clone() for t in kv]
     launches0 = counter("fake_launches", ctypes.c_longlong)
-    core.submit(1, Direction.D2H, ids, [15], [1], chunks)
-    core.wait([1])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    host_ids = core._host_blocks(chunks, 1, 15)
-    for i, t in enumerate(original):
-        assert torch.equal(core.host_view(i)[host_ids], t[ids])
-    for t in kv:
-        t.zero_()
-    back = rng.permutation(40)[:15].astype(np.int64)
-    core.submit(2, Direction.H2D, back, [15], [1], chunks)
-    core.wait([2])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    for t, o in zip(kv, original):
-        assert torch.equal(t[back], o[ids])
+    store_then_load(core, kv, rng)
     assert counter("fake_launches", ctypes.c_longlong) - launches0 >= 4  # one per slice, both directions
     native_records = counter("fake_records", ctypes.c_longlong) - records0
     assert (native_records > 0) == (mode == "native"), native_records  # the Python loop uses torch events
