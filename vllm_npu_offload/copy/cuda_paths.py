@@ -31,7 +31,7 @@ from .base import Direction
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 5  # 5: the native direct path on NATIVE_DIRECT_PROGRAMS SMs
 SM_MAX_PAGE = 64 * 1024  # heuristic: above this, copy engines are at the link limit already
 CAL_BYTES = 16 * 1024 * 1024  # bytes per calibration transfer
 CAL_REPS = 5
@@ -48,12 +48,20 @@ register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
 register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
 
 
+# The native kernel keeps 64 KiB in flight per SM, so two SMs nearly fill the host link; and a
+# direct copy holds its SMs whole (512 threads x 128 registers fill an SM's register file) for
+# the whole PCIe time, so a concurrent GEMM loses about one SM's share per program. H200,
+# 2026-11-23 (docs/benchmarks.md): direct loads on 8 / 4 / 2 SMs moved about the same GB/s while
+# a concurrent GEMM ran +4.4..+6.3% / up to +4.1% / -0.5..+2.6% slower.
+NATIVE_DIRECT_PROGRAMS = 2
+
+
 def _gather_native(platform: Platform, pages):
-    """The native kernel as a direct SM path (pinned host memory through unified addressing),
-    on as many SMs as the Triton path (``NPU_OFFLOAD_SM_PROGRAMS``)."""
+    """The native kernel as a direct SM path (pinned host memory through unified addressing), on
+    NATIVE_DIRECT_PROGRAMS SMs unless ``NPU_OFFLOAD_SM_PROGRAMS`` says otherwise."""
     from .cuda_gather import NativeGatherPath
 
-    programs = sm_triton._env_int(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    programs = sm_triton._env_int(sm_triton.ENV_PROGRAMS, NATIVE_DIRECT_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
     return NativeGatherPath(platform, pages, programs=programs)
 
 
