@@ -230,6 +230,20 @@ def test_library_without_gather_kernel(libs, fake_driver):
     assert _gather_cases(libs["0"], fake_driver, "not_built").strip() == "not_built ok"
 
 
+def test_info_names_the_cuda_build_and_driver(libs, fake_driver):
+    code = f"""
+        import ctypes
+        ctypes.CDLL({str(fake_driver)!r}, mode=ctypes.RTLD_GLOBAL)
+        from vllm_npu_offload import info
+        print(dict(info.collect())["native cuda (libnpu_offload_cuda)"])
+    """
+    with_kernel = _run(code, {"NPU_OFFLOAD_NATIVE_DIR": str(libs["1"])}).strip()
+    if builder.find_nvcc() is not None:
+        assert with_kernel == "batch build, gather kernel; driver: batch_v2 (CUDA 13 ABI)"
+    loop = _run(code, {"NPU_OFFLOAD_NATIVE_DIR": str(libs["0"]), "FAKE_CUDA_VERSION": "12040"}).strip()
+    assert loop == "loop build, no gather kernel (Triton gathers); driver: loop"
+
+
 def test_gather_and_arch_flags_are_checked():
     with pytest.raises(ValueError, match="NPU_OFFLOAD_CUDA_GATHER='yes'"):
         builder.gather_mode("yes")

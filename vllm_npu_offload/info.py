@@ -28,6 +28,20 @@ def _npu_native() -> str:
     return library_info()
 
 
+def _cuda_native() -> str:
+    try:
+        from .copy.cuda_native import load_library
+    except ImportError as e:  # torch-free install checks, or a broken tree
+        return f"unavailable ({e})"
+    try:
+        d = load_library().describe()
+    except (ImportError, OSError) as e:
+        return f"not built ({e})"
+    kernel = "gather kernel" if d["gather_kernel"] else "no gather kernel (Triton gathers)"
+    runtime = d["runtime"] if not d["error"] else f"unavailable ({d['error']})"
+    return f"{d['built']} build, {kernel}; driver: {runtime}"
+
+
 def _numa() -> str:
     from .numa import device_bus_id, num_nodes, pci_numa_node
     from .platform import detect_kind
@@ -43,6 +57,7 @@ def _numa() -> str:
 PROVIDERS: list[tuple[str, Callable[[], str]]] = [
     ("version", _version),
     ("device", _device),
+    ("native cuda (libnpu_offload_cuda)", _cuda_native),
     ("native npu (libnpu_offload_acl)", _npu_native),
     ("numa", _numa),
 ]
