@@ -45,6 +45,7 @@ def test_loads_from_host_equal_offload_off(offload_llm, reference):
         assert r2[t]["bytes"] > 0
     load, _ = TOTALS.snapshot()
     assert load.jobs >= TURNS and load.failed == 0
+    assert load.wall_seconds >= load.seconds > 0  # submit -> seen done includes the copy itself
 
 
 def test_negative_control_corrupted_host_changes_output(offload_llm, reference):

@@ -12,6 +12,7 @@ rather than raised, so the caller can fail its requests instead of hanging.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -49,7 +50,7 @@ class _InFlight:
     num_bytes: int
     descriptors: "Descriptors | StagedPlan"
     error: str | None = None
-
+    submitted_at: float = 0.0  # perf_counter() at submit
 
 @dataclass
 class EngineStats:
@@ -89,6 +90,7 @@ class TransferEngine:
         buffers are released once the transfer has finished.
         """
         direction = Direction(direction)
+        t_submit = time.perf_counter()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"transfer engine is shut down; job {job_id} rejected")
@@ -116,7 +118,7 @@ class TransferEngine:
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)
             queue.append(
-                _InFlight(job_id, direction, stream, start, end, descriptors.total_bytes, descriptors, error)
+                _InFlight(job_id, direction, stream, start, end, descriptors.total_bytes, descriptors, error, t_submit)
             )
             self._job_ids.add(job_id)
             self.stats.submitted += 1
@@ -137,7 +139,7 @@ class TransferEngine:
         self._events.extend((item.start, item.end))
         self._job_ids.discard(item.job_id)
         ok = error is None
-        TOTALS.record(item.direction.is_load, ok, item.num_bytes, seconds)
+        TOTALS.record(item.direction.is_load, ok, item.num_bytes, seconds, time.perf_counter() - item.submitted_at)
         self.stats.completed += 1
         if ok:
             self.stats.bytes[item.direction] += item.num_bytes

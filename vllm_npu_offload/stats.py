@@ -11,7 +11,8 @@ class DirectionTotals:
     jobs: int = 0
     failed: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # device time between each job's start and end events
+    wall_seconds: float = 0.0  # from submit until a poll saw the job done (what a request waits)
 
     @property
     def gbps(self) -> float:
@@ -24,13 +25,14 @@ class TransferTotals:
     store: DirectionTotals = field(default_factory=DirectionTotals)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, is_load: bool, ok: bool, nbytes: int, seconds: float) -> None:
+    def record(self, is_load: bool, ok: bool, nbytes: int, seconds: float, wall_seconds: float = 0.0) -> None:
         with self._lock:
             d = self.load if is_load else self.store
             d.jobs += 1
             if ok:
                 d.bytes += nbytes
                 d.seconds += seconds
+                d.wall_seconds += wall_seconds
             else:
                 d.failed += 1
 

@@ -164,7 +164,7 @@ def part_ttft(procs: dict, a) -> dict:
                 first = e.call("generate", prompts=prompt, max_tokens=1)
                 e.call("flush_reset")
                 e.call("generate", prompts=prompt, max_tokens=1)  # warm-up reload
-                xs, loads, cached = [], [], []
+                xs, loads, seen, cached = [], [], [], []
                 for _ in range(reps):
                     fr = e.call("flush_reset")
                     if not fr["ok"]:
@@ -172,12 +172,14 @@ def part_ttft(procs: dict, a) -> dict:
                     g = e.call("generate", prompts=prompt, max_tokens=1)
                     xs.append(g["wall_s"])
                     loads.append(g["load_s"])
+                    seen.append(g.get("load_wall_s", 0.0))
                     cached.append(g["rows"][0]["cached"])
                 row[f"{kind}_s"] = spread(xs)
                 row[f"{kind}_first_s"] = first["wall_s"]
                 row[f"{kind}_host_tokens"] = cached
                 if kind == "ours":
                     row["ours_load_s"] = statistics.median(loads)
+                    row["ours_load_seen_s"] = statistics.median(seen)  # submit -> a poll saw it done
                     row["host_tokens"] = statistics.median(cached)
             except EngineError as e:
                 row[f"{kind}_s"] = {"n": 0}

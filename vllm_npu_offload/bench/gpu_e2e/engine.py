@@ -104,6 +104,7 @@ class _Engine:
                          "ttft_s": float(ttft) if ttft is not None else None})
         return {"wall_s": wall, "rows": rows,
                 "load_bytes": load1.bytes - load0.bytes, "load_s": load1.seconds - load0.seconds,
+                "load_wall_s": load1.wall_seconds - load0.wall_seconds,
                 "load_jobs": load1.jobs - load0.jobs, "load_failed": load1.failed - load0.failed,
                 "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
                 "store_failed": store1.failed - store0.failed}
