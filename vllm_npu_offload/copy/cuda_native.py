@@ -105,40 +105,33 @@ class NativeCudaLib:
             call = msg.split(" ", 1)[0].rstrip(":")
             raise CopyError(f"{msg} (rc={rc}, {n} descriptors)", call, int(m.group(1)) if m else None)
 
+    def _call(self, fn, *args, call: str, what: str = "") -> None:
+        """Call a library entry point with the thread's message buffer; on a nonzero return code,
+        CopyError with the library's message, naming ``call`` and what was being copied."""
+        buf = self._msg()
+        rc = fn(*args, buf, _MSG_LEN)
+        if rc != 0:
+            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc}{', ' + what if what else ''})", call)
 
     def gather(self, columns: tuple[int, int, int], first: int, width: int, rows: int, stride: int, min_page: int,
                programs: int, stream_handle: int) -> None:
         """Launch the gather kernel over device-resident descriptor ``columns`` (src, dst, size)."""
-        buf = self._msg()
-        rc = self._lib.npo_cuda_gather(*columns, first, width, rows, stride, min_page, programs,
-                                       stream_handle or None, buf, _MSG_LEN)
-        if rc != 0:
-            msg = buf.value.decode(errors="replace")
-            raise CopyError(f"{msg} (rc={rc}, {rows * width} descriptors)", "npo_cuda_gather")
-
+        self._call(self._lib.npo_cuda_gather, *columns, first, width, rows, stride, min_page, programs,
+                   stream_handle or None, call="npo_cuda_gather", what=f"{rows * width} descriptors")
 
     def staged_run(self, job, rows: int) -> None:
         """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""
-        buf = self._msg()
-        rc = self._lib.npo_cuda_staged_run(ctypes.byref(job), buf, _MSG_LEN)
-        if rc != 0:
-            msg = buf.value.decode(errors="replace")
-            raise CopyError(f"{msg} (rc={rc}, {rows} page descriptors)", "npo_cuda_staged_run")
+        self._call(self._lib.npo_cuda_staged_run, ctypes.byref(job), call="npo_cuda_staged_run",
+                   what=f"{rows} page descriptors")
 
     def create_events(self, n: int):
         """``n`` timing-disabled CUevents, as a ctypes array of handles."""
         evs = (ctypes.c_void_p * n)()
-        buf = self._msg()
-        rc = self._lib.npo_cuda_events_create(n, evs, buf, _MSG_LEN)
-        if rc != 0:
-            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc})", "cuEventCreate")
+        self._call(self._lib.npo_cuda_events_create, n, evs, call="cuEventCreate")
         return evs
 
     def destroy_events(self, evs) -> None:
-        buf = self._msg()
-        rc = self._lib.npo_cuda_events_destroy(len(evs), evs, buf, _MSG_LEN)
-        if rc != 0:
-            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc})", "cuEventDestroy")
+        self._call(self._lib.npo_cuda_events_destroy, len(evs), evs, call="cuEventDestroy")
 
 
 _LIB: NativeCudaLib | None = None
