@@ -1,7 +1,7 @@
 // npo_cuda_staged_run: enqueue a whole staged transfer in one call (the slice pipeline of
-// vllm_npu_offload/staging.py): the page-descriptor upload and the gather/scatter
-// launches on the direction's aux stream, the link copies on the job's stream, and the
-// slot events between them. Every driver call is checked; a failure names the call and
+// vllm_npu_offload/staging.py): the block-id upload, the gather/scatter launches (on the
+// direction's aux stream, except the one on the critical path), the link copies on the job's
+// stream, and the slot events between them. Every driver call is checked; a failure names the call and
 // the slice. Done in C because each slice costs several driver calls, and from Python
 // each cost tens of microseconds that the device spends waiting on small transfers.
 #include <stdio.h>
@@ -61,24 +61,43 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     CUevent const *filled = (CUevent const *)job->events + 1;
     CUevent const *drained = (CUevent const *)job->events + 1 + job->slots;
     Ctx c{drv, msg, msg_len, 0};
-    const bool store = job->store != 0;
-    // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
-    if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-    // This transfer's block ids (both sides, 16 bytes per block) in one copy, on aux.
-    rc = c.check(drv->memcpy_async((CUdeviceptr)job->dev_ids, (CUdeviceptr)(uintptr_t)job->host_ids, 16 * job->n_ids,
-                                   aux), "cuMemcpyAsync (block id upload)");
+    const bool store = job->store != 0, link = !job->skip_link;
+    const uint64_t n = job->n_slices;
+    // The unhidden slice (a store's first gather, a load's last scatter) runs on the job stream
+    // itself: no cross-stream event hop on the transfer's critical path. The other slices'
+    // gathers/scatters run on aux, after that one (stores) or before it (loads), so at most
+    // one gather kernel runs at a time.
+    const uint64_t own = !link || !n ? UINT64_MAX : (store ? 0 : n - 1);
+    // This transfer's block ids (both sides, 16 bytes per block) in one copy: on the job stream
+    // when the first gather needs them at once, else on aux (beside the first link copy).
+    const CUdeviceptr ids_dst = (CUdeviceptr)job->dev_ids, ids_src = (CUdeviceptr)(uintptr_t)job->host_ids;
+    if (store && own == 0) {
+        rc = c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, stream), "cuMemcpyAsync (block id upload)");
+    } else {
+        // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
+        if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
+        rc = c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, aux), "cuMemcpyAsync (block id upload)");
+        if (!rc && own != UINT64_MAX) rc = c.record(entry, aux);  // the load's last scatter waits for it
+    }
     if (rc) return rc;
     const uint64_t src_ids = job->dev_ids, dst_ids = job->dev_ids + 8 * job->n_ids;
-    const bool link = !job->skip_link;
-    for (uint64_t i = 0; i < job->n_slices; ++i) {
+    for (uint64_t i = 0; i < n; ++i) {
         c.slice = i;
         const uint64_t s = i % job->slots;
+        const bool mine = i == own;
+        CUstream local = mine ? stream : aux;
         if (i >= job->slots && (rc = c.wait(store ? aux : stream, drained[s]))) return rc;
         const uint64_t k0 = job->link_bounds[i], k1 = job->link_bounds[i + 1];
         if (!store && link) {
             rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1, stream,
                                  msg, msg_len);
-            if (rc || (rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s]))) return rc;
+            if (rc) return rc;
+            if (!mine) {
+                if ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s]))) return rc;
+            } else {  // after the id upload and every earlier scatter (aux runs them in order)
+                if ((rc = c.wait(stream, entry)) || (i && (rc = c.wait(stream, drained[(i - 1) % job->slots]))))
+                    return rc;
+            }
         }
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
@@ -88,21 +107,25 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);
             rc = npo_table_launch(drv, fns.table, r[0], r[1], src_ids, dst_ids, r[2], r[3], job->min_page,
-                                  job->programs, aux, msg, msg_len);
+                                  job->programs, local, msg, msg_len);
             if (rc) return rc;
         }
         if (!link) {
             if ((rc = c.record(filled[s], aux)) || (rc = c.record(drained[s], aux))) return rc;
         } else if (store) {
-            if ((rc = c.record(filled[s], aux)) || (rc = c.wait(stream, filled[s]))) return rc;
+            if (mine) {  // later gathers follow this one (and the upload, compute, earlier jobs)
+                if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
+            } else if ((rc = c.record(filled[s], aux)) || (rc = c.wait(stream, filled[s]))) {
+                return rc;
+            }
             rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 0, stream,
                                  msg, msg_len);
             if (rc || (rc = c.record(drained[s], stream))) return rc;
-        } else if ((rc = c.record(drained[s], aux))) {
+        } else if (!mine && (rc = c.record(drained[s], aux))) {
             return rc;
         }
     }
-    if ((!store || !link) && job->n_slices) return c.wait(stream, drained[(job->n_slices - 1) % job->slots]);
+    if (!link && n) return c.wait(stream, drained[(n - 1) % job->slots]);
     return 0;
 }
 

@@ -161,3 +161,72 @@ def test_write_part_survives_bad_result(tmp_path):
     text = tables.write_part(tmp_path, "ttft", {"error": "boom"})
     assert text.startswith("(no table")
     assert json.loads((tmp_path / "ttft.json").read_text())["error"] == "boom"
+
+
+class _FakeCore:
+    """Just enough of vLLM's in-process engine for timeline.install: a step that schedules a
+    load, polls until it is seen, then schedules the forward."""
+
+    def __init__(self, conn):
+        from types import SimpleNamespace as NS
+
+        self.conn, self.i = conn, 0
+        plan = [(0, {7: 1}), (0, {}), (0, {}), (24, {})]  # (tokens, load jobs) per step
+        self.scheduler = NS(schedule=lambda: NS(total_num_scheduled_tokens=plan[self.i][0],
+                                                kv_connector_metadata=NS(load_jobs=plan[self.i][1], store_jobs={},
+                                                                         jobs_to_flush=None)),
+                            update_from_output=lambda *a: None)
+        self.model_executor = NS(execute_model=lambda out: None)
+
+    def step_fn(self):
+        out = self.scheduler.schedule()
+        self.model_executor.execute_model(out)
+        self.conn.start_load_kv(None)
+        self.conn.get_finished(set())
+        self.scheduler.update_from_output(out, None)
+        self.i += 1
+
+
+def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
+    import sys
+    import time
+    from types import ModuleType, SimpleNamespace as NS
+
+    from vllm_npu_offload.bench.gpu_e2e import timeline
+
+    polls = iter([set(), set(), {"r"}, set()])
+    conn = NS(start_load_kv=lambda ctx: None, get_finished=lambda ids: (set(), next(polls)),
+              handle_preemptions=lambda meta: None)
+    kt = ModuleType("vllm.distributed.kv_transfer")
+    kt.get_kv_transfer_group, kt.has_kv_transfer_group = (lambda: conn), (lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer", kt)
+    monkeypatch.setattr(timeline, "_installed", False)
+    core = _FakeCore(conn)
+    llm = NS(llm_engine=NS(engine_core=NS(engine_core=core)))
+    assert timeline.install(llm) == ["step", "schedule", "update", "execute", "start_load", "finished", "preempt"]
+    assert timeline.install(llm) == []  # once per process
+    start = timeline.mark()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        core.step_fn()
+    ev = timeline.since(start, t0)
+    assert [e["what"] for e in ev].count("step") == 4
+    b = timeline.breakdown(ev, 10.0)
+    sched = [e for e in ev if e["what"] == "schedule"]
+    seen = [e for e in ev if e["what"] == "finished" and e["recv"]]
+    assert b["load_scheduled_ms"] == sched[0]["t_ms"] and sched[0]["loads"] == 1
+    assert len(seen) == 1 and b["load_seen_ms"] == pytest.approx(seen[0]["t_ms"] + seen[0]["ms"])
+    assert b["forward_scheduled_ms"] == sched[3]["t_ms"] and b["steps"] == 4 and b["flush_steps"] == 0
+    assert timeline.mark() == 0 and timeline.since(0, t0) == []  # a new record drops the old one
+
+
+def test_ttft_steps_table_pairs_native_and_ours():
+    def rep(wall):
+        return {"wall_ms": wall, "load_scheduled_ms": 1.0, "load_seen_ms": wall - 9, "forward_scheduled_ms": wall - 8,
+                "steps": 5, "longest_step_ms": 7.0, "flush_steps": 0, "preempt_ms": 0.0}
+
+    res = {"reps": 3, "rows": [{"prompt_tokens": 2048, "cold_s": {"median": 0.06}, "device_hit_s": {"median": 0.02},
+                                "native_s": {"median": 0.03}, "ours_s": {"median": 0.025},
+                                "native_steps": [rep(30), rep(31), rep(29)], "ours_steps": [rep(25), rep(33), rep(24)]}]}
+    text = tables.ttft_table(res)
+    assert "ours - native" in text and "ours faster in 2/3" in text and "-5.0" in text

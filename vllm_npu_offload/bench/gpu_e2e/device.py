@@ -135,7 +135,24 @@ def start_8b(work: Path, a) -> dict:
     return procs
 
 
+def _reload(e, prompt) -> dict:
+    """One timed reload: wait for stores, reset the device prefix cache, generate again."""
+    fr = e.call("flush_reset")
+    if not fr["ok"]:
+        raise EngineError(f"reset_prefix_cache() kept failing ({fr})")
+    return e.call("generate", prompts=prompt, max_tokens=1, steps=True)
+
+
+def _keep_events(runs: list[dict]) -> dict:
+    """The raw step timelines of the fastest, median and slowest rep (the rest: breakdowns)."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["wall_s"])
+    pick = {"fastest": order[0], "median": order[len(order) // 2], "slowest": order[-1]} if order else {}
+    return {k: {"rep": i, "events": runs[i].get("events", [])} for k, i in pick.items()}
+
+
 def part_ttft(procs: dict, a) -> dict:
+    """Reload TTFT: off (cold, device hit), then native and ours taking turns rep by rep (the
+    one going first alternates), each rep with its step timeline (timeline.py)."""
     reps = a.reps
     res: dict = {"model": "Llama-3-8B shape, dummy weights, bf16", "reps": reps, "rows": [],
                  "kv_bytes_per_token": L8B_KV_PER_TOKEN, "errors": {}}
@@ -144,12 +161,13 @@ def part_ttft(procs: dict, a) -> dict:
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
     except EngineError as e:
         res["errors"]["bandwidth"] = str(e)
+    kinds = ("native", "ours")
     for L in a.ttft_lengths:
         row: dict = {"prompt_tokens": L}
         seed = 1000 + L
         # offload off: cold prefill of a new prompt, then the same prompt again (device prefix hit)
         cold, hit = [], []
-        for r in range(reps + 1):
+        for r in range(min(reps, a.off_reps) + 1):
             p = unique_prompts(1, L, seed=seed + 100 + r)
             c = procs["off"].call("generate", prompts=p, max_tokens=1)["wall_s"]
             h = procs["off"].call("generate", prompts=p, max_tokens=1)["wall_s"]
@@ -158,32 +176,34 @@ def part_ttft(procs: dict, a) -> dict:
                 hit.append(h)
         row["cold_s"], row["device_hit_s"] = spread(cold), spread(hit)
         prompt = unique_prompts(1, L, seed=seed)
-        for kind in ("native", "ours"):
+        live, runs = [], {k: [] for k in kinds}
+        for kind in kinds:  # first run stores the prompt; one reload warms up
             try:
-                e = procs[kind]
-                first = e.call("generate", prompts=prompt, max_tokens=1)
-                e.call("flush_reset")
-                e.call("generate", prompts=prompt, max_tokens=1)  # warm-up reload
-                xs, loads, seen, cached = [], [], [], []
-                for _ in range(reps):
-                    fr = e.call("flush_reset")
-                    if not fr["ok"]:
-                        raise EngineError(f"reset_prefix_cache() kept failing ({fr})")
-                    g = e.call("generate", prompts=prompt, max_tokens=1)
-                    xs.append(g["wall_s"])
-                    loads.append(g["load_s"])
-                    seen.append(g.get("load_wall_s", 0.0))
-                    cached.append(g["rows"][0]["cached"])
-                row[f"{kind}_s"] = spread(xs)
-                row[f"{kind}_first_s"] = first["wall_s"]
-                row[f"{kind}_host_tokens"] = cached
-                if kind == "ours":
-                    row["ours_load_s"] = statistics.median(loads)
-                    row["ours_load_seen_s"] = statistics.median(seen)  # submit -> a poll saw it done
-                    row["host_tokens"] = statistics.median(cached)
+                row[f"{kind}_first_s"] = procs[kind].call("generate", prompts=prompt, max_tokens=1)["wall_s"]
+                _reload(procs[kind], prompt)
+                live.append(kind)
             except EngineError as e:
-                row[f"{kind}_s"] = {"n": 0}
                 res["errors"][f"{kind}-{L}"] = str(e)
+        for r in range(reps):
+            for kind in (live if r % 2 == 0 else live[::-1]):
+                if kind not in live:
+                    continue
+                try:
+                    runs[kind].append(_reload(procs[kind], prompt))
+                except EngineError as e:
+                    res["errors"][f"{kind}-{L}"] = str(e)
+                    live.remove(kind)
+        for kind in kinds:
+            xs = runs[kind]
+            row[f"{kind}_s"] = spread([g["wall_s"] for g in xs]) if xs else {"n": 0}
+            row[f"{kind}_host_tokens"] = [g["rows"][0]["cached"] for g in xs]
+            row[f"{kind}_steps"] = [g["breakdown"] for g in xs]
+            row[f"{kind}_step_events"] = _keep_events(xs)
+        if runs["ours"]:
+            xs = runs["ours"]
+            row["ours_load_s"] = statistics.median(g["load_s"] for g in xs)
+            row["ours_load_seen_s"] = statistics.median(g.get("load_wall_s", 0.0) for g in xs)  # submit -> poll saw it
+            row["host_tokens"] = statistics.median(g["rows"][0]["cached"] for g in xs)
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             row["ideal_s"] = row["host_tokens"] * L8B_KV_PER_TOKEN / (bw * 1e9) + row["device_hit_s"]["median"]
@@ -287,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
+    ap.add_argument("--off-reps", type=int, default=5,
+                    help="ttft: offload-off reps (cold prefill + device hit; a 32k cold prefill takes seconds)")
     ap.add_argument("--miss-reps", type=int, default=12,
                     help="timed miss rounds after one warm-up (engines take turns going first)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")

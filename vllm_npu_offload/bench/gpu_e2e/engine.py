@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import timeline
+
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
 KINDS = ("off", "native", "ours", "simple")
@@ -82,9 +84,12 @@ class _Engine:
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
+        self.timed = timeline.install(self.llm)
         self._flush_seq = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 1) -> dict:
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False) -> dict:
+        """Run ``prompts``; the wall time, tokens, transfer totals and, with ``steps``, the
+        step timeline of this call (``timeline.breakdown`` plus the raw events)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -92,9 +97,11 @@ class _Engine:
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         load0, store0 = TOTALS.snapshot()
+        m = timeline.mark()
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
+        events = timeline.since(m, t0) if steps else None
         load1, store1 = TOTALS.snapshot()
         rows = []
         for o in outs:
@@ -107,7 +114,8 @@ class _Engine:
                 "load_wall_s": load1.wall_seconds - load0.wall_seconds,
                 "load_jobs": load1.jobs - load0.jobs, "load_failed": load1.failed - load0.failed,
                 "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
-                "store_failed": store1.failed - store0.failed}
+                "store_failed": store1.failed - store0.failed,
+                **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3)} if steps else {})}
 
     def flush_reset(self, reset: bool = True, tries: int = 60) -> dict:
         """Step the engine until pending stores are done, then reset the device prefix cache.

@@ -92,10 +92,50 @@ def ttft_table(res: dict) -> str:
     head = ["prompt tok", "cold ms", "device hit ms", "reload native ms", "reload ours ms", "ours transfer ms",
             "ours load seen ms", "ideal ms", "from host tok", "ours/ideal"]
     bw = res.get("bandwidth", {})
-    return (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
+    text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = host KV bytes / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix); ours transfer = "
             f"device time of the loads, load seen = from their submit until a poll saw them done")
+    steps = ttft_steps_table(res)
+    return text + ("\n\n" + steps if steps else "")
+
+
+def _med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _f(x: float | None, fmt: str = "{:,.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def ttft_steps_table(res: dict) -> str:
+    """Reload reps of native and ours side by side (they took turns): where each rep's time
+    went, from its step timeline (medians, ms from the start of ``generate``), and the
+    rep-by-rep difference ours - native."""
+    rows = []
+    for r in res["rows"]:
+        for kind in ("native", "ours"):
+            b = r.get(f"{kind}_steps") or []
+            if not b:
+                continue
+            rows.append([r["prompt_tokens"], kind, len(b), _f(_med([x["wall_ms"] for x in b])),
+                         _f(min(x["wall_ms"] for x in b)), _f(max(x["wall_ms"] for x in b)),
+                         _f(_med([x["load_scheduled_ms"] for x in b])), _f(_med([x["load_seen_ms"] for x in b])),
+                         _f(_med([x["forward_scheduled_ms"] for x in b])), _f(_med([x["steps"] for x in b]), "{:.0f}"),
+                         _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b)])
+        nb, ob = r.get("native_steps") or [], r.get("ours_steps") or []
+        if nb and ob:
+            d = [o["wall_ms"] - n["wall_ms"] for o, n in zip(ob, nb)]
+            rows.append([r["prompt_tokens"], "ours - native", len(d), _f(_med(d), "{:+,.1f}"), _f(min(d), "{:+,.1f}"),
+                         _f(max(d), "{:+,.1f}"), f"ours faster in {sum(x < 0 for x in d)}/{len(d)}", "", "", "", "",
+                         ""])
+    if not rows:
+        return ""
+    head = ["prompt tok", "spec", "reps", "wall ms", "min", "max", "load scheduled at", "load seen at",
+            "forward scheduled at", "steps", "longest step ms", "flush steps"]
+    return table(head, rows) + ("\nreload reps of native and ours in turns (the first alternates); \"at\" = ms "
+                                "after generate() began, medians over reps; from each rep's engine step timeline")
 
 
 def miss_table(res: dict) -> str:

@@ -1,0 +1,108 @@
+"""Step timeline of one in-process vLLM engine (benchmark only).
+
+Why: a reload's TTFT is "engine steps before the load is submitted + the load + steps until
+a poll sees it done + the forward that makes the first token". The transfer totals give the
+load alone; this says where the rest of the wall time went, the same way for vLLM's native
+spec and ours (it wraps the engine and the connector, not our worker), so a TTFT gap between
+them can be put on a step. Timestamps are ``time.perf_counter()`` in the engine's process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+_EVENTS: list[tuple[float, str, float, dict]] = []  # (start, what, seconds, details)
+_installed = False
+
+
+def _wrap(obj: Any, name: str, what: str, details: Callable[[Any, tuple], dict] | None = None) -> bool:
+    fn = getattr(obj, name, None)
+    if fn is None:
+        return False
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        d = details(out, args) if details else {}
+        if d is not None:
+            _EVENTS.append((t0, what, time.perf_counter() - t0, d))
+        return out
+
+    setattr(obj, name, timed)
+    return True
+
+
+def _sched_details(out, _args) -> dict:
+    meta = getattr(out, "kv_connector_metadata", None)
+    return {"tokens": int(getattr(out, "total_num_scheduled_tokens", 0) or 0),
+            "loads": len(getattr(meta, "load_jobs", None) or {}),
+            "stores": len(getattr(meta, "store_jobs", None) or {}),
+            "flush": len(getattr(meta, "jobs_to_flush", None) or ())}
+
+
+def _finished_details(out, _args) -> dict:
+    recving = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    return {"recv": len(recving or ())}
+
+
+def install(llm) -> list[str]:
+    """Wrap one ``LLM``'s engine step, scheduler and worker-side connector; returns what was
+    wrapped (a vLLM without one of them just records less)."""
+    global _installed
+    if _installed:
+        return []
+    _installed = True
+    done = []
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    if core is not None:
+        if _wrap(core, "step_fn", "step"):
+            done.append("step")
+        sched = getattr(core, "scheduler", None)
+        if sched is not None and _wrap(sched, "schedule", "schedule", _sched_details):
+            done.append("schedule")
+        if sched is not None and _wrap(sched, "update_from_output", "update"):
+            done.append("update")
+        ex = getattr(core, "model_executor", None)
+        if ex is not None and _wrap(ex, "execute_model", "execute"):
+            done.append("execute")
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+    except Exception:  # noqa: BLE001 - no connector (offload off) or another vLLM layout
+        conn = None
+    if conn is not None:
+        for name, what, det in (("start_load_kv", "start_load", None), ("get_finished", "finished", _finished_details),
+                                ("handle_preemptions", "preempt", None)):
+            if _wrap(conn, name, what, det):
+                done.append(what)
+    return done
+
+
+def mark() -> int:
+    """Start a new record (the engine runs one ``generate`` at a time, so older events are
+    dropped: memory stays bounded over long runs)."""
+    _EVENTS.clear()
+    return 0
+
+
+def since(start: int, t0: float) -> list[dict]:
+    """Events recorded after ``mark()`` returned ``start``, in ms from ``t0``."""
+    return [{"t_ms": round((t - t0) * 1e3, 3), "what": w, "ms": round(s * 1e3, 3), **d}
+            for t, w, s, d in _EVENTS[start:]]
+
+
+def breakdown(events: list[dict], wall_ms: float) -> dict:
+    """Where one reload's wall time went: the step that scheduled the load, the first poll
+    that saw it done, the first step that ran tokens after that, and the step count."""
+    sched = [e for e in events if e["what"] == "schedule"]
+    load_at = next((e["t_ms"] for e in sched if e["loads"]), None)
+    seen = next((e for e in events if e["what"] == "finished" and e.get("recv")), None)
+    seen_at = seen["t_ms"] + seen["ms"] if seen else None
+    fwd = next((e for e in sched if e["tokens"] and (seen_at is None or e["t_ms"] >= seen_at)), None)
+    steps = [e for e in events if e["what"] == "step"]
+    return {"wall_ms": round(wall_ms, 3), "load_scheduled_ms": load_at, "load_seen_ms": seen_at,
+            "forward_scheduled_ms": fwd["t_ms"] if fwd else None,
+            "steps": len(steps), "longest_step_ms": max((e["ms"] for e in steps), default=None),
+            "flush_steps": sum(1 for e in sched if e["flush"]),
+            "preempt_ms": round(sum(e["ms"] for e in events if e["what"] == "preempt"), 3)}
