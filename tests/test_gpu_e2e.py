@@ -188,6 +188,7 @@ class _FakeCore:
 
 
 def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
+    import gc
     import sys
     import time
     from types import ModuleType, SimpleNamespace as NS
@@ -203,7 +204,9 @@ def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
     monkeypatch.setattr(timeline, "_installed", False)
     core = _FakeCore(conn)
     llm = NS(llm_engine=NS(engine_core=NS(engine_core=core)))
-    assert timeline.install(llm) == ["step", "schedule", "update", "execute", "start_load", "finished", "preempt"]
+    n_callbacks = len(gc.callbacks)
+    assert timeline.install(llm) == ["gc", "step", "schedule", "update", "execute", "start_load", "finished",
+                                     "preempt"]
     assert timeline.install(llm) == []  # once per process
     start = timeline.mark()
     t0 = time.perf_counter()
@@ -217,6 +220,12 @@ def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
     assert b["load_scheduled_ms"] == sched[0]["t_ms"] and sched[0]["loads"] == 1
     assert len(seen) == 1 and b["load_seen_ms"] == pytest.approx(seen[0]["t_ms"] + seen[0]["ms"])
     assert b["forward_scheduled_ms"] == sched[3]["t_ms"] and b["steps"] == 4 and b["flush_steps"] == 0
+    gc.collect()  # the collector's pauses are recorded too
+    try:
+        assert any(e["what"] == "gc" and e["gen"] == 2 for e in timeline.since(start, t0))
+    finally:
+        gc.callbacks.remove(timeline._on_gc)
+    assert len(gc.callbacks) == n_callbacks
     assert timeline.mark() == 0 and timeline.since(0, t0) == []  # a new record drops the old one
 
 

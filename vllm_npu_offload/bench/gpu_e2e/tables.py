@@ -123,17 +123,18 @@ def ttft_steps_table(res: dict) -> str:
                          _f(min(x["wall_ms"] for x in b)), _f(max(x["wall_ms"] for x in b)),
                          _f(_med([x["load_scheduled_ms"] for x in b])), _f(_med([x["load_seen_ms"] for x in b])),
                          _f(_med([x["forward_scheduled_ms"] for x in b])), _f(_med([x["steps"] for x in b]), "{:.0f}"),
-                         _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b)])
+                         _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b),
+                         _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None))])
         nb, ob = r.get("native_steps") or [], r.get("ours_steps") or []
         if nb and ob:
             d = [o["wall_ms"] - n["wall_ms"] for o, n in zip(ob, nb)]
             rows.append([r["prompt_tokens"], "ours - native", len(d), _f(_med(d), "{:+,.1f}"), _f(min(d), "{:+,.1f}"),
                          _f(max(d), "{:+,.1f}"), f"ours faster in {sum(x < 0 for x in d)}/{len(d)}", "", "", "", "",
-                         ""])
+                         "", ""])
     if not rows:
         return ""
     head = ["prompt tok", "spec", "reps", "wall ms", "min", "max", "load scheduled at", "load seen at",
-            "forward scheduled at", "steps", "longest step ms", "flush steps"]
+            "forward scheduled at", "steps", "longest step ms", "flush steps", "max gc in forward ms"]
     return table(head, rows) + ("\nreload reps of native and ours in turns (the first alternates); \"at\" = ms "
                                 "after generate() began, medians over reps; from each rep's engine step timeline")
 

@@ -9,11 +9,24 @@ them can be put on a step. Timestamps are ``time.perf_counter()`` in the engine'
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Callable
 
 _EVENTS: list[tuple[float, str, float, dict]] = []  # (start, what, seconds, details)
 _installed = False
+_gc_start = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    """Python's collector pauses the engine's thread too: a long one inside a forward step
+    shows up here as "gc" (generation, collected objects)."""
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        t0 = _gc_start[0]
+        _EVENTS.append((t0, "gc", time.perf_counter() - t0, {"gen": info.get("generation"),
+                                                             "collected": info.get("collected")}))
 
 
 def _wrap(obj: Any, name: str, what: str, details: Callable[[Any, tuple], dict] | None = None) -> bool:
@@ -53,7 +66,8 @@ def install(llm) -> list[str]:
     if _installed:
         return []
     _installed = True
-    done = []
+    gc.callbacks.append(_on_gc)
+    done = ["gc"]
     core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
     if core is not None:
         if _wrap(core, "step_fn", "step"):
@@ -105,4 +119,7 @@ def breakdown(events: list[dict], wall_ms: float) -> dict:
             "forward_scheduled_ms": fwd["t_ms"] if fwd else None,
             "steps": len(steps), "longest_step_ms": max((e["ms"] for e in steps), default=None),
             "flush_steps": sum(1 for e in sched if e["flush"]),
+            "gc_ms": round(sum(e["ms"] for e in events if e["what"] == "gc"), 3),
+            "gc_in_forward_ms": round(sum(e["ms"] for e in events if e["what"] == "gc" and fwd
+                                          and e["t_ms"] >= fwd["t_ms"]), 3),
             "preempt_ms": round(sum(e["ms"] for e in events if e["what"] == "preempt"), 3)}
