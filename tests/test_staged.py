@@ -246,6 +246,23 @@ def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core.shutdown()
 
 
+def test_crossover_extrapolates_beyond_the_sizes_measured():
+    """Staged = fixed cost + link per block; direct = per page. Measured crossings win; past the
+    largest size the two cost lines decide (the H200's small-page loads: staged slower at 64
+    blocks by its fixed cost, cheaper per block)."""
+    from vllm_npu_offload.staging_choice import _NEVER, crossover
+
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    direct = [10.0 * n for n in sizes]
+    assert crossover(sizes, direct, [50 + 8.0 * n for n in sizes]) == 32  # 306 <= 320 from 32 on
+    assert crossover(sizes, direct, [9.0 * n if n != 8 else 99 for n in sizes]) == 16  # never slower again
+    assert crossover(sizes, direct, [200 + 9.0 * n for n in sizes]) == 200  # lines cross at 200 blocks
+    assert crossover(sizes, direct, [1000 + 9.9 * n for n in sizes]) == 10000
+    assert crossover(sizes, direct, [5 + 11.0 * n for n in sizes]) == _NEVER  # dearer per block
+    assert crossover([64], [1.0], [2.0]) == _NEVER  # one size: no slope to go on
+    assert crossover(sizes, direct, [1 + 9.99999 * n for n in sizes]) > 64  # a crossing is never inside the range
+
+
 def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
     """The crossover measurement runs real direct and staged transfers (here on CPU, with
     two KV groups) and caches its result; a cached entry is reused without measuring."""
@@ -259,7 +276,8 @@ def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
     for d in ("H2D", "D2H"):
         assert len(entry["direct"][d]) == len(entry["staged"][d]) == 6
         assert all(t > 0 for t in entry["direct"][d] + entry["staged"][d])
-        assert entry["min_blocks"][d] in entry["sizes"] or entry["min_blocks"][d] == staging_choice._NEVER
+        assert entry["min_blocks"][d] == staging_choice.crossover(entry["sizes"], entry["direct"][d],
+                                                                  entry["staged"][d])
     monkeypatch.delenv("NPU_OFFLOAD_STAGED")
     calls = []
     monkeypatch.setattr(staging_choice, "measure", lambda c: calls.append(c) or entry)
