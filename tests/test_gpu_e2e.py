@@ -105,7 +105,19 @@ def test_device_args():
     from vllm_npu_offload.bench.gpu_e2e.device import build_parser
 
     a = build_parser().parse_args(["ttft", "--ttft-lengths", "2048,8192", "--reps", "7"])
-    assert a.parts == ["ttft"] and a.ttft_lengths == [2048, 8192] and a.reps == 7
+    assert a.parts == ["ttft"] and a.ttft_lengths == [2048, 8192] and a.reps == 7 and a.variant == []
+    a = build_parser().parse_args(["miss", "--variant", "old:NPU_OFFLOAD_NATIVE_DIR=/tmp/x,NPU_OFFLOAD_STAGED=0"])
+    assert a.variant == [("old", {"NPU_OFFLOAD_NATIVE_DIR": "/tmp/x", "NPU_OFFLOAD_STAGED": "0"})]
+    for bad in ("ours:A=1", "x", "x:", "x:A", ":A=1"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["miss", "--variant", bad])
+
+
+def test_miss_table_lists_variants():
+    res = {"batch": 2, "prompt_tokens": 8, "max_tokens": 1,
+           "runs": {"off": [1.0, 1.0], "native": [1.1, 1.0], "ours": [1.0, 1.02], "old": [1.2, 1.2]}}
+    text = tables.miss_table(res)
+    assert "| old " in text and "+20.0%" in text
 
 
 def test_unique_prompts_exact_and_distinct():

@@ -126,8 +126,13 @@ def start_8b(work: Path, a) -> dict:
     mk = lambda kind: EngineSpec(kind, kind, model, dtype="bfloat16", load_format="dummy",
                                  max_model_len=max(a.ttft_lengths) + 64, kv_cache_bytes=a.kv_gib * GiB,
                                  gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64)
+    specs = [mk("off"), mk("native"), mk("ours")]
+    for label, env in a.variant:  # more engines of our spec, each with its own environment (A/B in one run)
+        specs.append(EngineSpec(label, "ours", model, dtype="bfloat16", load_format="dummy",
+                                max_model_len=max(a.ttft_lengths) + 64, kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2,
+                                cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env))
     t0 = time.perf_counter()
-    procs = start_all([mk("off"), mk("native"), mk("ours")])
+    procs = start_all(specs)
     errs = {k: p.error for k, p in procs.items() if p.error}
     print(f"[8b] engines up in {time.perf_counter() - t0:.0f}s: "
           + ", ".join(f"{k} {p.start_s or 0:.0f}s" for k, p in procs.items()) + (f"; errors {list(errs)}" if errs else ""),
@@ -219,9 +224,9 @@ def part_ttft(procs: dict, a) -> dict:
 
 def part_miss(procs: dict, a) -> dict:
     res: dict = {"model": "Llama-3-8B shape, dummy weights, bf16", "batch": a.miss_batch,
-                 "prompt_tokens": a.miss_tokens, "max_tokens": a.miss_out, "runs": {"off": [], "native": [], "ours": []},
-                 "store_gbps": [], "errors": {}}
-    kinds = [k for k in ("off", "native", "ours") if not procs[k].error]
+                 "prompt_tokens": a.miss_tokens, "max_tokens": a.miss_out, "runs": {k: [] for k in procs},
+                 "store_gbps": [], "errors": {}, "variants": {label: env for label, env in a.variant}}
+    kinds = [k for k in procs if not procs[k].error]
     for r in range(a.miss_reps + 1):
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
@@ -236,9 +241,14 @@ def part_miss(procs: dict, a) -> dict:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {res['runs'][k][-1]:.3f}s" for k in kinds
                                               if r and res["runs"][k]), flush=True)
-    for k in ("native", "ours"):
+    for k in procs:
         if procs[k].error:
             res["errors"][k] = procs[k].error
+        elif procs[k].spec.kind == "ours":  # which paths and staging thresholds it ran with
+            try:
+                res.setdefault("worker", {})[k] = procs[k].call("worker_info")
+            except EngineError as e:
+                res["errors"][f"worker_info-{k}"] = str(e)
     return res
 
 
@@ -300,6 +310,15 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- main
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    label, _, rest = text.partition(":")
+    pairs = [p.partition("=") for p in rest.split(",") if p]
+    if not label or label in ("off", "native", "ours") or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NEWLABEL:VAR=VAL[,VAR=VAL] "
+                                         f"(a label other than off/native/ours)")
+    return label, {k: v for k, _, v in pairs}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpu_e2e.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed miss rounds after one warm-up (engines take turns going first)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
     ap.add_argument("--ttft-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
+    ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
+                    help="one more engine of our spec in the 8B pool, with these environment variables; the "
+                         "miss part runs it beside the others (repeatable)")
     ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")
     ap.add_argument("--cpu-gib", type=int, default=8, help="host KV per offload engine (GiB)")
     ap.add_argument("--miss-batch", type=int, default=48)

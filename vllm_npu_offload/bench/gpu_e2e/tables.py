@@ -142,7 +142,7 @@ def ttft_steps_table(res: dict) -> str:
 def miss_table(res: dict) -> str:
     rows = []
     off = res["runs"]["off"]
-    for k in ("off", "native", "ours"):
+    for k in ["off", "native", "ours"] + [k for k in res["runs"] if k not in ("off", "native", "ours")]:
         xs = res["runs"].get(k, [])
         s = spread(xs)
         if not s["n"]:
