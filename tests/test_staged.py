@@ -246,21 +246,25 @@ def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core.shutdown()
 
 
-def test_crossover_extrapolates_beyond_the_sizes_measured():
-    """Staged = fixed cost + link per block; direct = per page. Measured crossings win; past the
-    largest size the two cost lines decide (the H200's small-page loads: staged slower at 64
-    blocks by its fixed cost, cheaper per block)."""
+def test_crossover_follows_the_cost_lines():
+    """Staged = fixed cost + link per block; direct = more per block. The threshold is where the
+    two lines cross, inside or beyond the sizes measured, and one disturbed point does not
+    move it (the H200 calibration that sent every store of < 128 blocks down the direct path)."""
     from vllm_npu_offload.staging_choice import _NEVER, crossover
 
-    sizes = [1, 2, 4, 8, 16, 32, 64]
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     direct = [10.0 * n for n in sizes]
-    assert crossover(sizes, direct, [50 + 8.0 * n for n in sizes]) == 32  # 306 <= 320 from 32 on
-    assert crossover(sizes, direct, [9.0 * n if n != 8 else 99 for n in sizes]) == 16  # never slower again
-    assert crossover(sizes, direct, [200 + 9.0 * n for n in sizes]) == 200  # lines cross at 200 blocks
+    assert crossover(sizes, direct, [50 + 8.0 * n for n in sizes]) == 25
+    assert crossover(sizes, direct, [200 + 9.0 * n for n in sizes]) == 200  # beyond the sizes measured
     assert crossover(sizes, direct, [1000 + 9.9 * n for n in sizes]) == 10000
-    assert crossover(sizes, direct, [5 + 11.0 * n for n in sizes]) == _NEVER  # dearer per block
-    assert crossover([64], [1.0], [2.0]) == _NEVER  # one size: no slope to go on
-    assert crossover(sizes, direct, [1 + 9.99999 * n for n in sizes]) > 64  # a crossing is never inside the range
+    assert crossover(sizes, direct, [9.0 * n if n != 8 else 99 for n in sizes]) == 1  # one slow point: no matter
+    disturbed = [20 + 5.0 * n for n in sizes]
+    disturbed[-1] = 2000.0  # slower than direct at the largest size only
+    assert crossover(sizes, direct, disturbed) == 4
+    assert crossover(sizes, direct, [5 + 11.0 * n for n in sizes]) == _NEVER  # dearer per block, never faster
+    assert crossover(sizes, direct, list(direct)) == 1  # same line: staged is never slower
+    assert crossover(sizes, direct, [t + 1 for t in direct]) == _NEVER  # parallel and above: never faster
+    assert crossover([64], [1.0], [2.0]) == _NEVER and crossover([64], [2.0], [1.0]) == 64  # one size: no line
 
 
 def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):

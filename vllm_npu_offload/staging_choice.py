@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 _NEVER = 1 << 62  # "no transfer is large enough": stays direct
 HEURISTIC_MIN_BLOCKS = 4  # without a measurement (NPU_OFFLOAD_CALIBRATE=0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-FIT_SIZES = 3  # the largest sizes measured give each path's cost per block beyond them
-REPS = 3
-VERSION = 2
+REPS = 5
+VERSION = 3
 
 
 def _time_transfer(core: "OffloadWorkerCore", direction: Direction, dev: np.ndarray, chunks: np.ndarray,
@@ -72,24 +71,32 @@ def measure(core: "OffloadWorkerCore") -> dict:
     return out
 
 
+def _robust_line(n: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of t ~ a + b n, Theil-Sen: the median of the pairwise slopes, so one
+    disturbed measurement (another process on the device, a page fault) does not tilt it."""
+    i, j = np.triu_indices(len(n), 1)
+    b = float(np.median((t[j] - t[i]) / (n[j] - n[i])))
+    return b, float(np.median(t - b * n))
+
+
 def crossover(sizes: list[int], direct: list[float], staged: list[float]) -> int:
-    """Blocks from which staged transfers are used: the smallest measured size from which
-    staged is never slower again; else, where the two cost lines cross beyond the sizes
-    measured. A staged transfer costs a fixed amount plus the link's time per block; a direct
-    one costs per page, so when staged is slower only by its fixed cost at the largest size
-    but cheaper per block, it wins on larger transfers (small pages' loads: staged at ~95% of
-    the link against ~86% direct), which "never" would leave on the slower path."""
+    """Blocks from which staged transfers are used, from each path's cost line over every size
+    measured: a staged transfer costs a fixed amount plus the link's time per block, a direct
+    one about the same per block but more (per-page descriptors or SM copies), so staged wins
+    from where the lines cross, also beyond the sizes measured (small pages' loads: staged
+    at ~95% of the link, direct ~86%). Lines, not "the first size from which staged is never
+    slower again": one disturbed point at a large size would otherwise send every larger
+    transfer down the slower path (seen on the H200 with other engines starting beside it)."""
+    if len(sizes) >= 2:
+        n = np.asarray(sizes, float)
+        bd, ad = _robust_line(n, np.asarray(direct, float))
+        bs, as_ = _robust_line(n, np.asarray(staged, float))
+        if bs < bd:
+            return max(1, int(np.ceil((as_ - ad) / (bd - bs))))
+    # staged no cheaper per block (or one size): staged only where it is never slower again
     wins = [s <= d for s, d in zip(staged, direct)]
     first = next((i for i in range(len(sizes)) if all(wins[i:])), None)
-    if first is not None:
-        return sizes[first]
-    if len(sizes) < 2:
-        return _NEVER
-    n = np.asarray(sizes[-FIT_SIZES:], float)
-    (bd, ad), (bs, as_) = (np.polyfit(n, np.asarray(t[-FIT_SIZES:], float), 1) for t in (direct, staged))
-    if bs >= bd:  # staged is no cheaper per block: it never catches up
-        return _NEVER
-    return max(sizes[-1] + 1, int(np.ceil((as_ - ad) / (bd - bs))))
+    return sizes[first] if first is not None else _NEVER
 
 
 def staged_thresholds(core: "OffloadWorkerCore") -> dict[Direction, int]:
