@@ -117,7 +117,10 @@ def test_miss_table_lists_variants():
     res = {"batch": 2, "prompt_tokens": 8, "max_tokens": 1,
            "runs": {"off": [1.0, 1.0], "native": [1.1, 1.0], "ours": [1.0, 1.02], "old": [1.2, 1.2]}}
     text = tables.miss_table(res)
-    assert "| old " in text and "+20.0%" in text
+    assert "| old " in text and "+20.0%" in text and "start_load ms" not in text
+    res["step_totals"] = {"ours": [{"step": [3, 30.0], "start_load": [3, 1.5]}, {"step": [3, 34.0]}]}
+    text = tables.miss_table(res)
+    assert "start_load ms" in text and " 32.0 |" in text and " 0.8 |" in text  # medians; a missing kind counts 0
 
 
 def test_unique_prompts_exact_and_distinct():

@@ -231,12 +231,13 @@ def part_miss(procs: dict, a) -> dict:
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
             try:
-                g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240)
+                g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240, steps=True)
             except EngineError as e:
                 res["errors"][f"{k}-{r}"] = str(e)
                 continue
             if r:
                 res["runs"][k].append(g["wall_s"])
+                res.setdefault("step_totals", {}).setdefault(k, []).append(g["totals"])
                 if k == "ours" and g["store_s"] > 0:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {res['runs'][k][-1]:.3f}s" for k in kinds

@@ -146,18 +146,26 @@ def miss_table(res: dict) -> str:
         xs = res["runs"].get(k, [])
         s = spread(xs)
         if not s["n"]:
-            rows.append([k, "-", "-", "-", "-", "-"])
+            rows.append([k, "-", "-", "-", "-", "-", 0])
             continue
         rel = f"{(s['median'] / statistics.median(off) - 1) * 100:+.1f}%" if k != "off" and off else ""
         p = paired_change(xs, off) if k != "off" else {"n": 0}
         paired = f"{p['median'] * 100:+.1f}% ({p['min'] * 100:+.1f}..{p['max'] * 100:+.1f}%)" if p["n"] else ""
         rows.append([k, f"{s['median']:.3f}", f"{s['min']:.3f}-{s['max']:.3f}", rel, paired,
                      "" if k == "off" else ("yes" if outside_spread(xs, off) else "no"), s["n"]])
-    return (table(["offload", "median s", "min-max s", "vs off", "paired vs off (min..max)", "outside spread", "runs"],
+    text = (table(["offload", "median s", "min-max s", "vs off", "paired vs off (min..max)", "outside spread", "runs"],
                   rows)
             + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
               f"interleaved (the engines take turns going first) after one warm-up round; paired = median of the "
               f"per-round changes")
+    tot = res.get("step_totals") or {}
+    whats = ["step", "schedule", "execute", "update", "start_load", "finished", "preempt", "gc"]
+    trows = [[k, len(v)] + [_f(_med([r.get(w, [0, 0.0])[1] for r in v])) for w in whats] for k, v in tot.items() if v]
+    if trows:
+        text += "\n\n" + table(["engine", "rounds"] + [f"{w} ms" for w in whats], trows) + (
+            "\nper round, medians: engine steps and their parts (schedule; execute = the model step with the "
+            "connector's worker calls; start_load = submitting loads and deferred stores; finished = polls)")
+    return text
 
 
 def multiturn_table(res: dict) -> str:

@@ -123,3 +123,13 @@ def breakdown(events: list[dict], wall_ms: float) -> dict:
             "gc_in_forward_ms": round(sum(e["ms"] for e in events if e["what"] == "gc" and fwd
                                           and e["t_ms"] >= fwd["t_ms"]), 3),
             "preempt_ms": round(sum(e["ms"] for e in events if e["what"] == "preempt"), 3)}
+
+
+def totals(events: list[dict]) -> dict[str, list[float]]:
+    """Per event kind: [count, total ms] (where one call's time went, e.g. a no-reuse batch)."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        t = out.setdefault(e["what"], [0, 0.0])
+        t[0] += 1
+        t[1] = round(t[1] + e["ms"], 3)
+    return out
