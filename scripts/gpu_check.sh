@@ -43,6 +43,7 @@ step core_triton 120 env NPU_OFFLOAD_STAGE_GATHER=triton $PY scripts/bench_core.
 step core_pyloop 120 env NPU_OFFLOAD_STAGE_PIPELINE=python $PY scripts/bench_core.py --reps 10 \
   --shapes tiny-1k,qwen2.5-0.5b-fp8,llama-70b-tp8,llama-8b,mla-ascend-split --json "$OUT/core_pyloop.json"
 step slices 240 $PY scripts/bench_slices.py --json "$OUT/slices.json"
+step probe 120 $PY scripts/probe_link_ops.py --reps 30 --json "$OUT/probe.json"
 step core_interference 120 $PY scripts/bench_core.py --shapes "" --interference llama-8b,qwen2.5-0.5b,mla-ascend-split \
   --json "$OUT/core_interference.json"
 step bench 200 $PY scripts/bench_transfer.py --reps 20 --json "$OUT/bench.json"
