@@ -254,3 +254,18 @@ def test_ttft_steps_table_pairs_native_and_ours():
                                 "native_steps": [rep(30), rep(31), rep(29)], "ours_steps": [rep(25), rep(33), rep(24)]}]}
     text = tables.ttft_table(res)
     assert "ours - native" in text and "ours faster in 2/3" in text and "-5.0" in text
+
+
+def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path):
+    from vllm_npu_offload.bench.gpu_e2e import device
+
+    seen = {}
+    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    a = device.build_parser().parse_args(["miss", "--variant", "old:NPU_OFFLOAD_NATIVE_DIR=/tmp/x"])
+    device.start_8b(tmp_path, a)
+    specs = seen["specs"]
+    assert [(s.label, s.kind, s.env) for s in specs] == [
+        ("off", "off", {}), ("native", "native", {}), ("ours", "ours", {}),
+        ("old", "ours", {"NPU_OFFLOAD_NATIVE_DIR": "/tmp/x"})]
+    assert len({(s.model, s.kv_cache_bytes, s.max_model_len, s.cpu_bytes) for s in specs}) == 1  # same pool

@@ -85,8 +85,8 @@ def crossover(sizes: list[int], direct: list[float], staged: list[float]) -> int
     one about the same per block but more (per-page descriptors or SM copies), so staged wins
     from where the lines cross, also beyond the sizes measured (small pages' loads: staged
     at ~95% of the link, direct ~86%). Lines, not "the first size from which staged is never
-    slower again": one disturbed point at a large size would otherwise send every larger
-    transfer down the slower path (seen on the H200 with other engines starting beside it)."""
+    slower again": one disturbed point at a large size would otherwise send every transfer
+    below it down the slower path (seen on the H200 with other engines starting beside it)."""
     if len(sizes) >= 2:
         n = np.asarray(sizes, float)
         bd, ad = _robust_line(n, np.asarray(direct, float))

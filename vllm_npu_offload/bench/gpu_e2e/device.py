@@ -123,14 +123,11 @@ def part_correctness(work: Path, a) -> dict:
 # ---------------------------------------------------------------------------- 8B pool (ttft, miss)
 def start_8b(work: Path, a) -> dict:
     model = build_shape_model(work / "llama8b", 128256)
-    mk = lambda kind: EngineSpec(kind, kind, model, dtype="bfloat16", load_format="dummy",
-                                 max_model_len=max(a.ttft_lengths) + 64, kv_cache_bytes=a.kv_gib * GiB,
-                                 gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64)
-    specs = [mk("off"), mk("native"), mk("ours")]
-    for label, env in a.variant:  # more engines of our spec, each with its own environment (A/B in one run)
-        specs.append(EngineSpec(label, "ours", model, dtype="bfloat16", load_format="dummy",
-                                max_model_len=max(a.ttft_lengths) + 64, kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2,
-                                cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env))
+    mk = lambda kind, label=None, env=None: EngineSpec(
+        label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
+        kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {})
+    # plus more engines of our spec, each with its own environment (an A/B in one run)
+    specs = [mk("off"), mk("native"), mk("ours")] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
     procs = start_all(specs)
     errs = {k: p.error for k, p in procs.items() if p.error}
@@ -190,9 +187,7 @@ def part_ttft(procs: dict, a) -> dict:
             except EngineError as e:
                 res["errors"][f"{kind}-{L}"] = str(e)
         for r in range(reps):
-            for kind in (live if r % 2 == 0 else live[::-1]):
-                if kind not in live:
-                    continue
+            for kind in (live[:] if r % 2 == 0 else live[::-1]):  # a copy: a failing engine leaves ``live``
                 try:
                     runs[kind].append(_reload(procs[kind], prompt))
                 except EngineError as e:

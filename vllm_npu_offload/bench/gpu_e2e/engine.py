@@ -84,7 +84,7 @@ class _Engine:
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
-        self.timed = timeline.install(self.llm)
+        timeline.install(self.llm)
         self._flush_seq = 0
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False) -> dict:

@@ -164,7 +164,8 @@ def miss_table(res: dict) -> str:
     if trows:
         text += "\n\n" + table(["engine", "rounds"] + [f"{w} ms" for w in whats], trows) + (
             "\nper round, medians: engine steps and their parts (schedule; execute = the model step with the "
-            "connector's worker calls; start_load = submitting loads and deferred stores; finished = polls)")
+            "connector's worker calls; preempt = handle_preemptions, where vLLM 0.23 submits the deferred stores; "
+            "start_load = load submits; finished = polls)")
     return text
 
 

@@ -37,9 +37,7 @@ def _wrap(obj: Any, name: str, what: str, details: Callable[[Any, tuple], dict] 
     def timed(*args, **kw):
         t0 = time.perf_counter()
         out = fn(*args, **kw)
-        d = details(out, args) if details else {}
-        if d is not None:
-            _EVENTS.append((t0, what, time.perf_counter() - t0, d))
+        _EVENTS.append((t0, what, time.perf_counter() - t0, details(out, args) if details else {}))
         return out
 
     setattr(obj, name, timed)
