@@ -269,3 +269,35 @@ def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path)
         ("off", "off", {}), ("native", "native", {}), ("ours", "ours", {}),
         ("old", "ours", {"NPU_OFFLOAD_NATIVE_DIR": "/tmp/x"})]
     assert len({(s.model, s.kv_cache_bytes, s.max_model_len, s.cpu_bytes) for s in specs}) == 1  # same pool
+
+
+def test_start_8b_without_native(monkeypatch, tmp_path):
+    from vllm_npu_offload.bench.gpu_e2e import device
+
+    seen = {}
+    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    a = device.build_parser().parse_args(["miss", "--no-native", "--variant", "d:NPU_OFFLOAD_STAGED=0"])
+    device.start_8b(tmp_path, a)
+    assert [s.label for s in seen["specs"]] == ["off", "ours", "d"]
+    assert device.main(["ttft", "--no-native", "--out", str(tmp_path / "o")]) == 2  # nothing to compare with
+
+
+def test_step_rows_and_step_kind_table():
+    from vllm_npu_offload.bench.gpu_e2e import timeline
+
+    ev = [{"t_ms": 0.0, "what": "step", "ms": 10.0}, {"t_ms": 0.5, "what": "schedule", "ms": 0.2, "tokens": 300},
+          {"t_ms": 1.0, "what": "gpu_execute", "ms": 8.0}, {"t_ms": 9.0, "what": "gpu_sample", "ms": 0.3},
+          {"t_ms": 12.0, "what": "step", "ms": 4.0}, {"t_ms": 12.1, "what": "schedule", "ms": 0.1, "tokens": 2},
+          {"t_ms": 12.5, "what": "gpu_execute", "ms": 3.0}, {"t_ms": 17.0, "what": "step", "ms": 0.1},
+          {"t_ms": 17.01, "what": "schedule", "ms": 0.01, "tokens": 0}]
+    rows = timeline.step_rows(ev)
+    assert rows == [[300, 10.0, 8.0, 0.3], [2, 4.0, 3.0, 0.0], [0, 0.1, 0.0, 0.0]]
+    assert tables.round_split(rows, batch=2) == {"prefill_n": 1, "prefill_ms": 10.0, "prefill_gpu_ms": 8.0,
+                                                 "decode_n": 1, "decode_ms": 4.0, "decode_gpu_ms": 3.0}
+    slow = [[300, 11.0, 8.8, 0.3], [2, 4.0, 3.0, 0.0]]
+    text = tables.step_kind_table({"off": [rows, rows], "ours": [slow, slow]}, batch=2)
+    assert "8.8 (+10.0%)" in text and "3.0 (+0.0%)" in text and " 1/1 |" in text
+    res = {"batch": 2, "prompt_tokens": 8, "max_tokens": 1, "runs": {"off": [1.0], "ours": [1.1]},
+           "step_rows": {"off": [rows], "ours": [slow]}}
+    assert "prefill device ms" in tables.miss_table(res)

@@ -127,7 +127,8 @@ def start_8b(work: Path, a) -> dict:
         label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
         kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {})
     # plus more engines of our spec, each with its own environment (an A/B in one run)
-    specs = [mk("off"), mk("native"), mk("ours")] + [mk("ours", label, env) for label, env in a.variant]
+    base = ["off", "ours"] if a.no_native else ["off", "native", "ours"]
+    specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
     procs = start_all(specs)
     errs = {k: p.error for k, p in procs.items() if p.error}
@@ -233,6 +234,7 @@ def part_miss(procs: dict, a) -> dict:
             if r:
                 res["runs"][k].append(g["wall_s"])
                 res.setdefault("step_totals", {}).setdefault(k, []).append(g["totals"])
+                res.setdefault("step_rows", {}).setdefault(k, []).append(g.get("step_rows", []))
                 if k == "ours" and g["store_s"] > 0:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {res['runs'][k][-1]:.3f}s" for k in kinds
@@ -331,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
                     help="one more engine of our spec in the 8B pool, with these environment variables; the "
                          "miss part runs it beside the others (repeatable)")
+    ap.add_argument("--no-native", action="store_true",
+                    help="8B pool without vLLM's native spec (room for one more variant; ttft needs native)")
     ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")
     ap.add_argument("--cpu-gib", type=int, default=8, help="host KV per offload engine (GiB)")
     ap.add_argument("--miss-batch", type=int, default=48)
@@ -349,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = parse_parts(a.parts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.no_native and "ttft" in parts:
+        print("error: --no-native leaves ttft nothing to compare with; run ttft without it", file=sys.stderr)
         return 2
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)

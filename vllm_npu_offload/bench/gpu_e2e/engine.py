@@ -116,7 +116,7 @@ class _Engine:
                 "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
                 "store_failed": store1.failed - store0.failed,
                 **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3),
-                    "totals": timeline.totals(events)} if steps else {})}
+                    "totals": timeline.totals(events), "step_rows": timeline.step_rows(events)} if steps else {})}
 
     def flush_reset(self, reset: bool = True, tries: int = 60) -> dict:
         """Step the engine until pending stores are done, then reset the device prefix cache.

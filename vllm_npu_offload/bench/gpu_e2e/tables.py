@@ -166,7 +166,46 @@ def miss_table(res: dict) -> str:
             "\nper round, medians: engine steps and their parts (schedule; execute = the model step with the "
             "connector's worker calls; preempt = handle_preemptions, where vLLM 0.23 submits the deferred stores; "
             "start_load = load submits; finished = polls)")
+    sr = res.get("step_rows") or {}
+    if sr.get("off"):
+        text += "\n\n" + step_kind_table(sr, res["batch"])
     return text
+
+
+def round_split(rows: list[list[float]], batch: int) -> dict[str, float]:
+    """One round's steps summed by kind: prefill (more tokens than requests) and decode; wall
+    ms of the steps and device ms of their forwards."""
+    out = {"prefill_n": 0, "prefill_ms": 0.0, "prefill_gpu_ms": 0.0, "decode_n": 0, "decode_ms": 0.0,
+           "decode_gpu_ms": 0.0}
+    for tokens, step_ms, gpu_ms, _sample in rows:
+        if not tokens:
+            continue
+        kind = "prefill" if tokens > batch else "decode"
+        out[f"{kind}_n"] += 1
+        out[f"{kind}_ms"] += step_ms
+        out[f"{kind}_gpu_ms"] += gpu_ms
+    return out
+
+
+def step_kind_table(step_rows: dict[str, list], batch: int) -> str:
+    """Per engine, medians over rounds of the prefill and decode steps' sums, and their paired
+    change against offload off: says whether a cost is device time (the forward's kernels ran
+    slower) or engine time, and in which kind of step."""
+    split = {k: [round_split(r, batch) for r in v] for k, v in step_rows.items() if v}
+    off = split["off"]
+    keys = ["prefill_gpu_ms", "prefill_ms", "decode_gpu_ms", "decode_ms"]
+    rows = []
+    for k, v in split.items():
+        row = [k, len(v), f"{_med([r['prefill_n'] for r in v]):.0f}/{_med([r['decode_n'] for r in v]):.0f}"]
+        for key in keys:
+            med = _med([r[key] for r in v])
+            p = paired_change([r[key] for r in v], [r[key] for r in off]) if k != "off" else {"n": 0}
+            row.append(f"{med:,.1f}" + (f" ({p['median'] * 100:+.1f}%)" if p["n"] else ""))
+        rows.append(row)
+    return (table(["engine", "rounds", "prefill/decode steps", "prefill device ms", "prefill step ms",
+                   "decode device ms", "decode step ms"], rows)
+            + "\nper round, medians (paired change vs off): device ms = CUDA-event time of the forwards the "
+              "steps launched; step ms = the engine steps' wall time")
 
 
 def multiturn_table(res: dict) -> str:

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 _EVENTS: list[tuple[float, str, float, dict]] = []  # (start, what, seconds, details)
+_GPU: list[tuple[float, str, Any, Any]] = []  # (start, what, start event, end event): device time of a call
 _installed = False
 _gc_start = [0.0]
 
@@ -38,6 +39,33 @@ def _wrap(obj: Any, name: str, what: str, details: Callable[[Any, tuple], dict] 
         t0 = time.perf_counter()
         out = fn(*args, **kw)
         _EVENTS.append((t0, what, time.perf_counter() - t0, details(out, args) if details else {}))
+        return out
+
+    setattr(obj, name, timed)
+    return True
+
+
+def _wrap_gpu(obj: Any, name: str, what: str) -> bool:
+    """Time the device work a call enqueues on the current stream (CUDA events around it, read
+    back in ``since``). Why: with async scheduling the step's wall time is CPU time, and the
+    question "does the offload slow the model's kernels" is about device time."""
+    fn = getattr(obj, name, None)
+    try:
+        import torch
+
+        usable = fn is not None and torch.cuda.is_available()
+    except ImportError:
+        usable = False
+    if not usable:
+        return False
+
+    def timed(*args, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        out = fn(*args, **kw)
+        end.record()
+        _GPU.append((t0, what, start, end))
         return out
 
     setattr(obj, name, timed)
@@ -76,8 +104,12 @@ def install(llm) -> list[str]:
         if sched is not None and _wrap(sched, "update_from_output", "update"):
             done.append("update")
         ex = getattr(core, "model_executor", None)
-        if ex is not None and _wrap(ex, "execute_model", "execute"):
-            done.append("execute")
+        if ex is not None:
+            for name, what in (("execute_model", "execute"), ("sample_tokens", "sample")):
+                if _wrap_gpu(ex, name, f"gpu_{what}"):  # inner: the events bracket the call only
+                    done.append(f"gpu_{what}")
+                if _wrap(ex, name, what):
+                    done.append(what)
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
         conn = get_kv_transfer_group() if has_kv_transfer_group() else None
@@ -95,11 +127,20 @@ def mark() -> int:
     """Start a new record (the engine runs one ``generate`` at a time, so older events are
     dropped: memory stays bounded over long runs)."""
     _EVENTS.clear()
+    _GPU.clear()
     return 0
 
 
 def since(start: int, t0: float) -> list[dict]:
-    """Events recorded after ``mark()`` returned ``start``, in ms from ``t0``."""
+    """Events recorded after ``mark()`` returned ``start``, in ms from ``t0``; device times
+    ("gpu_*", waits for their end events) are placed at their call's start."""
+    gpu = []
+    for t, w, a, b in _GPU:
+        b.synchronize()
+        gpu.append((t, w, a.elapsed_time(b) / 1e3, {}))
+    _GPU.clear()
+    _EVENTS.extend(gpu)
+    _EVENTS.sort(key=lambda e: e[0])
     return [{"t_ms": round((t - t0) * 1e3, 3), "what": w, "ms": round(s * 1e3, 3), **d}
             for t, w, s, d in _EVENTS[start:]]
 
@@ -131,3 +172,27 @@ def totals(events: list[dict]) -> dict[str, list[float]]:
         t[0] += 1
         t[1] = round(t[1] + e["ms"], 3)
     return out
+
+
+def step_rows(events: list[dict]) -> list[list[float]]:
+    """One row per engine step: [tokens scheduled, step ms, device ms of the forward, device ms
+    of sampling] (the calls that started inside the step). Compact enough to keep every step
+    of a no-reuse round, so prefill and decode steps can be compared on their own."""
+    steps = [e for e in events if e["what"] == "step"]
+    inner = [e for e in events if e["what"] in ("schedule", "gpu_execute", "gpu_sample")]
+    rows, j = [], 0
+    for s in steps:
+        end = s["t_ms"] + s["ms"]
+        row = [0, s["ms"], 0.0, 0.0]
+        while j < len(inner) and inner[j]["t_ms"] < s["t_ms"]:
+            j += 1
+        while j < len(inner) and inner[j]["t_ms"] <= end:
+            e = inner[j]
+            if e["what"] == "schedule":
+                row[0] += e["tokens"]
+            else:
+                k = 2 if e["what"] == "gpu_execute" else 3
+                row[k] = round(row[k] + e["ms"], 3)
+            j += 1
+        rows.append(row)
+    return rows
