@@ -97,6 +97,8 @@ void resolve() {
     g_drv.event_destroy = reinterpret_cast<npo_cuEventDestroy_t>(r.get("cuEventDestroy", 11030));
     g_drv.event_record = reinterpret_cast<npo_cuEventRecord_t>(r.get("cuEventRecord", 11030));
     g_drv.stream_wait_event = reinterpret_cast<npo_cuStreamWaitEvent_t>(r.get("cuStreamWaitEvent", 11030));
+    g_drv.stream_create = reinterpret_cast<npo_cuStreamCreateWithPriority_t>(r.get("cuStreamCreateWithPriority", 11030));
+    g_drv.stream_destroy = reinterpret_cast<npo_cuStreamDestroy_t>(r.get("cuStreamDestroy", 11030));
 #if NPO_BATCH_MEMCPY
     // Ask for the ABI we have a prototype for: 13.0 gives cuMemcpyBatchAsync_v2,
     // 12.8 the form with failIdx. Drivers older than 12.8 have neither: loop.

@@ -25,6 +25,8 @@ typedef CUresult (*npo_cuEventCreate_t)(CUevent *, unsigned);
 typedef CUresult (*npo_cuEventDestroy_t)(CUevent);
 typedef CUresult (*npo_cuEventRecord_t)(CUevent, CUstream);
 typedef CUresult (*npo_cuStreamWaitEvent_t)(CUstream, CUevent, unsigned);
+typedef CUresult (*npo_cuStreamCreateWithPriority_t)(CUstream *, unsigned, int);
+typedef CUresult (*npo_cuStreamDestroy_t)(CUstream);
 typedef CUresult (*npo_cuLaunchKernel_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, CUstream, void **, void **);
 #if NPO_BATCH_MEMCPY
@@ -56,6 +58,9 @@ typedef struct {
     npo_cuEventDestroy_t event_destroy;
     npo_cuEventRecord_t event_record;
     npo_cuStreamWaitEvent_t stream_wait_event;
+    /* Optional (dedicated transfer streams). */
+    npo_cuStreamCreateWithPriority_t stream_create;
+    npo_cuStreamDestroy_t stream_destroy;
 #if NPO_BATCH_MEMCPY
     npo_cuMemcpyBatchAsync_v1_t batch_v1;
     npo_cuMemcpyBatchAsync_v2_t batch_v2;

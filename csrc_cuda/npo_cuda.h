@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 2
+#define NPO_CUDA_ABI_VERSION 3
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -96,6 +96,12 @@ NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
 /* Timing-disabled CUevents for the pipeline (created in the current or primary context). */
 NPO_EXPORT int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len);
 NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len);
+
+/* A non-blocking stream of the caller's own, created by the driver with `priority` (0: the
+ * default; lower is higher): transfer streams must never be one of torch's pooled streams,
+ * which are handed out round-robin and can be the stream the model computes on. */
+NPO_EXPORT int npo_cuda_stream_create(int priority, void **out, char *msg, size_t msg_len);
+NPO_EXPORT int npo_cuda_stream_destroy(void *stream, char *msg, size_t msg_len);
 
 #ifdef __cplusplus
 }

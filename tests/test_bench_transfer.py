@@ -13,3 +13,17 @@ def test_bench_config_cpu_smoke():
         assert set(row["gbps"]) == {"host", "chosen", "contiguous"} and not row["errors"]
     assert res["plan_us_per_10k"] > 0
     assert "tiny" in format_config(res)
+
+
+def test_stall_probe_table_and_cpu_refusal():
+    from vllm_npu_offload.bench import stall
+
+    rows = [{"compute": "default", "alone_ms": 3.0, "staged_ms": 3.2, "staged_xfer_ms": 20.0},
+            {"compute": "pool0", "alone_ms": 3.0, "staged_ms": 22.0, "staged_xfer_ms": 20.0}]
+    res = [{"label": "torch_pool", "shape": "llama-8b", "jobs": 1, "direction": "D2H", "bytes": 2**30,
+            "burst": "b", "paths": {"direct": "dma"}, "aliased": ["pool0"], "rows": rows},
+           {"label": "sm", "error": "Traceback\nRuntimeError: boom"}]
+    text = stall.format_results(res)
+    assert "worst  22.00 ms on pool0" in text and "['pool0']" in text and "[sm] error: RuntimeError: boom" in text
+    with pytest.raises(RuntimeError, match="needs a CUDA device, found cpu"):
+        stall.measure()

@@ -82,7 +82,7 @@ def test_build_modes(libs):
     for mode, d in libs.items():
         lib = ctypes.CDLL(str(d / builder.LIB_NAME))
         assert lib.npo_cuda_built_mode() == int(mode)
-        assert lib.npo_cuda_abi_version() == 2
+        assert lib.npo_cuda_abi_version() == 3
 
 
 def test_bad_batch_flag_is_named(libs):
@@ -189,6 +189,27 @@ def test_loop_build_and_null_address(libs, fake_driver):
     assert out[0] == "loop"
     assert out[1].startswith("1 ") and "descriptor 1 is invalid" in out[1]  # rejected before the driver
     assert out[2].startswith("2 ") and "cuMemcpyAsync failed at descriptor 2" in out[2]
+
+
+def test_transfer_streams_are_the_drivers_own(libs, fake_driver):
+    """Transfer streams come from cuStreamCreateWithPriority, non-blocking, with the priority
+    asked for, and are destroyed; a driver without the calls gets an error naming them."""
+    out = _run(f"""
+        import ctypes
+        fake = ctypes.CDLL({str(fake_driver)!r}, mode=ctypes.RTLD_GLOBAL)
+        from vllm_npu_offload.copy.cuda_native import load_library
+        lib = load_library()
+        a, b = lib.create_stream(0), lib.create_stream(-1)
+        n = ctypes.c_longlong.in_dll(fake, "fake_streams").value
+        flags = ctypes.c_int.in_dll(fake, "fake_last_stream_flags").value
+        prio = ctypes.c_int.in_dll(fake, "fake_last_stream_priority").value
+        print(a != b and a != 0, n, flags, prio)
+        lib.destroy_stream(a)
+        lib.destroy_stream(b)
+        lib.destroy_stream(0)  # nothing to destroy: no error
+        print(ctypes.c_longlong.in_dll(fake, "fake_streams").value)
+    """, {"NPU_OFFLOAD_NATIVE_DIR": str(libs["0"])}).splitlines()
+    assert out == ["True 2 1 -1", "0"]  # CU_STREAM_NON_BLOCKING == 1
 
 
 def _gather_cases(lib_dir, fake, *cases, env=None):

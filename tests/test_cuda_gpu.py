@@ -283,6 +283,38 @@ def test_engine_end_to_end(force):
         os.environ.pop("NPU_OFFLOAD_COPY_PATH", None)
 
 
+def test_transfer_streams_are_not_torch_pool_streams():
+    """vLLM computes on a stream from torch's pool (32 per priority, handed out round-robin):
+    a transfer stream must never be one of them, however many the process has drawn, or the
+    next forward waits for the whole transfer (their flags: test_cuda_build, fake driver)."""
+    from vllm_npu_offload.engine import TransferEngine
+
+    p = _platform()
+    try:
+        from vllm_npu_offload.copy.cuda_native import load_library
+
+        load_library()
+    except ImportError as e:
+        if os.environ.get("NPU_OFFLOAD_REQUIRE_NATIVE") == "1":
+            raise
+        _skip(f"native library unavailable: {e}")
+    pool = {torch.cuda.Stream().cuda_stream for _ in range(64)} | {
+        torch.cuda.Stream(priority=-1).cuda_stream for _ in range(64)}
+    eng = TransferEngine(p, NPUDmaCopyBackend(p, [4096]))
+    dev = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, device=p.device)
+    host = p.empty_pinned(4 * 4096, torch.uint8).view(4, 4096)
+    planner = CopyPlanner([TensorPair(BlockLayout(dev.data_ptr(), 4096, 4), BlockLayout(host.data_ptr(), 4096, 4),
+                                      4096)])
+    for job in range(8):  # many jobs in flight: still one stream per direction
+        eng.submit(job, Direction.D2H, planner.plan([job % 4], [job % 4], eng.pool))
+    eng.drain()
+    assert all(r.success for r in eng.poll())
+    streams = list(eng._streams.values())
+    assert len(streams) == 1 and streams[0].cuda_stream not in pool
+    assert torch.equal(host.cpu(), dev.cpu())
+    eng.shutdown()
+
+
 def _main() -> int:
     """Run every case without pytest; prints one line per case."""
     if not HAS_GPU:
@@ -293,6 +325,7 @@ def _main() -> int:
     cases += [(f, {"name": n}) for f in (test_null_address_raises_copy_error, test_invalid_address_fails_cleanly)
               for n in ("dma", "dma_loop", "sm")]
     cases += [(test_engine_end_to_end, {"force": f}) for f in (None, "dma", "sm")]
+    cases += [(test_transfer_streams_are_not_torch_pool_streams, {})]
     failed = 0
     for fn, kw in cases:
         label = f"{fn.__name__}[{','.join(str(v) for v in kw.values())}]"

@@ -151,11 +151,30 @@ def test_duplicate_job_id_rejected():
     gate = threading.Event()
     stream_block = platform.new_event()
     # hold the stream so job 1 stays in flight
-    eng._streams[Direction.D2H].append(platform.new_stream())
-    eng._streams[Direction.D2H][0].submit(gate.wait)
+    eng._streams[Direction.D2H] = platform.new_stream()
+    eng._streams[Direction.D2H].submit(gate.wait)
     eng.submit(1, Direction.D2H, pl.plan([0], [0]))
     with pytest.raises(ValueError, match="job id 1 is already in flight"):
         eng.submit(1, Direction.D2H, pl.plan([1], [1]))
     assert stream_block.query()
     gate.set()
+    eng.shutdown()
+
+
+def test_one_stream_per_direction_however_many_jobs():
+    """Jobs of one direction run in order on one stream made once (a fixed set of transfer streams)."""
+    platform = CpuPlatform(threaded_streams=True)
+    made = []
+    new_stream = platform.new_stream
+    platform.new_stream = lambda: made.append(new_stream()) or made[-1]
+    src = torch.arange(64, dtype=torch.uint8).view(4, 16)
+    dst = torch.zeros_like(src)
+    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    pl = planner(src, dst, 16)
+    for job in range(12):
+        eng.submit(job, Direction.D2H if job % 3 else Direction.H2D, pl.plan([job % 4], [job % 4]))
+    eng.drain()
+    res = eng.poll()
+    assert sorted(r.job_id for r in res) == list(range(12)) and all(r.success for r in res)
+    assert len(made) == 2 and torch.equal(dst, src)
     eng.shutdown()

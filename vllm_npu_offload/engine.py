@@ -1,7 +1,8 @@
 """Ordered asynchronous transfers with exactly-once completion.
 
-Per direction, transfers execute in submission order: each job gets a stream from a
-small pool that first waits for the previous job's end event. Every job (loads too)
+Per direction, transfers execute in submission order on one stream of that direction,
+created once (a fixed, small set of streams: see ``Platform.new_stream`` for why they are
+never torch's pooled ones). Every job (loads too)
 also waits for the compute stream, which closes both known races: a store reading KV
 that the model is still writing, and a load overwriting a block that attention still
 reads. Completion is detected by polling end events; each job is reported exactly
@@ -73,7 +74,7 @@ class TransferEngine:
         self.pool = pool or DescriptorPool(platform)
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
-        self._streams: dict[Direction, list[Any]] = {d: [] for d in Direction}
+        self._streams: dict[Direction, Any] = {}
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
         self._done: list[TransferResult] = []
@@ -97,13 +98,12 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            streams = self._streams[direction]
-            stream = streams.pop() if streams else self.platform.new_stream()
+            stream = self._streams.get(direction)
+            if stream is None:
+                stream = self._streams[direction] = self.platform.new_stream()
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
-            stream.wait_stream(self.platform.current_stream())
-            if queue:
-                stream.wait_event(queue[-1].end)
+            stream.wait_stream(self.platform.current_stream())  # earlier jobs: stream order
             error = None
             with self.platform.stream_context(stream):
                 start.record(stream)
@@ -134,8 +134,6 @@ class TransferEngine:
         except Exception:  # noqa: BLE001 - timing is best effort
             seconds = 0.0
         self.pool.release(item.descriptors.buffers)
-        # Streams are kept (never dropped): their number is bounded by the peak in flight.
-        self._streams[item.direction].append(item.stream)
         self._events.extend((item.start, item.end))
         self._job_ids.discard(item.job_id)
         ok = error is None

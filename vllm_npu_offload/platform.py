@@ -10,6 +10,7 @@ for every device.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import queue
 import threading
@@ -19,6 +20,8 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEVICE_KINDS = ("cuda", "npu", "cpu")
 
@@ -113,12 +116,40 @@ class _TorchAcceleratorPlatform(Platform):
 
 class CudaPlatform(_TorchAcceleratorPlatform):
     kind = "cuda"
+    _warned_pool = False
 
     def __init__(self):
         super().__init__(torch.cuda)
 
     def raw_stream_handle(self, stream) -> int:
         return int(stream.cuda_stream)
+
+    def new_stream(self):
+        """A transfer stream of our own: a non-blocking driver stream, destroyed with its object.
+
+        Never ``torch.cuda.Stream()``: torch hands out 32 pooled streams per priority round-robin,
+        and vLLM computes on a pooled stream, so after enough draws in one process a "new" stream
+        is the model's own stream and every transfer on it stalls the next forward for its whole
+        duration (docs/benchmarks.md, fifth run). Without the native library (no copy-engine
+        path either) a high-priority pooled stream is the fallback: vLLM draws from the normal pool.
+        """
+        import weakref
+
+        from .copy.cuda_native import load_library
+
+        try:
+            lib = load_library()
+        except ImportError:
+            if not CudaPlatform._warned_pool:
+                CudaPlatform._warned_pool = True
+                logger.warning("transfer streams come from torch's high-priority stream pool (the native "
+                               "library is not built)")
+            return torch.cuda.Stream(priority=-1)
+        torch.cuda.set_device(torch.cuda.current_device())  # the primary context current on this thread
+        handle = lib.create_stream(0)
+        stream = torch.cuda.ExternalStream(handle)
+        weakref.finalize(stream, lib.destroy_stream, handle)
+        return stream
 
     def pin(self, tensor: torch.Tensor) -> bool:
         # cudaHostRegister pins exactly the bytes asked for; torch's pinned allocator

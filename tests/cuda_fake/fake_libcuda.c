@@ -114,6 +114,15 @@ static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
     return CUDA_SUCCESS;
 }
 
+long long fake_streams = 0;
+int fake_last_stream_flags = -1, fake_last_stream_priority = 99;
+static CUresult f_stream_create(CUstream *s, unsigned flags, int prio) {
+    fake_last_stream_flags = (int)flags; fake_last_stream_priority = prio;
+    *s = (CUstream)(uintptr_t)(0x2000 + ++fake_streams);
+    return CUDA_SUCCESS;
+}
+static CUresult f_stream_destroy(CUstream s) { if (!s) return CUDA_ERROR_INVALID_HANDLE; fake_streams--; return CUDA_SUCCESS; }
+
 static void *lookup(const char *name, int ver) {
     fake_last_version_asked = ver;
     if (!strcmp(name, "cuMemcpyAsync")) return (void *)f_memcpy;
@@ -129,6 +138,8 @@ static void *lookup(const char *name, int ver) {
     if (!strcmp(name, "cuEventDestroy")) return (void *)f_event_destroy;
     if (!strcmp(name, "cuEventRecord")) return (void *)f_event_record;
     if (!strcmp(name, "cuStreamWaitEvent")) return (void *)f_wait_event;
+    if (!strcmp(name, "cuStreamCreateWithPriority")) return (void *)f_stream_create;
+    if (!strcmp(name, "cuStreamDestroy")) return (void *)f_stream_destroy;
     if (!strcmp(name, "cuMemcpyBatchAsync") && version() >= 12080 && ver >= 12080)
         return ver >= 13000 ? (void *)f_batch_v2 : (void *)f_batch_v1;
     return NULL;

@@ -22,7 +22,7 @@ from ..platform import Platform
 from .base import CopyPath, Direction, check_descriptors
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 2
+ABI_VERSION = 3
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 _MSG_LEN = 512
 
@@ -44,9 +44,13 @@ class NativeCudaLib:
         lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         events_args = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_events_create.argtypes = lib.npo_cuda_events_destroy.argtypes = events_args
+        lib.npo_cuda_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                               ctypes.c_size_t]
+        lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
-                   "npo_cuda_events_create", "npo_cuda_events_destroy"):
+                   "npo_cuda_events_create", "npo_cuda_events_destroy", "npo_cuda_stream_create",
+                   "npo_cuda_stream_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
         if abi != ABI_VERSION:
@@ -132,6 +136,16 @@ class NativeCudaLib:
 
     def destroy_events(self, evs) -> None:
         self._call(self._lib.npo_cuda_events_destroy, len(evs), evs, call="cuEventDestroy")
+
+    def create_stream(self, priority: int = 0) -> int:
+        """A non-blocking driver stream of our own (its raw handle)."""
+        out = ctypes.c_void_p()
+        self._call(self._lib.npo_cuda_stream_create, int(priority), ctypes.byref(out), call="cuStreamCreateWithPriority",
+                   what=f"priority {priority}")
+        return int(out.value or 0)
+
+    def destroy_stream(self, handle: int) -> None:
+        self._call(self._lib.npo_cuda_stream_destroy, handle or None, call="cuStreamDestroy")
 
 
 _LIB: NativeCudaLib | None = None

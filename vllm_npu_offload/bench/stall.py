@@ -1,0 +1,203 @@
+"""Do transfers delay model kernels that are enqueued *after* them?
+
+Why: in real vLLM (docs/benchmarks.md, fifth run) the first decode forward after a prefill ran
+~30 ms longer with our stores on, about the link time of the stores submitted just before it,
+and on every path that puts kernels or cross-stream waits into the transfer (staged, SM). The
+GEMM interference benchmark cannot see this: its GEMMs are enqueued before the copies. Here a
+decode-sized burst of small GEMMs goes onto a compute stream right after a store is submitted,
+the way vLLM launches its next forward after ``handle_preemptions`` submitted the stores, and
+its device time is compared with the burst alone. It is run on several compute streams (the
+default stream and pool streams), since whether two streams share a hardware work queue depends
+on which streams they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..copy.base import Direction
+from ..platform import get_platform
+from .core_bench import SHAPES, CoreRig
+
+ENV_TORCH_POOL = "STALL_PROBE_TORCH_POOL"  # 1: this probe draws transfer streams from torch's pool
+
+
+class Burst:
+    """Decode-sized model work on one stream: ``steps`` x (a small pinned H2D input copy, ``gemms``
+    small GEMMs, a small D2H output copy), like vLLM's eager forward + sampled-token readback.
+    ``copies=False`` leaves the copies out (kernels only)."""
+
+    def __init__(self, platform, steps: int = 10, gemms: int = 20, copies: bool = True):
+        dev = platform.device
+        self.platform, self.steps, self.gemms, self.copies = platform, steps, gemms, copies
+        self.x = torch.randn(48, 4096, device=dev, dtype=torch.bfloat16)
+        self.w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+        self.y = torch.empty(48, 4096, device=dev, dtype=torch.bfloat16)
+        self.h_in = torch.zeros(256 * 1024, dtype=torch.uint8).pin_memory()
+        self.d_in = torch.empty(256 * 1024, dtype=torch.uint8, device=dev)
+        self.h_out = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+        self.d_out = torch.zeros(4096, dtype=torch.uint8, device=dev)
+
+    def run_ms(self, stream) -> float:
+        p = self.platform
+        a, b = p.new_event(), p.new_event()
+        with p.stream_context(stream):
+            a.record(stream)
+            for _ in range(self.steps):
+                if self.copies:
+                    self.d_in.copy_(self.h_in, non_blocking=True)
+                for _ in range(self.gemms):
+                    torch.matmul(self.x, self.w, out=self.y)
+                if self.copies:
+                    self.h_out.copy_(self.d_out, non_blocking=True)
+            b.record(stream)
+        b.synchronize()
+        return a.elapsed_time(b)
+
+
+def _use_torch_pool() -> None:
+    """The previous design, for comparison: transfer streams drawn from torch's stream pool."""
+    from ..platform import CudaPlatform
+
+    CudaPlatform.new_stream = lambda self: torch.cuda.Stream()
+
+
+def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: int = 10, copies: bool = True,
+            direction: str = "D2H", reps: int = 3, pool_streams: int = 32,
+            modes: tuple[str, ...] = ("direct", "staged")) -> dict[str, Any]:
+    """Burst device ms alone and right after ``jobs`` transfers of ``blocks`` blocks in all, on
+    the default stream and on ``pool_streams`` streams drawn from torch's pool (the way vLLM gets
+    its compute stream). 32 draws cover the whole pool, so a pooled transfer stream is one of them."""
+    platform = get_platform()
+    if platform.kind != "cuda":
+        raise RuntimeError(f"the stall probe needs a CUDA device, found {platform.kind}")
+    if os.environ.get(ENV_TORCH_POOL) == "1":
+        _use_torch_pool()
+    d = Direction[direction]
+    per_job = max(1, blocks // jobs)
+    computes = [("default", torch.cuda.default_stream())] + [(f"pool{i}", torch.cuda.Stream())
+                                                             for i in range(pool_streams)]
+    rig = CoreRig(platform, replace(SHAPES[shape], blocks=per_job))
+    if rig.core.stager is None:
+        modes = tuple(m for m in modes if m != "staged")
+    burst = Burst(platform, steps=steps, copies=copies)
+    ids = [rig.ids("random", 10 + j) for j in range(jobs)]
+    res: dict[str, Any] = {"shape": shape, "blocks": per_job * jobs, "jobs": jobs, "direction": d.name,
+                           "burst": f"{steps} x ({'H2D 256 KiB, ' if copies else ''}20 GEMMs 48x4096x4096"
+                                    f"{', D2H 4 KiB' if copies else ''})",
+                           "bytes": per_job * jobs * rig.shape.record_bytes, "rows": [],
+                           "paths": {"direct": rig.core.backend.path(d).name},
+                           "env": {k: v for k, v in os.environ.items()
+                                   if k.startswith(("NPU_OFFLOAD_", "CUDA_DEVICE_MAX")) or k == ENV_TORCH_POOL}}
+    for name, cs in computes:
+        alone = [burst.run_ms(cs) for _ in range(reps + 1)][1:]
+        row: dict[str, Any] = {"compute": name, "alone_ms": statistics.median(alone)}
+        for mode in modes:
+            after, xfer = [], []
+            for _ in range(reps + 1):
+                torch.cuda.synchronize()
+                for dev, chunks in ids:
+                    rig.transfer(d, dev, chunks, staged=mode == "staged")
+                after.append(burst.run_ms(cs))
+                xfer.append(sum(rig.finish()) * 1e3)
+            row[f"{mode}_ms"] = statistics.median(after[1:])
+            row[f"{mode}_xfer_ms"] = statistics.median(xfer[1:])
+        res["rows"].append(row)
+    ours = [s for s in rig.core.engine._streams.values()] + (list(rig.core.stager._aux.values()) if rig.core.stager
+                                                             else [])
+    mine = {platform.raw_stream_handle(s) for s in ours}
+    res["aliased"] = [name for name, cs in computes if platform.raw_stream_handle(cs) in mine]
+    rig.close()
+    return res
+
+
+MATRIX = {  # label: environment of one child process
+    "default": {},  # direct = copy-engine DMA (the store path whenever staging exists)
+    "sm": {"NPU_OFFLOAD_COPY_PATH": "gather_native", "NPU_OFFLOAD_STAGED": "0"},  # direct = SM kernel
+    "conn32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},  # more hardware work queues than streams in use
+    "torch_pool": {ENV_TORCH_POOL: "1"},  # the previous design: transfer streams from torch's pool
+    "link2m": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(2 << 20)},  # staged link copies of at most 2 MiB
+    "link512k": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(512 << 10)},
+}
+
+
+def matrix(labels: list[str], argv: list[str]) -> list[dict[str, Any]]:
+    """Run ``measure`` in one child process per environment (connection counts are per process)."""
+    out = []
+    for label in labels:
+        env = {**os.environ, **MATRIX[label], "NPU_OFFLOAD_CALIBRATE": "0"}
+        p = subprocess.run([sys.executable, "-m", "vllm_npu_offload.bench.stall", "--child", *argv],
+                           env=env, capture_output=True, text=True, timeout=300)
+        if p.returncode:
+            out.append({"label": label, "error": (p.stderr or p.stdout)[-3000:]})
+            continue
+        out.append({"label": label, **json.loads(p.stdout.strip().splitlines()[-1])})
+    return out
+
+
+def format_results(results: list[dict[str, Any]]) -> str:
+    """Per environment and mode: the burst's device time alone and after the transfer (median and
+    worst over the compute streams), and which compute streams were a transfer stream."""
+    lines = []
+    for r in results:
+        if "error" in r:
+            lines.append(f"[{r['label']}] error: {r['error'].splitlines()[-1] if r['error'] else '?'}")
+            continue
+        rows = r["rows"]
+        lines.append(f"[{r['label']}] {r['shape']}: {r['jobs']} {r['direction']} transfer(s), "
+                     f"{r['bytes'] / 2**20:.0f} MiB, then {r['burst']} on {len(rows)} compute streams; "
+                     f"direct path {r['paths']['direct']}; transfer streams that are compute streams: "
+                     f"{r.get('aliased') or 'none'}")
+        alone = statistics.median(x["alone_ms"] for x in rows)
+        for m in [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.endswith(("xfer_ms", "alone_ms"))]:
+            worst = max(rows, key=lambda x: x[m + "_ms"])
+            lines.append(f"  after {m:6s}: burst median {statistics.median(x[m + '_ms'] for x in rows):6.2f} ms "
+                         f"(alone {alone:.2f}), worst {worst[m + '_ms']:6.2f} ms on {worst['compute']}; "
+                         f"transfer {statistics.median(x[m + '_xfer_ms'] for x in rows):.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="probe_stall", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--labels", default=",".join(MATRIX), help=f"environments to run, of {list(MATRIX)}")
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10, help="burst steps of 20 small GEMMs each")
+    ap.add_argument("--no-copies", action="store_true", help="burst of kernels only (no H2D/D2H copies)")
+    ap.add_argument("--direction", default="D2H", choices=["D2H", "H2D"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    a, _ = ap.parse_known_args(argv)
+    kw = dict(shape=a.shape, blocks=a.blocks, jobs=a.jobs, steps=a.steps, copies=not a.no_copies,
+              direction=a.direction, reps=a.reps)
+    if a.child:
+        print(json.dumps(measure(**kw)))
+        return 0
+    labels = [x for x in a.labels.split(",") if x]
+    bad = [x for x in labels if x not in MATRIX]
+    if bad:
+        ap.error(f"--labels {bad}: choose from {list(MATRIX)}")
+    child_argv = [f"--{k}={v}" for k, v in kw.items() if k != "copies"] + ([] if kw["copies"] else ["--no-copies"])
+    results = matrix(labels, child_argv)
+    print(format_results(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
