@@ -1,5 +1,7 @@
 """Smoke test of the transfer benchmark on the CPU platform (host path only)."""
 
+import pytest
+
 from vllm_npu_offload.bench.transfer import ModelConfig, bench_config, format_config
 from vllm_npu_offload.platform import get_platform
 
