@@ -148,7 +148,9 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         torch.cuda.set_device(torch.cuda.current_device())  # the primary context current on this thread
         handle = lib.create_stream(0)
         stream = torch.cuda.ExternalStream(handle)
-        weakref.finalize(stream, lib.destroy_stream, handle)
+        # Destroyed with its object, but not at interpreter exit: the driver may be gone by then
+        # (calling into it segfaulted), and the process ending frees the stream anyway.
+        weakref.finalize(stream, lib.destroy_stream, handle).atexit = False
         return stream
 
     def pin(self, tensor: torch.Tensor) -> bool:

@@ -1,14 +1,15 @@
-"""Do transfers delay model kernels that are enqueued *after* them?
+"""Do transfers delay model work that is enqueued *after* them?
 
 Why: in real vLLM (docs/benchmarks.md, fifth run) the first decode forward after a prefill ran
-~30 ms longer with our stores on, about the link time of the stores submitted just before it,
-and on every path that puts kernels or cross-stream waits into the transfer (staged, SM). The
-GEMM interference benchmark cannot see this: its GEMMs are enqueued before the copies. Here a
-decode-sized burst of small GEMMs goes onto a compute stream right after a store is submitted,
-the way vLLM launches its next forward after ``handle_preemptions`` submitted the stores, and
-its device time is compared with the burst alone. It is run on several compute streams (the
-default stream and pool streams), since whether two streams share a hardware work queue depends
-on which streams they are.
+~30 ms longer with our stores on, about the link time of the stores submitted just before it.
+The cause: vLLM computes on a stream from torch's pool (32 per priority, handed out
+round-robin), and our transfer streams came from the same pool, so after enough draws a
+transfer stream was the compute stream itself. The GEMM interference benchmark cannot see
+this (its GEMMs are enqueued before the copies). Here the start event of a decode-sized burst
+(small pinned H2D input, small GEMMs, small D2H output per step) is recorded, the transfers
+are submitted (as vLLM submits deferred stores inside ``execute_model``), then the burst is
+enqueued; its device time is compared with the burst alone, on the default stream and on all
+32 pool streams. ``torch_pool`` re-creates the previous design (pooled transfer streams).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,11 +47,15 @@ class Burst:
         self.h_out = torch.zeros(4096, dtype=torch.uint8).pin_memory()
         self.d_out = torch.zeros(4096, dtype=torch.uint8, device=dev)
 
-    def run_ms(self, stream) -> float:
+    def run_ms(self, stream, before: Callable[[], None] | None = None) -> float:
+        """Device ms of the burst; ``before()`` runs after the start event is recorded, the way
+        vLLM submits deferred stores inside ``execute_model``, after its first event."""
         p = self.platform
         a, b = p.new_event(), p.new_event()
+        a.record(stream)
+        if before is not None:
+            before()
         with p.stream_context(stream):
-            a.record(stream)
             for _ in range(self.steps):
                 if self.copies:
                     self.d_in.copy_(self.h_in, non_blocking=True)
@@ -104,9 +109,13 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
             after, xfer = [], []
             for _ in range(reps + 1):
                 torch.cuda.synchronize()
-                for dev, chunks in ids:
-                    rig.transfer(d, dev, chunks, staged=mode == "staged")
-                after.append(burst.run_ms(cs))
+
+                def submit():
+                    with platform.stream_context(cs):  # the engine orders its jobs after this stream
+                        for dev, chunks in ids:
+                            rig.transfer(d, dev, chunks, staged=mode == "staged")
+
+                after.append(burst.run_ms(cs, submit))
                 xfer.append(sum(rig.finish()) * 1e3)
             row[f"{mode}_ms"] = statistics.median(after[1:])
             row[f"{mode}_xfer_ms"] = statistics.median(xfer[1:])
@@ -124,6 +133,7 @@ MATRIX = {  # label: environment of one child process
     "sm": {"NPU_OFFLOAD_COPY_PATH": "gather_native", "NPU_OFFLOAD_STAGED": "0"},  # direct = SM kernel
     "conn32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},  # more hardware work queues than streams in use
     "torch_pool": {ENV_TORCH_POOL: "1"},  # the previous design: transfer streams from torch's pool
+    "dma": {"NPU_OFFLOAD_COPY_PATH": "dma"},  # direct = copy-engine DMA in both directions
     "link2m": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(2 << 20)},  # staged link copies of at most 2 MiB
     "link512k": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(512 << 10)},
 }
