@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -47,14 +48,20 @@ class Burst:
         self.h_out = torch.zeros(4096, dtype=torch.uint8).pin_memory()
         self.d_out = torch.zeros(4096, dtype=torch.uint8, device=dev)
 
-    def run_ms(self, stream, before: Callable[[], None] | None = None) -> float:
-        """Device ms of the burst; ``before()`` runs after the start event is recorded, the way
-        vLLM submits deferred stores inside ``execute_model``, after its first event."""
+    def run_ms(self, stream, submit: Callable[[], None] | None = None, start_first: bool = True) -> tuple[float, float]:
+        """(device ms of the burst, CPU ms of ``submit()``). With ``start_first`` the burst's start
+        event is recorded before ``submit()`` runs, the way vLLM submits deferred stores inside
+        ``execute_model``; then the device time also counts the CPU time of the submit."""
         p = self.platform
         a, b = p.new_event(), p.new_event()
-        a.record(stream)
-        if before is not None:
-            before()
+        if start_first:
+            a.record(stream)
+        t0 = time.perf_counter()
+        if submit is not None:
+            submit()
+        submit_ms = (time.perf_counter() - t0) * 1e3
+        if not start_first:
+            a.record(stream)
         with p.stream_context(stream):
             for _ in range(self.steps):
                 if self.copies:
@@ -65,7 +72,7 @@ class Burst:
                     self.h_out.copy_(self.d_out, non_blocking=True)
             b.record(stream)
         b.synchronize()
-        return a.elapsed_time(b)
+        return a.elapsed_time(b), submit_ms
 
 
 def _use_torch_pool() -> None:
@@ -76,7 +83,7 @@ def _use_torch_pool() -> None:
 
 
 def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: int = 10, copies: bool = True,
-            direction: str = "D2H", reps: int = 3, pool_streams: int = 32,
+            direction: str = "D2H", reps: int = 3, pool_streams: int = 32, start_first: bool = True,
             modes: tuple[str, ...] = ("direct", "staged")) -> dict[str, Any]:
     """Burst device ms alone and right after ``jobs`` transfers of ``blocks`` blocks in all, on
     the default stream and on ``pool_streams`` streams drawn from torch's pool (the way vLLM gets
@@ -96,6 +103,7 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
     burst = Burst(platform, steps=steps, copies=copies)
     ids = [rig.ids("random", 10 + j) for j in range(jobs)]
     res: dict[str, Any] = {"shape": shape, "blocks": per_job * jobs, "jobs": jobs, "direction": d.name,
+                           "start": "before the submit" if start_first else "after the submit",
                            "burst": f"{steps} x ({'H2D 256 KiB, ' if copies else ''}20 GEMMs 48x4096x4096"
                                     f"{', D2H 4 KiB' if copies else ''})",
                            "bytes": per_job * jobs * rig.shape.record_bytes, "rows": [],
@@ -103,10 +111,10 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
                            "env": {k: v for k, v in os.environ.items()
                                    if k.startswith(("NPU_OFFLOAD_", "CUDA_DEVICE_MAX")) or k == ENV_TORCH_POOL}}
     for name, cs in computes:
-        alone = [burst.run_ms(cs) for _ in range(reps + 1)][1:]
+        alone = [burst.run_ms(cs)[0] for _ in range(reps + 1)][1:]
         row: dict[str, Any] = {"compute": name, "alone_ms": statistics.median(alone)}
         for mode in modes:
-            after, xfer = [], []
+            after, xfer, cpu = [], [], []
             for _ in range(reps + 1):
                 torch.cuda.synchronize()
 
@@ -115,10 +123,13 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
                         for dev, chunks in ids:
                             rig.transfer(d, dev, chunks, staged=mode == "staged")
 
-                after.append(burst.run_ms(cs, submit))
+                dev_ms, cpu_ms = burst.run_ms(cs, submit, start_first)
+                after.append(dev_ms)
+                cpu.append(cpu_ms)
                 xfer.append(sum(rig.finish()) * 1e3)
             row[f"{mode}_ms"] = statistics.median(after[1:])
             row[f"{mode}_xfer_ms"] = statistics.median(xfer[1:])
+            row[f"{mode}_submit_cpu_ms"] = statistics.median(cpu[1:])
         res["rows"].append(row)
     ours = [s for s in rig.core.engine._streams.values()] + (list(rig.core.stager._aux.values()) if rig.core.stager
                                                              else [])
@@ -167,11 +178,13 @@ def format_results(results: list[dict[str, Any]]) -> str:
                      f"direct path {r['paths']['direct']}; transfer streams that are compute streams: "
                      f"{r.get('aliased') or 'none'}")
         alone = statistics.median(x["alone_ms"] for x in rows)
-        for m in [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.endswith(("xfer_ms", "alone_ms"))]:
+        lines.append(f"  burst start event recorded {r.get('start', 'before the submit')}")
+        for m in [k[:-8] for k in rows[0] if k.endswith("_xfer_ms")]:
             worst = max(rows, key=lambda x: x[m + "_ms"])
             lines.append(f"  after {m:6s}: burst median {statistics.median(x[m + '_ms'] for x in rows):6.2f} ms "
                          f"(alone {alone:.2f}), worst {worst[m + '_ms']:6.2f} ms on {worst['compute']}; "
-                         f"transfer {statistics.median(x[m + '_xfer_ms'] for x in rows):.1f} ms")
+                         f"transfer {statistics.median(x[m + '_xfer_ms'] for x in rows):.1f} ms, its submit "
+                         f"{statistics.median(x.get(m + '_submit_cpu_ms', float('nan')) for x in rows):.2f} ms CPU")
     return "\n".join(lines)
 
 
@@ -188,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="burst steps of 20 small GEMMs each")
     ap.add_argument("--no-copies", action="store_true", help="burst of kernels only (no H2D/D2H copies)")
     ap.add_argument("--direction", default="D2H", choices=["D2H", "H2D"])
+    ap.add_argument("--start-after", action="store_true",
+                    help="record the burst's start event after the submit (device-side effects only)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     a, _ = ap.parse_known_args(argv)
     kw = dict(shape=a.shape, blocks=a.blocks, jobs=a.jobs, steps=a.steps, copies=not a.no_copies,
-              direction=a.direction, reps=a.reps)
+              direction=a.direction, reps=a.reps, start_first=not a.start_after)
     if a.child:
         print(json.dumps(measure(**kw)))
         return 0
@@ -200,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in labels if x not in MATRIX]
     if bad:
         ap.error(f"--labels {bad}: choose from {list(MATRIX)}")
-    child_argv = [f"--{k}={v}" for k, v in kw.items() if k != "copies"] + ([] if kw["copies"] else ["--no-copies"])
+    child_argv = ([f"--{k}={v}" for k, v in kw.items() if k not in ("copies", "start_first")]
+                  + ([] if kw["copies"] else ["--no-copies"]) + (["--start-after"] if a.start_after else []))
     results = matrix(labels, child_argv)
     print(format_results(results))
     if a.json:
