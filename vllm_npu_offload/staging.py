@@ -18,7 +18,6 @@ hand each slot back and forth. Staging memory is allocated once, per direction.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -44,21 +43,6 @@ MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs
 RAMP = 16
 MIN_SLICE_BYTES = 512 * 1024
 GROWTH = 4
-
-
-ENV_LINK_MAX = "NPU_OFFLOAD_LINK_MAX_BYTES"
-
-
-def link_max_bytes() -> int:
-    """Largest link copy (0: no limit)."""
-    raw = os.environ.get(ENV_LINK_MAX, "").strip()
-    try:
-        value = int(raw) if raw else 0
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{ENV_LINK_MAX}={raw!r}: expected a byte count >= 0 (0 or unset: no limit)")
-    return value
 
 
 @dataclass(frozen=True)
@@ -144,22 +128,13 @@ class GroupBlocks:
     host_ids: np.ndarray
 
 
-def _link_runs(host: np.ndarray, group: np.ndarray, max_run: int = 0) -> np.ndarray:
-    """Start indices of runs of consecutive host blocks of one group, each at most ``max_run``
-    blocks long when ``max_run`` > 0."""
+def _link_runs(host: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Start indices of runs of consecutive host blocks of one group."""
     if len(host) == 0:
         return np.empty(0, np.int64)
     brk = np.ones(len(host), bool)
     brk[1:] = (host[1:] != host[:-1] + 1) | (group[1:] != group[:-1])
-    starts = np.flatnonzero(brk)
-    if max_run > 0:
-        lens = np.diff(np.append(starts, len(host)))
-        pieces = -(-lens // max_run)
-        if (pieces > 1).any():
-            first = np.repeat(starts, pieces)
-            k = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-            starts = first + k * max_run
-    return starts
+    return np.flatnonzero(brk)
 
 
 class Stager:
@@ -175,7 +150,6 @@ class Stager:
         self.link_path = link_path
         self.pool = pool
         g = self.geometry
-        self.max_link_run = max(1, link_max_bytes() // layout.record_bytes) if link_max_bytes() else 0
         self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
         self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
         self._aux = {d: platform.new_stream() for d in Direction}
@@ -234,7 +208,7 @@ class Stager:
             local, ranges = self._plan_pages(direction, groups, pos, slice_of, edges)
         try:
             # Link descriptors: runs of consecutive host blocks inside one slice and one group.
-            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of, self.max_link_run)
+            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of)
             ends = np.append(starts[1:], n)
             if gid is None:
                 lo, hi = groups[0].span

@@ -145,8 +145,6 @@ MATRIX = {  # label: environment of one child process
     "conn32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"},  # more hardware work queues than streams in use
     "torch_pool": {ENV_TORCH_POOL: "1"},  # the previous design: transfer streams from torch's pool
     "dma": {"NPU_OFFLOAD_COPY_PATH": "dma"},  # direct = copy-engine DMA in both directions
-    "link2m": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(2 << 20)},  # staged link copies of at most 2 MiB
-    "link512k": {"NPU_OFFLOAD_LINK_MAX_BYTES": str(512 << 10)},
 }
 
 
