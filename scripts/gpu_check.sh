@@ -44,6 +44,8 @@ step core_pyloop 120 env NPU_OFFLOAD_STAGE_PIPELINE=python $PY scripts/bench_cor
   --shapes tiny-1k,qwen2.5-0.5b-fp8,llama-70b-tp8,llama-8b,mla-ascend-split --json "$OUT/core_pyloop.json"
 step slices 240 $PY scripts/bench_slices.py --json "$OUT/slices.json"
 step probe 120 $PY scripts/probe_link_ops.py --reps 30 --json "$OUT/probe.json"
+step stall 300 bash -c "$PY scripts/probe_stall.py --json $OUT/stall_store.json && \
+  $PY scripts/probe_stall.py --direction H2D --json $OUT/stall_load.json"
 step core_interference 120 $PY scripts/bench_core.py --shapes "" --interference llama-8b,qwen2.5-0.5b,mla-ascend-split \
   --json "$OUT/core_interference.json"
 step bench 200 $PY scripts/bench_transfer.py --reps 20 --json "$OUT/bench.json"
