@@ -45,13 +45,13 @@ class TransferResult:
 class _InFlight:
     job_id: int
     direction: Direction
-    stream: Any
     start: Any
     end: Any
     num_bytes: int
     descriptors: "Descriptors | StagedPlan"
     error: str | None = None
     submitted_at: float = 0.0  # perf_counter() at submit
+
 
 @dataclass
 class EngineStats:
@@ -118,7 +118,7 @@ class TransferEngine:
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)
             queue.append(
-                _InFlight(job_id, direction, stream, start, end, descriptors.total_bytes, descriptors, error, t_submit)
+                _InFlight(job_id, direction, start, end, descriptors.total_bytes, descriptors, error, t_submit)
             )
             self._job_ids.add(job_id)
             self.stats.submitted += 1

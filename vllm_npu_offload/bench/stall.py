@@ -48,6 +48,10 @@ class Burst:
         self.h_out = torch.zeros(4096, dtype=torch.uint8).pin_memory()
         self.d_out = torch.zeros(4096, dtype=torch.uint8, device=dev)
 
+    def describe(self) -> str:
+        copies = ("H2D 256 KiB, ", ", D2H 4 KiB") if self.copies else ("", "")
+        return f"{self.steps} x ({copies[0]}{self.gemms} GEMMs 48x4096x4096{copies[1]})"
+
     def run_ms(self, stream, submit: Callable[[], None] | None = None, start_first: bool = True) -> tuple[float, float]:
         """(device ms of the burst, CPU ms of ``submit()``). With ``start_first`` the burst's start
         event is recorded before ``submit()`` runs, the way vLLM submits deferred stores inside
@@ -104,8 +108,7 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
     ids = [rig.ids("random", 10 + j) for j in range(jobs)]
     res: dict[str, Any] = {"shape": shape, "blocks": per_job * jobs, "jobs": jobs, "direction": d.name,
                            "start": "before the submit" if start_first else "after the submit",
-                           "burst": f"{steps} x ({'H2D 256 KiB, ' if copies else ''}20 GEMMs 48x4096x4096"
-                                    f"{', D2H 4 KiB' if copies else ''})",
+                           "burst": burst.describe(),
                            "bytes": per_job * jobs * rig.shape.record_bytes, "rows": [],
                            "paths": {"direct": rig.core.backend.path(d).name},
                            "env": {k: v for k, v in os.environ.items()
@@ -131,8 +134,8 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
             row[f"{mode}_xfer_ms"] = statistics.median(xfer[1:])
             row[f"{mode}_submit_cpu_ms"] = statistics.median(cpu[1:])
         res["rows"].append(row)
-    ours = [s for s in rig.core.engine._streams.values()] + (list(rig.core.stager._aux.values()) if rig.core.stager
-                                                             else [])
+    ours = list(rig.core.engine._streams.values()) + (list(rig.core.stager._aux.values()) if rig.core.stager
+                                                      else [])
     mine = {platform.raw_stream_handle(s) for s in ours}
     res["aliased"] = [name for name, cs in computes if platform.raw_stream_handle(cs) in mine]
     rig.close()

@@ -142,7 +142,8 @@ def ttft_steps_table(res: dict) -> str:
 def miss_table(res: dict) -> str:
     rows = []
     off = res["runs"]["off"]
-    for k in ["off", "native", "ours"] + [k for k in res["runs"] if k not in ("off", "native", "ours")]:
+    base = ("off", "native", "ours")
+    for k in [k for k in base if k in res["runs"]] + [k for k in res["runs"] if k not in base]:
         xs = res["runs"].get(k, [])
         s = spread(xs)
         if not s["n"]:
