@@ -125,7 +125,9 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         return int(stream.cuda_stream)
 
     def new_stream(self):
-        """A transfer stream of our own: a non-blocking driver stream, destroyed with its object.
+        """A transfer stream of our own: a non-blocking driver stream, kept for the process's
+        lifetime (a worker core makes four). Destroying them from a finalizer made the GPU test
+        process segfault at exit, with every test passed.
 
         Never ``torch.cuda.Stream()``: torch hands out 32 pooled streams per priority round-robin,
         and vLLM computes on a pooled stream, so after enough draws in one process a "new" stream
@@ -133,8 +135,6 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         duration (docs/benchmarks.md, fifth run). Without the native library (no copy-engine
         path either) a high-priority pooled stream is the fallback: vLLM draws from the normal pool.
         """
-        import weakref
-
         from .copy.cuda_native import load_library
 
         try:
@@ -146,12 +146,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
                                "library is not built)")
             return torch.cuda.Stream(priority=-1)
         torch.cuda.set_device(torch.cuda.current_device())  # the primary context current on this thread
-        handle = lib.create_stream(0)
-        stream = torch.cuda.ExternalStream(handle)
-        # Destroyed with its object, but not at interpreter exit: the driver may be gone by then
-        # (calling into it segfaulted), and the process ending frees the stream anyway.
-        weakref.finalize(stream, lib.destroy_stream, handle).atexit = False
-        return stream
+        return torch.cuda.ExternalStream(lib.create_stream(0))
 
     def pin(self, tensor: torch.Tensor) -> bool:
         # cudaHostRegister pins exactly the bytes asked for; torch's pinned allocator
