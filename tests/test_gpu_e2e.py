@@ -301,3 +301,39 @@ def test_step_rows_and_step_kind_table():
     res = {"batch": 2, "prompt_tokens": 8, "max_tokens": 1, "runs": {"off": [1.0], "ours": [1.1]},
            "step_rows": {"off": [rows], "ours": [slow]}}
     assert "prefill device ms" in tables.miss_table(res)
+
+
+def test_median_ci_order_statistics():
+    """Known ranks of the distribution-free 95% interval of a median (1-based: n=6 -> 1..6,
+    n=10 -> 2..9, n=56 -> 21..36); n=5 cannot reach 95% (2 x 1/32 > 5%)."""
+    assert tables.median_ci([float(x) for x in range(5)]) is None
+    assert tables.median_ci([5.0, 0.0, 3.0, 1.0, 4.0, 2.0]) == (0.0, 5.0)
+    assert tables.median_ci(list(range(10))) == (1, 8)
+    assert tables.median_ci(list(range(56))) == (20, 35)
+    assert tables.median_ci(list(range(10)), level=0.5) == (3, 6)
+
+
+def test_null_engine_splits_the_miss_cost(monkeypatch, tmp_path):
+    from vllm_npu_offload.bench.gpu_e2e import device
+
+    null = kv_transfer_config("null", 1 << 30, 64)["kv_connector_extra_config"]
+    assert null["spec_name"] == "NullCopySpec" and null["spec_module_path"].endswith("gpu_e2e.null_spec")
+    seen = {}
+    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    device.start_8b(tmp_path, device.build_parser().parse_args(["miss", "--null"]))
+    assert [(s.label, s.kind) for s in seen["specs"]] == [("off", "off"), ("native", "native"), ("ours", "ours"),
+                                                          ("null", "null")]
+    assert device.main(["ttft", "--null", "--out", str(tmp_path / "o")]) == 2  # a reload would stop the null engine
+    with pytest.raises(SystemExit):
+        device.build_parser().parse_args(["miss", "--variant", "null:A=1"])
+
+    off = [4.0 + 0.01 * i for i in range(8)]
+    runs = {"off": off, "native": [x * 1.02 for x in off], "ours": [x * 1.015 for x in off],
+            "null": [x * 1.01 for x in off]}
+    text = tables.miss_table({"batch": 2, "prompt_tokens": 8, "max_tokens": 1, "runs": runs})
+    lines = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if " vs " in ln and ln.startswith("|")}
+    assert "+1.00%" in lines["null vs off"] and "+0.50%" in lines["ours vs null"] and "+1.50%" in lines["ours vs off"]
+    assert "+0.99%" in lines["native vs null"]  # 1.02 / 1.01 - 1
+    assert "+1.00..+1.00%" in lines["null vs off"]  # every round the same: the interval is that point
+    assert tables.cost_split_table({"off": off, "ours": off}) == ""  # no null engine, no split

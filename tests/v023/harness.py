@@ -102,7 +102,8 @@ class Engine:
     _next_req: int = 0
 
     @classmethod
-    def build(cls, vc: VllmConfig, kcc: KVCacheConfig, kv_caches: dict, connector_cls) -> "Engine":
+    def build(cls, vc: VllmConfig, kcc: KVCacheConfig, kv_caches: dict, connector_cls, record: bool = True) -> "Engine":
+        """``record``: log every job our spec's core receives (needs NPUOffloadingSpec)."""
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kcc, vc)
         vc.cache_config.num_gpu_blocks = kcc.num_blocks
         sched = Scheduler(
@@ -117,7 +118,7 @@ class Engine:
         with set_current_vllm_config(vc):
             worker.register_kv_caches(kv_caches)
         eng = cls(sched, worker)
-        if hasattr(worker, "connector_worker"):  # OffloadingConnector family
+        if record and hasattr(worker, "connector_worker"):  # OffloadingConnector family
             eng._record(eng.core)
         return eng
 

@@ -127,7 +127,7 @@ def start_8b(work: Path, a) -> dict:
         label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
         kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {})
     # plus more engines of our spec, each with its own environment (an A/B in one run)
-    base = ["off", "ours"] if a.no_native else ["off", "native", "ours"]
+    base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
     procs = start_all(specs)
@@ -311,9 +311,9 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
 def _variant(text: str) -> tuple[str, dict[str, str]]:
     label, _, rest = text.partition(":")
     pairs = [p.partition("=") for p in rest.split(",") if p]
-    if not label or label in ("off", "native", "ours") or not pairs or any(not k or not eq for k, eq, _ in pairs):
+    if not label or label in ("off", "native", "ours", "null") or not pairs or any(not k or not eq for k, eq, _ in pairs):
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NEWLABEL:VAR=VAL[,VAR=VAL] "
-                                         f"(a label other than off/native/ours)")
+                                         f"(a label other than off/native/ours/null)")
     return label, {k: v for k, _, v in pairs}
 
 
@@ -335,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "miss part runs it beside the others (repeatable)")
     ap.add_argument("--no-native", action="store_true",
                     help="8B pool without vLLM's native spec (room for one more variant; ttft needs native)")
+    ap.add_argument("--null", action="store_true",
+                    help="add vLLM's spec without copies (null_spec.py) to the 8B pool: the miss part then splits "
+                         "the cost into vLLM's connector (null vs off) and the copies (native/ours vs null); "
+                         "four engines need --kv-gib 13; not with ttft (a reload would stop it)")
     ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")
     ap.add_argument("--cpu-gib", type=int, default=8, help="host KV per offload engine (GiB)")
     ap.add_argument("--miss-batch", type=int, default=48)
@@ -353,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = parse_parts(a.parts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.null and "ttft" in parts:
+        print("error: --null engines store no bytes and stop at a reload; run ttft without it", file=sys.stderr)
         return 2
     if a.no_native and "ttft" in parts:
         print("error: --no-native leaves ttft nothing to compare with; run ttft without it", file=sys.stderr)

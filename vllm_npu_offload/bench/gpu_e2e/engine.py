@@ -19,7 +19,8 @@ from . import timeline
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
-KINDS = ("off", "native", "ours", "simple")
+NULL_MODULE = "vllm_npu_offload.bench.gpu_e2e.null_spec"
+KINDS = ("off", "native", "ours", "simple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -31,7 +32,8 @@ ENV = {
 
 def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int) -> dict | None:
     """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; simple: our
-    NPUSimpleCPUOffloadConnector. ``block_size`` is the offloaded block size in tokens."""
+    NPUSimpleCPUOffloadConnector; null: vLLM's spec without copies (null_spec.py, no-reuse runs
+    only). ``block_size`` is the offloaded block size in tokens."""
     if kind == "off":
         return None
     if kind == "simple":
@@ -40,6 +42,8 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int) -> dict | Non
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
     if kind == "ours":
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
+    elif kind == "null":
+        extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)
     elif kind != "native":
         raise ValueError(f"engine kind {kind!r}: one of {KINDS}")
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}

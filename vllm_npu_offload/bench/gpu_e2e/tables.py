@@ -60,6 +60,26 @@ def paired_change(xs: list[float], base: list[float]) -> dict[str, float]:
     return spread([x / b - 1.0 for x, b in zip(xs, base)])
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median: the order statistics (j, k) with
+    P(X_(j) <= median <= X_(k)) >= ``level`` for n draws (binomial(n, 1/2) ranks). None when n is
+    too small for any interval to reach ``level``."""
+    from math import comb
+
+    n = len(xs)
+    srt = sorted(xs)
+    cdf, tail = 0.0, (1.0 - level) / 2
+    j = -1  # largest rank (0-based) whose lower tail P(B <= j) stays <= tail
+    for i in range(n):
+        cdf += comb(n, i) / 2**n
+        if cdf > tail:
+            break
+        j = i
+    if j < 0:
+        return None
+    return srt[j], srt[n - 1 - j]
+
+
 def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:,.1f}"
 
@@ -142,7 +162,7 @@ def ttft_steps_table(res: dict) -> str:
 def miss_table(res: dict) -> str:
     rows = []
     off = res["runs"]["off"]
-    base = ("off", "native", "ours")
+    base = ("off", "null", "native", "ours")
     for k in [k for k in base if k in res["runs"]] + [k for k in res["runs"] if k not in base]:
         xs = res["runs"].get(k, [])
         s = spread(xs)
@@ -159,6 +179,9 @@ def miss_table(res: dict) -> str:
             + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
               f"interleaved (the engines take turns going first) after one warm-up round; paired = median of the "
               f"per-round changes")
+    split = cost_split_table(res["runs"])
+    if split:
+        text += "\n\n" + split
     tot = res.get("step_totals") or {}
     whats = ["step", "schedule", "execute", "update", "start_load", "finished", "preempt", "gc"]
     trows = [[k, len(v)] + [_f(_med([r.get(w, [0, 0.0])[1] for r in v])) for w in whats] for k, v in tot.items() if v]
@@ -171,6 +194,26 @@ def miss_table(res: dict) -> str:
     if sr.get("off"):
         text += "\n\n" + step_kind_table(sr, res["batch"])
     return text
+
+
+def cost_split_table(runs: dict[str, list[float]]) -> str:
+    """With a ``null`` engine (vLLM's connector, copies that cost nothing): how much of each
+    spec's no-reuse cost is the connector framework (null vs off), which any spec pays, and how
+    much its copies add (spec vs null); paired per-round medians with their 95% intervals."""
+    if not runs.get("null") or not runs.get("off"):
+        return ""
+    pairs = [("null", "off", "vLLM's connector, no copies")]
+    pairs += [(k, base, what) for k in runs if k not in ("off", "null") and runs[k]
+              for base, what in (("null", "its copies"), ("off", "all of it"))]
+    rows = []
+    for k, base, what in pairs:
+        ch = [x / b - 1.0 for x, b in zip(runs[k], runs[base])]
+        ci = median_ci(ch)
+        rows.append([f"{k} vs {base}", what, len(ch), f"{statistics.median(ch) * 100:+.2f}%",
+                     f"{ci[0] * 100:+.2f}..{ci[1] * 100:+.2f}%" if ci else "-"])
+    return (table(["compared", "cost of", "rounds", "paired median", "95% interval of the median"], rows)
+            + "\nnull = vLLM's own CPU offloading spec (same manager and sizing) whose stores finish at once "
+              "without moving a byte (bench/gpu_e2e/null_spec.py)")
 
 
 def round_split(rows: list[list[float]], batch: int) -> dict[str, float]:
