@@ -337,3 +337,24 @@ def test_null_engine_splits_the_miss_cost(monkeypatch, tmp_path):
     assert "+0.99%" in lines["native vs null"]  # 1.02 / 1.01 - 1
     assert "+1.00..+1.00%" in lines["null vs off"]  # every round the same: the interval is that point
     assert tables.cost_split_table({"off": off, "ours": off}) == ""  # no null engine, no split
+
+
+def test_pool_miss_runs_from_json_and_log(tmp_path):
+    import gzip
+
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(
+        {"runs": {"off": [4.0, 4.2], "ours": [4.1, 4.2], "null": [4.0, 4.3]}}).encode()))
+    (tmp_path / "b.log").write_text("[8b] engines up in 73s: off 49s, ours 47s\n[miss] round 0: \n"
+                                    "[miss] round 1: off 3.970s, ours 4.736s, null 4.087s, native 4.1s\n"
+                                    "INFO other line 5.0s\n[miss] round 2: off 4.599s, ours 4.405s, null 4.901s\n")
+    b = tables.load_miss_runs(tmp_path / "b.log")
+    assert b == {"off": [3.970, 4.599], "ours": [4.736, 4.405], "null": [4.087, 4.901], "native": [4.1]}
+    pooled = tables.pool_miss_runs([tables.load_miss_runs(tmp_path / "a.json.gz"), b])
+    assert pooled == {"off": [4.0, 4.2, 3.970, 4.599], "ours": [4.1, 4.2, 4.736, 4.405],
+                      "null": [4.0, 4.3, 4.087, 4.901]}  # native: not in every run
+    (tmp_path / "c.txt").write_text("nothing here\n")
+    with pytest.raises(ValueError, match="neither a miss.json nor a log"):
+        tables.load_miss_runs(tmp_path / "c.txt")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/pool_miss.py"), str(tmp_path / "a.json.gz"),
+                          str(tmp_path / "b.log")], capture_output=True, text=True, check=True).stdout
+    assert "| null vs off " in out and "|      4 |" in out

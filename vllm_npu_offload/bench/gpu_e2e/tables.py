@@ -216,6 +216,40 @@ def cost_split_table(runs: dict[str, list[float]]) -> str:
               "without moving a byte (bench/gpu_e2e/null_spec.py)")
 
 
+def load_miss_runs(path: str | Path) -> dict[str, list[float]]:
+    """Per-engine round walls of one miss run: from its ``miss.json`` (``.gz`` too), or from the
+    "[miss] round N: off 4.1s, ..." lines of its log (a run cut off before writing its JSON)."""
+    import gzip
+    import re
+
+    p = Path(path)
+    raw = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
+    if raw.lstrip().startswith("{"):
+        return {k: list(v) for k, v in json.loads(raw)["runs"].items()}
+    runs: dict[str, list[float]] = {}
+    for line in raw.splitlines():
+        m = re.match(r"\[miss\] round (\d+): (.+)$", line.strip())
+        if not m or m.group(1) == "0":  # round 0 is the warm-up (its line lists nothing)
+            continue
+        for k, v in re.findall(r"(\S+) ([0-9.]+)s", m.group(2)):
+            runs.setdefault(k, []).append(float(v))
+    if not runs:
+        raise ValueError(f"{p}: neither a miss.json nor a log with '[miss] round' lines")
+    return runs
+
+
+def pool_miss_runs(runs_list: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Rounds of several miss runs, concatenated per engine; only engines every run had (pairs
+    stay within a round)."""
+    common = set.intersection(*(set(r) for r in runs_list)) if runs_list else set()
+    out = {k: [] for k in runs_list[0] if k in common} if runs_list else {}
+    for r in runs_list:
+        n = min(len(r[k]) for k in out)
+        for k in out:
+            out[k] += r[k][:n]
+    return out
+
+
 def round_split(rows: list[list[float]], batch: int) -> dict[str, float]:
     """One round's steps summed by kind: prefill (more tokens than requests) and decode; wall
     ms of the steps and device ms of their forwards."""
