@@ -93,6 +93,7 @@ int npo_batch_range(const npo_driver *drv, const uint64_t *src, const uint64_t *
 typedef struct {
     void *pages; /* npo_gather_pages: per-page descriptor columns */
     void *table; /* npo_gather_table: pair table + block ids */
+    void *table_inline; /* npo_gather_table_inline: the same, block ids in the launch parameters */
 } npo_gather_fns;
 int npo_gather_ready(const npo_driver *drv, void *stream, npo_gather_fns *fns, char *msg, size_t msg_len);
 int npo_gather_launch(const npo_driver *drv, void *fn, const uint64_t cols[3], uint64_t first, uint64_t width,
@@ -102,6 +103,11 @@ int npo_gather_launch(const npo_driver *drv, void *fn, const uint64_t cols[3], u
 int npo_table_launch(const npo_driver *drv, void *fn, uint64_t table, uint64_t m, uint64_t src_ids, uint64_t dst_ids,
                      uint64_t b0, uint64_t nb, uint64_t min_page, int programs, void *stream, char *msg,
                      size_t msg_len);
+/* The same with the range's nb <= NPO_INLINE_IDS block ids copied into the launch parameters
+ * from host memory (src_ids[0..nb), dst_ids[0..nb)). */
+int npo_table_inline_launch(const npo_driver *drv, void *fn, uint64_t table, uint64_t m, const int64_t *src_ids,
+                            const int64_t *dst_ids, uint64_t nb, uint64_t min_page, int programs, void *stream,
+                            char *msg, size_t msg_len);
 
 /* The per-descriptor loop (used by loop_copy and as the batch fallback). */
 int npo_loop_range(const npo_driver *drv, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t begin,

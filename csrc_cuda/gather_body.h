@@ -134,6 +134,17 @@ typedef struct {
     uint32_t group;
 } npo_table_args;
 
+/* The same kernel with a small range's block ids inside its launch parameters: a store's first
+ * gather then needs no upload (nor reads over the link) before it starts, and that gather is
+ * the one the first link copy waits for. */
+#define NPO_INLINE_IDS 64
+typedef struct {
+    const int64_t *table;
+    uint64_t m, nb;
+    uint32_t group;
+    int64_t ids[2 * NPO_INLINE_IDS]; /* src ids of the range's nb blocks; dst ids from NPO_INLINE_IDS */
+} npo_table_inline_args;
+
 NPO_HD void npo_table_page(const npo_table_args *a, uint64_t p, uint64_t *s, uint64_t *d, uint64_t *z) {
     const uint64_t t = p / a->nb, b = a->b0 + p % a->nb, m = a->m;
     *s = (uint64_t)(a->table[t] + a->src_ids[b] * a->table[m + t]);
@@ -144,6 +155,12 @@ NPO_HD void npo_table_page(const npo_table_args *a, uint64_t p, uint64_t *s, uin
 NPO_HD void npo_table_thread(const npo_table_args *a, uint32_t block, uint32_t nblocks, uint32_t thread,
                              uint32_t nthreads) {
     NPO_PAGE_LOOP(npo_table_page, a, a->m * a->nb, a->group, block, nblocks, thread, nthreads);
+}
+
+NPO_HD void npo_table_inline_thread(const npo_table_inline_args *p, uint32_t block, uint32_t nblocks,
+                                    uint32_t thread, uint32_t nthreads) {
+    npo_table_args a = {p->table, p->ids, p->ids + NPO_INLINE_IDS, p->m, 0, p->nb, p->group};
+    npo_table_thread(&a, block, nblocks, thread, nthreads);
 }
 
 /* Lanes per page for a range whose smallest page is `min_page` bytes: one pass of

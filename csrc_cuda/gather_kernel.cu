@@ -18,3 +18,8 @@ extern "C" __global__ void __launch_bounds__(NPO_GATHER_THREADS, 1)
     npo_table_args a = {table, src_ids, dst_ids, m, b0, nb, group};
     npo_table_thread(&a, blockIdx.x, gridDim.x, threadIdx.x, blockDim.x);
 }
+
+extern "C" __global__ void __launch_bounds__(NPO_GATHER_THREADS, 1)
+    npo_gather_table_inline(const __grid_constant__ npo_table_inline_args p) {
+    npo_table_inline_thread(&p, blockIdx.x, gridDim.x, threadIdx.x, blockDim.x);
+}

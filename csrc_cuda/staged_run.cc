@@ -5,9 +5,11 @@
 // the slice. Done in C because each slice costs several driver calls, and from Python
 // each cost tens of microseconds that the device spends waiting on small transfers.
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "driver.h"
+#include "gather_body.h"
 #include "npo_cuda.h"
 
 namespace {
@@ -40,7 +42,7 @@ struct Ctx {
 extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
     const npo_driver *drv = npo_driver_get();
     if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
-    npo_gather_fns fns = {nullptr, nullptr};
+    npo_gather_fns fns = {nullptr, nullptr, nullptr};
     int rc = npo_gather_ready(drv, job->stream, &fns, msg, msg_len);
     if (rc == 0) rc = pipeline_ready(drv, msg, msg_len);
     if (rc != 0) return rc;
@@ -68,19 +70,47 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     // gathers/scatters run on aux, after that one (stores) or before it (loads), so at most
     // one gather kernel runs at a time.
     const uint64_t own = !link || !n ? UINT64_MAX : (store ? 0 : n - 1);
-    // This transfer's block ids (both sides, 16 bytes per block) in one copy: on the job stream
-    // when the first gather needs them at once, else on aux (beside the first link copy).
+    // This transfer's block ids (both sides, 16 bytes per block) in one copy to the device.
     const CUdeviceptr ids_dst = (CUdeviceptr)job->dev_ids, ids_src = (CUdeviceptr)(uintptr_t)job->host_ids;
-    if (store && own == 0) {
-        rc = c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, stream), "cuMemcpyAsync (block id upload)");
+    // A store's first gather takes its block ids inside its launch parameters (when they fit), so
+    // it starts at once: waiting for the upload was the longest gap before the first link copy.
+    // The later gathers read the uploaded copy, made on aux meanwhile.
+    bool inline_first = store && own == 0 && fns.table_inline;
+    for (uint64_t g = job->range_off[0]; inline_first && g < job->range_off[1]; ++g)
+        inline_first = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
+    // A load's ids travel as one more descriptor of its first link batch: a copy of their own
+    // (another host->device operation) delayed the first link copy by ~4.5 us. Every scatter
+    // comes after that batch (aux waits for it, the last one follows it on the stream).
+    const bool ids_in_link = !store && link && n;
+    auto upload = [&](CUstream s) {
+        return c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, s), "cuMemcpyAsync (block id upload)");
+    };
+    if (store && own == 0 && !inline_first) {
+        rc = upload(stream);
     } else {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-        rc = c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, aux), "cuMemcpyAsync (block id upload)");
-        if (!rc && own != UINT64_MAX) rc = c.record(entry, aux);  // the load's last scatter waits for it
+        if (!ids_in_link) rc = upload(aux);
     }
     if (rc) return rc;
-    const uint64_t src_ids = job->dev_ids, dst_ids = job->dev_ids + 8 * job->n_ids;
+    const uint64_t dev_src = job->dev_ids, dev_dst = job->dev_ids + 8 * job->n_ids;
+    auto link_with_ids = [&](uint64_t k0, uint64_t k1) {  // a load's first link batch, then the ids
+        const uint64_t m = k1 - k0;
+        uint64_t *fs = (uint64_t *)malloc(3 * 8 * (m + 1));
+        if (!fs)
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: out of host memory for %llu "
+                             "link descriptors", (unsigned long long)(m + 1));
+        uint64_t *fd = fs + m + 1, *fz = fd + m + 1;
+        memcpy(fs, job->link_src + k0, 8 * m);
+        memcpy(fd, job->link_dst + k0, 8 * m);
+        memcpy(fz, job->link_size + k0, 8 * m);
+        fs[m] = ids_src;
+        fd[m] = ids_dst;
+        fz[m] = 16 * job->n_ids;
+        int r = npo_batch_range(drv, fs, fd, fz, m + 1, 1, stream, msg, msg_len);
+        free(fs);
+        return r;
+    };
     for (uint64_t i = 0; i < n; ++i) {
         c.slice = i;
         const uint64_t s = i % job->slots;
@@ -89,15 +119,12 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
         if (i >= job->slots && (rc = c.wait(store ? aux : stream, drained[s]))) return rc;
         const uint64_t k0 = job->link_bounds[i], k1 = job->link_bounds[i + 1];
         if (!store && link) {
-            rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1, stream,
-                                 msg, msg_len);
+            rc = i == 0 ? link_with_ids(k0, k1)
+                        : npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1,
+                                          stream, msg, msg_len);
             if (rc) return rc;
-            if (!mine) {
-                if ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s]))) return rc;
-            } else {  // after the id upload and every earlier scatter (aux runs them in order)
-                if ((rc = c.wait(stream, entry)) || (i && (rc = c.wait(stream, drained[(i - 1) % job->slots]))))
-                    return rc;
-            }
+            // the last scatter follows on the stream; earlier scatters are waited for after it
+            if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
@@ -106,8 +133,12 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
                                  "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);
-            rc = npo_table_launch(drv, fns.table, r[0], r[1], src_ids, dst_ids, r[2], r[3], job->min_page,
-                                  job->programs, local, msg, msg_len);
+            rc = mine && inline_first
+                     ? npo_table_inline_launch(drv, fns.table_inline, r[0], r[1], job->host_ids + r[2],
+                                               job->host_ids + job->n_ids + r[2], r[3], job->min_page, job->programs,
+                                               local, msg, msg_len)
+                     : npo_table_launch(drv, fns.table, r[0], r[1], dev_src, dev_dst, r[2], r[3], job->min_page,
+                                        job->programs, local, msg, msg_len);
             if (rc) return rc;
         }
         if (!link) {
@@ -121,8 +152,10 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
             rc = npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 0, stream,
                                  msg, msg_len);
             if (rc || (rc = c.record(drained[s], stream))) return rc;
-        } else if (!mine && (rc = c.record(drained[s], aux))) {
-            return rc;
+        } else if (!mine) {
+            if ((rc = c.record(drained[s], aux))) return rc;
+        } else if (i && (rc = c.wait(stream, drained[(i - 1) % job->slots]))) {
+            return rc;  // the job's stream ends after every scatter (aux runs them in order)
         }
     }
     if (!link && n) return c.wait(stream, drained[(n - 1) % job->slots]);

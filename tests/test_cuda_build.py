@@ -228,13 +228,14 @@ needs_nvcc = pytest.mark.skipif(builder.find_nvcc() is None, reason="nvcc not fo
 def test_gather_kernel_ranges_staged_and_errors(libs, fake_driver):
     """The kernel body (run on the CPU by the fake driver) copies exactly the selected descriptors;
     the launcher sizes the grid and lane groups; the worker core's staged path round-trips."""
-    out = _gather_cases(libs["1"], fake_driver, "ranges", "staged", "staged_groups", "errors")
-    assert out.split() == ["ranges", "ok", "staged", "ok", "staged_groups", "ok", "errors", "ok"]
+    out = _gather_cases(libs["1"], fake_driver, "ranges", "staged", "staged_groups", "staged_wide_first", "errors")
+    assert out.split() == ["ranges", "ok", "staged", "ok", "staged_groups", "ok", "staged_wide_first", "ok",
+                           "errors", "ok"]
 
 
 @needs_nvcc
 def test_native_pipeline_link_failure_fails_the_job(libs, fake_driver):
-    # upload (3 copies) then the first slice's link copies: fail the 5th copy of the process
+    # the id upload, then the first slice's link copies: fail the 5th copy of the process
     out = _gather_cases(libs["1"], fake_driver, "staged_fail", env={"FAKE_CUDA_FAIL_AT": "4"})
     assert out.strip() == "staged_fail ok"
 

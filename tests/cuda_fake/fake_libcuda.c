@@ -60,7 +60,7 @@ static CUresult f_ctx_get(CUcontext *c) { *c = (CUcontext)0x1; return CUDA_SUCCE
 static CUresult f_ctx_set(CUcontext c) { (void)c; return CUDA_SUCCESS; }
 static CUresult f_stream_ctx(CUstream s, CUcontext *c) { (void)s; *c = (CUcontext)0x1; return CUDA_SUCCESS; }
 
-long long fake_launches = 0, fake_table_launches = 0, fake_modules = 0;
+long long fake_launches = 0, fake_table_launches = 0, fake_inline_launches = 0, fake_modules = 0;
 unsigned fake_last_grid = 0, fake_last_block = 0, fake_last_group = 0;
 
 static CUresult f_module_load(CUmodule *m, const void *image) {
@@ -74,6 +74,7 @@ static CUresult f_get_function(CUfunction *f, CUmodule m, const char *name) {
     (void)m;
     if (!strcmp(name, "npo_gather_pages")) *f = (CUfunction)0x3;
     else if (!strcmp(name, "npo_gather_table")) *f = (CUfunction)0x4;
+    else if (!strcmp(name, "npo_gather_table_inline")) *f = (CUfunction)0x5;
     else return CUDA_ERROR_NOT_FOUND;
     return CUDA_SUCCESS;
 }
@@ -87,6 +88,14 @@ static CUresult f_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, un
         fake_launches++; fake_table_launches++; fake_last_grid = gx; fake_last_block = bx; fake_last_group = t.group;
         for (unsigned b = 0; b < gx; ++b)
             for (unsigned th = 0; th < bx; ++th) npo_table_thread(&t, b, gx, th, bx);
+        return CUDA_SUCCESS;
+    }
+    if (f == (CUfunction)0x5) { /* one parameter: the struct itself, ids inside it */
+        const npo_table_inline_args *t = (const npo_table_inline_args *)p[0];
+        if (t->nb > NPO_INLINE_IDS) return CUDA_ERROR_INVALID_VALUE;
+        fake_launches++; fake_inline_launches++; fake_last_grid = gx; fake_last_block = bx; fake_last_group = t->group;
+        for (unsigned b = 0; b < gx; ++b)
+            for (unsigned th = 0; th < bx; ++th) npo_table_inline_thread(t, b, gx, th, bx);
         return CUDA_SUCCESS;
     }
     if (f != (CUfunction)0x3) return CUDA_ERROR_INVALID_HANDLE;

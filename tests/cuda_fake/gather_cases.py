@@ -143,6 +143,34 @@ def case_staged_groups():
     print("staged_groups ok")
 
 
+def case_staged_wide_first():
+    """A store whose first slice has more blocks than fit in the launch parameters: its first
+    gather waits for the uploaded ids instead (no inline launch), still byte for byte."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    pages = [64, 64, 128, 32]
+    staging.MIN_SLOT_BYTES = 0
+    rng = np.random.default_rng(3)
+    kv = [torch.from_numpy(rng.integers(0, 256, (200, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 160, FakeCuda(), staging_bytes=2 * 4 * 128 * 2 * sum(pages))
+    staging.MIN_SLICE_BYTES = 80 * core.stager.geometry.record_bytes  # first slice: at least 80 blocks > 64
+    assert core.stager.slice_sizes(100, Direction.D2H)[0] > 64, core.stager.slice_sizes(100, Direction.D2H)
+    ids, chunks = rng.choice(200, 100, replace=False).astype(np.int64), rng.choice(160, 100, replace=False)
+    inline0, tables0 = counter("fake_inline_launches", ctypes.c_longlong), counter("fake_table_launches", ctypes.c_longlong)
+    core.submit(1, Direction.D2H, ids, [100], [0], chunks.astype(np.int64))
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_inline_launches", ctypes.c_longlong) == inline0
+    assert counter("fake_table_launches", ctypes.c_longlong) > tables0
+    for i, t in enumerate(kv):
+        assert torch.equal(core.host_view(i)[core._host_blocks(chunks, 0, 100)], t[ids]), i
+    core.shutdown()
+    print("staged_wide_first ok")
+
+
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging
@@ -181,7 +209,10 @@ def staged_round_trip(mode):
     tables0 = counter("fake_table_launches", ctypes.c_longlong)
     records0 = counter("fake_records", ctypes.c_longlong)
     launches0 = counter("fake_launches", ctypes.c_longlong)
+    inline0 = counter("fake_inline_launches", ctypes.c_longlong)
     store_then_load(core, kv, rng)
+    # native stores: the first gather takes its block ids in the launch parameters
+    assert (counter("fake_inline_launches", ctypes.c_longlong) > inline0) == (mode == "native")
     assert counter("fake_launches", ctypes.c_longlong) - launches0 >= 4  # one per slice, both directions
     native_records = counter("fake_records", ctypes.c_longlong) - records0
     assert (native_records > 0) == (mode == "native"), native_records  # the Python loop uses torch events
