@@ -68,7 +68,7 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     // The unhidden slice (a store's first gather, a load's last scatter) runs on the job stream
     // itself: no cross-stream event hop on the transfer's critical path. The other slices'
     // gathers/scatters run on aux, after that one (stores) or before it (loads), so at most
-    // one gather kernel runs at a time.
+    // one gather kernel runs at a time (a load's last scatter may overlap the one before it).
     const uint64_t own = !link || !n ? UINT64_MAX : (store ? 0 : n - 1);
     // This transfer's block ids (both sides, 16 bytes per block) in one copy to the device.
     const CUdeviceptr ids_dst = (CUdeviceptr)job->dev_ids, ids_src = (CUdeviceptr)(uintptr_t)job->host_ids;
