@@ -85,12 +85,15 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     auto upload = [&](CUstream s) {
         return c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, s), "cuMemcpyAsync (block id upload)");
     };
+    // A one-slice store with inline ids needs no upload at all; any other upload on aux is
+    // followed by a gather there that the job stream waits for (or by the final wait below).
+    const bool need_upload = !ids_in_link && !(inline_first && n == 1);
     if (store && own == 0 && !inline_first) {
         rc = upload(stream);
     } else {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-        if (!ids_in_link) rc = upload(aux);
+        if (need_upload) rc = upload(aux);
     }
     if (rc) return rc;
     const uint64_t dev_src = job->dev_ids, dev_dst = job->dev_ids + 8 * job->n_ids;
@@ -98,8 +101,8 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
         const uint64_t m = k1 - k0;
         uint64_t *fs = (uint64_t *)malloc(3 * 8 * (m + 1));
         if (!fs)
-            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: out of host memory for %llu "
-                             "link descriptors", (unsigned long long)(m + 1));
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: malloc failed for the first "
+                             "slice's %llu link descriptors (out of host memory)", (unsigned long long)(m + 1));
         uint64_t *fd = fs + m + 1, *fz = fd + m + 1;
         memcpy(fs, job->link_src + k0, 8 * m);
         memcpy(fd, job->link_dst + k0, 8 * m);

@@ -348,10 +348,16 @@ def test_pool_miss_runs_from_json_and_log(tmp_path):
                                     "[miss] round 1: off 3.970s, ours 4.736s, null 4.087s, native 4.1s\n"
                                     "INFO other line 5.0s\n[miss] round 2: off 4.599s, ours 4.405s, null 4.901s\n")
     b = tables.load_miss_runs(tmp_path / "b.log")
-    assert b == {"off": [3.970, 4.599], "ours": [4.736, 4.405], "null": [4.087, 4.901], "native": [4.1]}
+    # round 2 lacks native (it failed there): only complete rounds stay, so pairs keep their round
+    assert b == {"off": [3.970], "ours": [4.736], "null": [4.087], "native": [4.1]}
+    (tmp_path / "b.log").write_text("[miss] round 1: off 3.970s, ours 4.736s, null 4.087s\n"
+                                    "[miss] round 2: off 4.599s, ours 4.405s, null 4.901s\n")
+    b = tables.load_miss_runs(tmp_path / "b.log")
     pooled = tables.pool_miss_runs([tables.load_miss_runs(tmp_path / "a.json.gz"), b])
     assert pooled == {"off": [4.0, 4.2, 3.970, 4.599], "ours": [4.1, 4.2, 4.736, 4.405],
                       "null": [4.0, 4.3, 4.087, 4.901]}  # native: not in every run
+    with pytest.raises(ValueError, match="no engine is in every run"):
+        tables.pool_miss_runs([{"off": [1.0]}, {"ours": [1.0]}])
     (tmp_path / "c.txt").write_text("nothing here\n")
     with pytest.raises(ValueError, match="neither a miss.json nor a log"):
         tables.load_miss_runs(tmp_path / "c.txt")

@@ -171,6 +171,34 @@ def case_staged_wide_first():
     print("staged_wide_first ok")
 
 
+def case_staged_one_slice():
+    """A store of one slice with its ids inline uploads nothing: no copy is left running on the
+    aux stream after the job's stream ends (its id buffers go back to the pool then)."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    staging.MIN_SLOT_BYTES = 0
+    pages = [256, 512]
+    rng = np.random.default_rng(9)
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 24, FakeCuda(), staging_bytes=2 * 4 * 16 * 2 * sum(pages))
+    staging.MIN_SLICE_BYTES = 1 << 20  # the first slice takes the whole (small) transfer
+    ids, chunks = rng.choice(32, 6, replace=False).astype(np.int64), rng.choice(24, 6, replace=False).astype(np.int64)
+    assert core.stager.slice_sizes(6, Direction.D2H) == [6]
+    copies0, inline0 = counter("fake_memcpy_calls", ctypes.c_longlong), counter("fake_inline_launches", ctypes.c_longlong)
+    core.submit(1, Direction.D2H, ids, [6], [0], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_inline_launches", ctypes.c_longlong) > inline0
+    assert counter("fake_memcpy_calls", ctypes.c_longlong) == copies0  # no id upload
+    for i, t in enumerate(kv):
+        assert torch.equal(core.host_view(i)[core._host_blocks(chunks, 0, 6)], t[ids]), i
+    core.shutdown()
+    print("staged_one_slice ok")
+
+
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging

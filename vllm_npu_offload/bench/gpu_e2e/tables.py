@@ -226,23 +226,26 @@ def load_miss_runs(path: str | Path) -> dict[str, list[float]]:
     raw = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
     if raw.lstrip().startswith("{"):
         return {k: list(v) for k, v in json.loads(raw)["runs"].items()}
-    runs: dict[str, list[float]] = {}
+    rounds = []
     for line in raw.splitlines():
         m = re.match(r"\[miss\] round (\d+): (.+)$", line.strip())
         if not m or m.group(1) == "0":  # round 0 is the warm-up (its line lists nothing)
             continue
-        for k, v in re.findall(r"(\S+) ([0-9.]+)s", m.group(2)):
-            runs.setdefault(k, []).append(float(v))
-    if not runs:
+        rounds.append({k: float(v) for k, v in re.findall(r"(\S+) ([0-9.]+)s", m.group(2))})
+    if not rounds:
         raise ValueError(f"{p}: neither a miss.json nor a log with '[miss] round' lines")
-    return runs
+    engines = list(dict.fromkeys(k for r in rounds for k in r))
+    full = [r for r in rounds if len(r) == len(engines)]  # a round an engine failed in pairs nothing
+    return {k: [r[k] for r in full] for k in engines}
 
 
 def pool_miss_runs(runs_list: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     """Rounds of several miss runs, concatenated per engine; only engines every run had (pairs
     stay within a round)."""
     common = set.intersection(*(set(r) for r in runs_list)) if runs_list else set()
-    out = {k: [] for k in runs_list[0] if k in common} if runs_list else {}
+    if not common:
+        raise ValueError(f"no engine is in every run (engines per run: {[sorted(r) for r in runs_list]})")
+    out = {k: [] for k in runs_list[0] if k in common}
     for r in runs_list:
         n = min(len(r[k]) for k in out)
         for k in out:
