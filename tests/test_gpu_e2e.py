@@ -364,3 +364,32 @@ def test_pool_miss_runs_from_json_and_log(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts/pool_miss.py"), str(tmp_path / "a.json.gz"),
                           str(tmp_path / "b.log")], capture_output=True, text=True, check=True).stdout
     assert "| null vs off " in out and "|      4 |" in out
+
+
+def test_part_miss_drops_a_round_an_engine_failed_in():
+    """Rounds are paired across engines: a round one engine failed in is dropped for all of them,
+    so every engine's n-th value comes from the same round."""
+    from types import SimpleNamespace
+
+    from vllm_npu_offload.bench.gpu_e2e import device
+    from vllm_npu_offload.bench.gpu_e2e.engine import EngineError
+
+    class Proc:
+        def __init__(self, kind, base, fail_round=None):
+            self.spec, self.error, self.base, self.fail, self.calls = SimpleNamespace(kind=kind), None, base, fail_round, 0
+
+        def call(self, op, **kw):
+            if op == "worker_info":
+                return {}
+            r = self.calls
+            self.calls += 1
+            if r == self.fail:
+                raise EngineError("boom")
+            return {"wall_s": self.base + r, "totals": {}, "step_rows": [], "store_s": 0.0, "store_bytes": 0}
+
+    procs = {"off": Proc("off", 10.0), "ours": Proc("ours", 20.0, fail_round=2)}
+    a = device.build_parser().parse_args(["miss", "--miss-reps", "3"])
+    res = device.part_miss(procs, a)
+    assert res["dropped_rounds"] == [2] and "ours-2" in res["errors"]
+    assert res["runs"] == {"off": [11.0, 13.0], "ours": [21.0, 23.0]}  # rounds 1 and 3, paired
+    assert len(res["step_rows"]["off"]) == len(res["step_rows"]["ours"]) == 2

@@ -225,20 +225,24 @@ def part_miss(procs: dict, a) -> dict:
     kinds = [k for k in procs if not procs[k].error]
     for r in range(a.miss_reps + 1):
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
+        got = {}
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
             try:
-                g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240, steps=True)
+                got[k] = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240, steps=True)
             except EngineError as e:
                 res["errors"][f"{k}-{r}"] = str(e)
-                continue
-            if r:
+        if r and len(got) < len(kinds):  # a round some engine failed in pairs nothing: drop it for all
+            res.setdefault("dropped_rounds", []).append(r)
+        elif r:
+            for k in kinds:
+                g = got[k]
                 res["runs"][k].append(g["wall_s"])
                 res.setdefault("step_totals", {}).setdefault(k, []).append(g["totals"])
                 res.setdefault("step_rows", {}).setdefault(k, []).append(g.get("step_rows", []))
                 if k == "ours" and g["store_s"] > 0:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
-        print(f"[miss] round {r}: " + ", ".join(f"{k} {res['runs'][k][-1]:.3f}s" for k in kinds
-                                              if r and res["runs"][k]), flush=True)
+        print(f"[miss] round {r}: " + ", ".join(f"{k} {got[k]['wall_s']:.3f}s" for k in kinds if r and k in got),
+              flush=True)
     for k in procs:
         if procs[k].error:
             res["errors"][k] = procs[k].error
