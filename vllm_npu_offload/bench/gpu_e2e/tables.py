@@ -54,10 +54,15 @@ def outside_spread(a: list[float], b: list[float]) -> bool:
     return bool(a and b) and (min(a) > max(b) or min(b) > max(a))
 
 
+def paired_ratios(xs: list[float], base: list[float]) -> list[float]:
+    """Per-round relative changes x_i / base_i - 1 of interleaved runs (round i of both ran under
+    the same conditions, so slow drifts of the machine cancel)."""
+    return [x / b - 1.0 for x, b in zip(xs, base)]
+
+
 def paired_change(xs: list[float], base: list[float]) -> dict[str, float]:
-    """Per-round relative change x_i / base_i - 1 of interleaved runs (round i of both ran under the
-    same conditions, so slow drifts of the machine cancel): median, min, max and n."""
-    return spread([x / b - 1.0 for x, b in zip(xs, base)])
+    """``paired_ratios``' median, min, max and n."""
+    return spread(paired_ratios(xs, base))
 
 
 def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -207,7 +212,7 @@ def cost_split_table(runs: dict[str, list[float]]) -> str:
               for base, what in (("null", "its copies"), ("off", "all of it"))]
     rows = []
     for k, base, what in pairs:
-        ch = [x / b - 1.0 for x, b in zip(runs[k], runs[base])]
+        ch = paired_ratios(runs[k], runs[base])
         ci = median_ci(ch)
         rows.append([f"{k} vs {base}", what, len(ch), f"{statistics.median(ch) * 100:+.2f}%",
                      f"{ci[0] * 100:+.2f}..{ci[1] * 100:+.2f}%" if ci else "-"])
