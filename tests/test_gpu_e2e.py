@@ -235,6 +235,9 @@ def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
     assert b["load_scheduled_ms"] == sched[0]["t_ms"] and sched[0]["loads"] == 1
     assert len(seen) == 1 and b["load_seen_ms"] == pytest.approx(seen[0]["t_ms"] + seen[0]["ms"])
     assert b["forward_scheduled_ms"] == sched[3]["t_ms"] and b["steps"] == 4 and b["flush_steps"] == 0
+    runs = [e for e in ev if e["what"] == "execute"]
+    assert b["forward_ms"] == runs[3]["ms"] and b["forward_cpu_ms"] == runs[3]["cpu_ms"]
+    assert all(0 <= e["cpu_ms"] <= e["ms"] + 0.5 for e in ev if "cpu_ms" in e)  # thread CPU time within the wall
     gc.collect()  # the collector's pauses are recorded too
     try:
         assert any(e["what"] == "gc" and e["gen"] == 2 for e in timeline.since(start, t0))
@@ -393,3 +396,55 @@ def test_part_miss_drops_a_round_an_engine_failed_in():
     assert res["dropped_rounds"] == [2] and "ours-2" in res["errors"]
     assert res["runs"] == {"off": [11.0, 13.0], "ours": [21.0, 23.0]}  # rounds 1 and 3, paired
     assert len(res["step_rows"]["off"]) == len(res["step_rows"]["ours"]) == 2
+
+
+def test_forward_profile_summarizes_one_armed_forward(monkeypatch):
+    import torch
+    from types import SimpleNamespace as NS
+
+    from vllm_npu_offload.bench.gpu_e2e import forward_profile as fp
+
+    monkeypatch.setitem(fp._state, "installed", False)
+    calls = []
+
+    def execute_model(out):
+        calls.append(out.total_num_scheduled_tokens)
+        if out.total_num_scheduled_tokens:
+            x = torch.randn(64, 64)
+            for _ in range(3):
+                x = x @ x
+        return len(calls)
+
+    ex = NS(execute_model=execute_model)
+    llm = NS(llm_engine=NS(engine_core=NS(engine_core=NS(model_executor=ex))))
+    assert fp.install(llm) and fp.install(llm)  # once
+    assert ex.execute_model(NS(total_num_scheduled_tokens=4)) == 1 and fp.take() is None  # not armed
+    fp.arm()
+    assert ex.execute_model(NS(total_num_scheduled_tokens=0)) == 2 and fp._state["last"] is None  # no tokens: waits
+    assert ex.execute_model(NS(total_num_scheduled_tokens=4)) == 3
+    p = fp.take()
+    assert p is not None and fp.take() is None and calls == [4, 0, 4]
+    mm = [row for row in p["top_host"] if row[0] == "aten::mm"]
+    assert mm and mm[0][1] == 3 and p["host_ops"] >= 3 and 0 < p["cpu_ms"] and p["device_ops"] == 0
+    assert ex.execute_model(NS(total_num_scheduled_tokens=4)) == 4 and fp.take() is None  # one forward per arm()
+
+
+def test_forward_profile_summary_and_table():
+    from types import SimpleNamespace as NS
+
+    from vllm_npu_offload.bench.gpu_e2e import forward_profile as fp
+
+    dev = lambda name, a, b: NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=a, end=b))
+    host = lambda name, us: NS(name=name, device_type="DeviceType.CPU", self_cpu_time_total=us,
+                               time_range=NS(start=0, end=us))
+    ev = [host("aten::mm", 300.0), host("aten::mm", 100.0), host("cudaLaunchKernel", 50.0),
+          dev("gemm", 0.0, 1000.0), dev("gemm", 500.0, 1500.0), dev("copy", 3000.0, 3500.0)]
+    s = fp.summarize(ev, 0.01, 0.008)
+    assert s["device_ops"] == 3 and s["device_busy_ms"] == 2.0 and s["device_span_ms"] == 3.5  # overlap counted once
+    assert s["top_host"][0] == ["aten::mm", 2, 0.4] and s["top_device"][0] == ["gemm", 2, 2.0]
+    assert s["host_ops"] == 3 and s["host_self_ms"] == 0.45 and s["wall_ms"] == 10.0 and s["cpu_ms"] == 8.0
+    slower = fp.summarize(ev + [host("aten::mm", 1000.0)], 0.012, 0.01)
+    res = {"rows": [{"prompt_tokens": 2048, "native_profiles": [s, s], "ours_profiles": [slower, slower]}]}
+    text = tables.forward_profile_table(res)
+    assert "2048: aten::mm +1.00" in text and "12.0" in text and "10.0" in text
+    assert tables.forward_profile_table({"rows": [{"prompt_tokens": 1}]}) == ""

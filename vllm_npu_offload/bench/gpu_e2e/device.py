@@ -138,12 +138,12 @@ def start_8b(work: Path, a) -> dict:
     return procs
 
 
-def _reload(e, prompt) -> dict:
+def _reload(e, prompt, profile: bool = False) -> dict:
     """One timed reload: wait for stores, reset the device prefix cache, generate again."""
     fr = e.call("flush_reset")
     if not fr["ok"]:
         raise EngineError(f"reset_prefix_cache() kept failing ({fr})")
-    return e.call("generate", prompts=prompt, max_tokens=1, steps=True)
+    return e.call("generate", prompts=prompt, max_tokens=1, steps=True, profile=profile)
 
 
 def _keep_events(runs: list[dict]) -> dict:
@@ -194,6 +194,12 @@ def part_ttft(procs: dict, a) -> dict:
                 except EngineError as e:
                     res["errors"][f"{kind}-{L}"] = str(e)
                     live.remove(kind)
+        for r in range(a.profile_reps):  # after the timed reps: the profiler slows what it records
+            for kind in (live[:] if r % 2 == 0 else live[::-1]):
+                try:
+                    row.setdefault(f"{kind}_profiles", []).append(_reload(procs[kind], prompt, profile=True)["profile"])
+                except EngineError as e:
+                    res["errors"][f"{kind}-{L}-profile"] = str(e)
         for kind in kinds:
             xs = runs[kind]
             row[f"{kind}_s"] = spread([g["wall_s"] for g in xs]) if xs else {"n": 0}
@@ -328,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
+    ap.add_argument("--profile-reps", type=int, default=0,
+                    help="ttft: reloads per spec and length whose first forward is profiled (torch.profiler), after the timed reps")
     ap.add_argument("--off-reps", type=int, default=5,
                     help="ttft: offload-off reps (cold prefill + device hit; a 32k cold prefill takes seconds)")
     ap.add_argument("--miss-reps", type=int, default=12,

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import timeline
+from . import forward_profile, timeline
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
@@ -89,11 +89,14 @@ class _Engine:
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
         timeline.install(self.llm)
+        self._profiling = forward_profile.install(self.llm)
         self._flush_seq = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False) -> dict:
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False,
+                 profile: bool = False) -> dict:
         """Run ``prompts``; the wall time, tokens, transfer totals and, with ``steps``, the
-        step timeline of this call (``timeline.breakdown`` plus the raw events)."""
+        step timeline of this call (``timeline.breakdown`` plus the raw events); with
+        ``profile``, a profile of its first forward that runs tokens (``forward_profile``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -101,6 +104,8 @@ class _Engine:
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         load0, store0 = TOTALS.snapshot()
+        if profile and self._profiling:
+            forward_profile.arm()
         m = timeline.mark()
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -119,6 +124,7 @@ class _Engine:
                 "load_jobs": load1.jobs - load0.jobs, "load_failed": load1.failed - load0.failed,
                 "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
                 "store_failed": store1.failed - store0.failed,
+                **({"profile": forward_profile.take()} if profile else {}),
                 **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3),
                     "totals": timeline.totals(events), "step_rows": timeline.step_rows(events)} if steps else {})}
 

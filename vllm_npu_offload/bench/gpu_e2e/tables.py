@@ -121,8 +121,35 @@ def ttft_table(res: dict) -> str:
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = host KV bytes / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix); ours transfer = "
             f"device time of the loads, load seen = from their submit until a poll saw them done")
-    steps = ttft_steps_table(res)
-    return text + ("\n\n" + steps if steps else "")
+    steps, prof = ttft_steps_table(res), forward_profile_table(res)
+    return text + ("\n\n" + steps if steps else "") + ("\n\n" + prof if prof else "")
+
+
+def forward_profile_table(res: dict) -> str:
+    """The profiled first forwards of native and ours (``--profile-reps``): medians of wall,
+    CPU, host operators and device busy time, and the host operators whose self time differs
+    most between the two (ours - native, ms per forward)."""
+    rows, diffs = [], []
+    for r in res["rows"]:
+        per = {k: r.get(f"{k}_profiles") or [] for k in ("native", "ours")}
+        for kind, ps in per.items():
+            if ps:
+                rows.append([r["prompt_tokens"], kind, len(ps)] + [_f(_med([p[k] for p in ps]), fmt) for k, fmt in (
+                    ("wall_ms", "{:,.1f}"), ("cpu_ms", "{:,.1f}"), ("host_ops", "{:,.0f}"), ("host_self_ms", "{:,.1f}"),
+                    ("device_ops", "{:,.0f}"), ("device_busy_ms", "{:,.1f}"), ("device_span_ms", "{:,.1f}"))])
+        if per["native"] and per["ours"]:
+            mean = lambda ps: {n: sum(t for p in ps for m, _, t in p["top_host"] if m == n) / len(ps)
+                               for p in ps for n, _, _ in p["top_host"]}
+            a, b = mean(per["native"]), mean(per["ours"])
+            d = sorted(((b.get(n, 0.0) - a.get(n, 0.0), n) for n in set(a) | set(b)), key=lambda x: -abs(x[0]))[:3]
+            diffs.append(f"{r['prompt_tokens']}: " + ", ".join(f"{n} {x:+.2f}" for x, n in d))
+    if not rows:
+        return ""
+    head = ["prompt tok", "spec", "forwards", "wall ms", "CPU ms", "host ops", "host self ms", "device ops",
+            "device busy ms", "device span ms"]
+    return (table(head, rows) + "\nprofiled first forwards (torch.profiler, after the timed reps), medians; "
+            "host operators with the largest self-time difference, ours - native (ms, among each side's top "
+            "operators):\n" + "\n".join(diffs))
 
 
 def _med(xs: list) -> float | None:
@@ -149,19 +176,22 @@ def ttft_steps_table(res: dict) -> str:
                          _f(_med([x["load_scheduled_ms"] for x in b])), _f(_med([x["load_seen_ms"] for x in b])),
                          _f(_med([x["forward_scheduled_ms"] for x in b])), _f(_med([x["steps"] for x in b]), "{:.0f}"),
                          _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b),
-                         _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None))])
+                         _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None)),
+                         _f(_med([x.get("forward_ms") for x in b])), _f(_med([x.get("forward_cpu_ms") for x in b]))])
         nb, ob = r.get("native_steps") or [], r.get("ours_steps") or []
         if nb and ob:
             d = [o["wall_ms"] - n["wall_ms"] for o, n in zip(ob, nb)]
             rows.append([r["prompt_tokens"], "ours - native", len(d), _f(_med(d), "{:+,.1f}"), _f(min(d), "{:+,.1f}"),
                          _f(max(d), "{:+,.1f}"), f"ours faster in {sum(x < 0 for x in d)}/{len(d)}", "", "", "", "",
-                         "", ""])
+                         "", "", "", ""])
     if not rows:
         return ""
     head = ["prompt tok", "spec", "reps", "wall ms", "min", "max", "load scheduled at", "load seen at",
-            "forward scheduled at", "steps", "longest step ms", "flush steps", "max gc in forward ms"]
+            "forward scheduled at", "steps", "longest step ms", "flush steps", "max gc in forward ms",
+            "forward ms", "its CPU ms"]
     return table(head, rows) + ("\nreload reps of native and ours in turns (the first alternates); \"at\" = ms "
-                                "after generate() began, medians over reps; from each rep's engine step timeline")
+                                "after generate() began, medians over reps; from each rep's engine step timeline; "
+                                "forward = the model call that makes the first token, CPU = its thread's CPU time")
 
 
 def miss_table(res: dict) -> str:

@@ -36,9 +36,12 @@ def _wrap(obj: Any, name: str, what: str, details: Callable[[Any, tuple], dict] 
         return False
 
     def timed(*args, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = fn(*args, **kw)
-        _EVENTS.append((t0, what, time.perf_counter() - t0, details(out, args) if details else {}))
+        t1, c1 = time.perf_counter(), time.thread_time()
+        d = details(out, args) if details else {}
+        d["cpu_ms"] = round((c1 - c0) * 1e3, 3)  # this thread's CPU time: wall minus it = waiting
+        _EVENTS.append((t0, what, t1 - t0, d))
         return out
 
     setattr(obj, name, timed)
@@ -154,8 +157,10 @@ def breakdown(events: list[dict], wall_ms: float) -> dict:
     seen_at = seen["t_ms"] + seen["ms"] if seen else None
     fwd = next((e for e in sched if e["tokens"] and (seen_at is None or e["t_ms"] >= seen_at)), None)
     steps = [e for e in events if e["what"] == "step"]
+    run = next((e for e in events if e["what"] == "execute" and fwd and e["t_ms"] >= fwd["t_ms"]), None)
     return {"wall_ms": round(wall_ms, 3), "load_scheduled_ms": load_at, "load_seen_ms": seen_at,
             "forward_scheduled_ms": fwd["t_ms"] if fwd else None,
+            "forward_ms": run["ms"] if run else None, "forward_cpu_ms": run.get("cpu_ms") if run else None,
             "steps": len(steps), "longest_step_ms": max((e["ms"] for e in steps), default=None),
             "flush_steps": sum(1 for e in sched if e["flush"]),
             "gc_ms": round(sum(e["ms"] for e in events if e["what"] == "gc"), 3),

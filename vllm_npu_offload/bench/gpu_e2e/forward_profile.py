@@ -1,0 +1,99 @@
+"""Profile of one forward that makes tokens, inside a running engine (benchmark only).
+
+Why: in every reload-TTFT run the forward that makes the first token after our load took 1-4 ms
+longer than the same forward after native's load (docs/benchmarks.md, "Eighth run"). The forward
+is CPU-bound in eager mode, so its host operators and device kernels (torch.profiler, CUPTI)
+say whether our process does more work there, or waits.
+
+``install(llm)`` wraps the executor's ``execute_model`` once; ``arm()`` makes the next call that
+runs tokens a profiled one; ``take()`` returns its summary (``summarize``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+_state: dict[str, Any] = {"armed": False, "last": None, "installed": False}
+
+
+def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> dict:
+    """Host operators by self CPU time and device activities by total time, from profiler
+    events (anything with ``name``, ``device_type``, ``self_cpu_time_total`` in us and
+    ``time_range.start/end`` in us)."""
+    host: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    dev: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
+    for e in events:
+        if "CUDA" in str(getattr(e, "device_type", "")):
+            a, b = float(e.time_range.start), float(e.time_range.end)
+            spans.append((a, b))
+            d = dev[e.name[:70]]
+            d[0] += 1
+            d[1] += b - a
+        else:
+            h = host[e.name[:70]]
+            h[0] += 1
+            h[1] += float(getattr(e, "self_cpu_time_total", 0.0))
+    spans.sort()
+    busy, end = 0.0, None
+    for a, b in spans:  # device time covered by at least one activity
+        if end is None or a >= end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    rank = lambda m: [[k, int(v[0]), round(v[1] / 1e3, 3)] for k, v in sorted(m.items(), key=lambda kv: -kv[1][1])[:top]]
+    return {"wall_ms": round(wall_s * 1e3, 3), "cpu_ms": round(cpu_s * 1e3, 3),
+            "host_ops": sum(int(v[0]) for v in host.values()),
+            "host_self_ms": round(sum(v[1] for v in host.values()) / 1e3, 3),
+            "device_ops": len(spans), "device_busy_ms": round(busy / 1e3, 3),
+            "device_span_ms": round((spans[-1][1] - spans[0][0]) / 1e3, 3) if spans else 0.0,
+            "top_host": rank(host), "top_device": rank(dev)}
+
+
+def _tokens(args: tuple) -> int:
+    return int(getattr(args[0], "total_num_scheduled_tokens", 0) or 0) if args else 0
+
+
+def install(llm) -> bool:
+    """Wrap ``execute_model`` of this engine's executor (in-process engine only)."""
+    if _state["installed"]:
+        return True
+    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    ex = getattr(core, "model_executor", None)
+    fn = getattr(ex, "execute_model", None)
+    if fn is None:
+        return False
+
+    def profiled(*args, **kw):
+        if not (_state["armed"] and _tokens(args)):
+            return fn(*args, **kw)
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        _state["armed"] = False
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = fn(*args, **kw)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            if cuda:
+                torch.cuda.synchronize()  # the kernels it launched, for CUPTI
+        _state["last"] = summarize(list(prof.events()), t1 - t0, c1 - c0)
+        return out
+
+    ex.execute_model = profiled
+    _state["installed"] = True
+    return True
+
+
+def arm() -> None:
+    _state["armed"], _state["last"] = True, None
+
+
+def take() -> dict | None:
+    out, _state["last"], _state["armed"] = _state["last"], None, False
+    return out
