@@ -58,6 +58,7 @@ case "$cmd" in
     export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     export OUT=${OUT:-$ROOT/gpu_e2e_out}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu] /'
+    lscpu 2>/dev/null | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Model name)' | sed 's/^/[cpu] /'
     "$PY" -m vllm_npu_offload.bench.gpu_e2e.device "$@" --out "$OUT" 2>&1 | tee "$OUT/gpu_e2e.log"
     exit "${PIPESTATUS[0]}"
     ;;

@@ -448,3 +448,37 @@ def test_forward_profile_summary_and_table():
     text = tables.forward_profile_table(res)
     assert "2048: aten::mm +1.00" in text and "12.0" in text and "10.0" in text
     assert tables.forward_profile_table({"rows": [{"prompt_tokens": 1}]}) == ""
+
+
+def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
+    from vllm_npu_offload.bench.gpu_e2e import device, engine
+
+    a = device.build_parser().parse_args(["ttft", "--cpus", "0,2-3"])
+    assert a.cpus == [0, 2, 3] and device.build_parser().parse_args(["ttft"]).cpus == []
+    for bad in ("x", "3-a", "", "-1"):
+        with pytest.raises(SystemExit):
+            device.build_parser().parse_args(["ttft", "--cpus", bad])
+    assert device.main(["ttft", "--cpus", "100000", "--out", str(tmp_path)]) == 2  # not on this machine
+    seen = {}
+    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    device.start_8b(tmp_path, device.build_parser().parse_args(["ttft", "--cpus", "0"]))
+    assert [s.cpus for s in seen["specs"]] == [(0,), (0,), (0,)]
+
+    class FakeEngine:  # the child pins itself before it builds the engine
+        def __init__(self, spec):
+            self.start_s, self.cpus = 0.0, sorted(os.sched_getaffinity(0))
+
+        def affinity(self):
+            return self.cpus
+
+    sent, ops = [], iter([("affinity", {}), ("quit", {})])
+    conn = type("Conn", (), {"send": lambda self, m: sent.append(m), "recv": lambda self: next(ops)})()
+    monkeypatch.setattr(engine, "_Engine", FakeEngine)
+    monkeypatch.setattr(engine, "ENV", {})
+    before = os.sched_getaffinity(0)
+    try:
+        engine._child(conn, engine.EngineSpec("ours", "ours", "m", cpus=(0,)))
+    finally:
+        os.sched_setaffinity(0, before)
+    assert sent[0][0] == "ready" and sent[1] == ("ok", [0])

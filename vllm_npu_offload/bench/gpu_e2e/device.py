@@ -125,7 +125,8 @@ def start_8b(work: Path, a) -> dict:
     model = build_shape_model(work / "llama8b", 128256)
     mk = lambda kind, label=None, env=None: EngineSpec(
         label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
-        kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {})
+        kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {},
+        cpus=tuple(a.cpus))
     # plus more engines of our spec, each with its own environment (an A/B in one run)
     base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
@@ -327,6 +328,20 @@ def _variant(text: str) -> tuple[str, dict[str, str]]:
     return label, {k: v for k, _, v in pairs}
 
 
+def _cpus(text: str) -> list[int]:
+    """"4-7" or "4,5,8-9" -> [4, 5, 6, 7] / [4, 5, 8, 9]."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        out = []
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"--cpus {text!r}: expected CPU numbers like 4-7 or 4,5,8-9")
+    return sorted(set(out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpu_e2e.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
+    ap.add_argument("--cpus", type=_cpus, default=[],
+                    help="ttft/miss: run every engine on these CPUs (e.g. 4-7). They take turns, so sharing costs "
+                         "nothing, and a slow spell of a core then hits native and ours alike")
     ap.add_argument("--profile-reps", type=int, default=0,
                     help="ttft: reloads per spec and length whose first forward is profiled (torch.profiler), after the timed reps")
     ap.add_argument("--off-reps", type=int, default=5,
@@ -375,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.no_native and "ttft" in parts:
         print("error: --no-native leaves ttft nothing to compare with; run ttft without it", file=sys.stderr)
+        return 2
+    bad = sorted(set(a.cpus) - os.sched_getaffinity(0))
+    if bad:
+        print(f"error: --cpus {bad} not available here (allowed: {sorted(os.sched_getaffinity(0))})", file=sys.stderr)
         return 2
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,7 @@ class EngineSpec:
     block_size: int = 16
     max_num_seqs: int = 64
     env: dict = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # CPU affinity of the engine's process (empty: the parent's)
 
     def llm_kwargs(self) -> dict:
         kw = dict(model=self.model, dtype=self.dtype, load_format=self.load_format, max_model_len=self.max_model_len,
@@ -204,6 +205,8 @@ def _child(conn, spec: EngineSpec) -> None:
     os.environ.update(ENV)
     os.environ.update(spec.env)
     try:
+        if spec.cpus:  # before the engine exists: its threads inherit the mask
+            os.sched_setaffinity(0, spec.cpus)
         eng = _Engine(spec)
         conn.send(("ready", {"start_s": eng.start_s}))
     except BaseException as e:  # noqa: BLE001 - report any start failure to the parent
