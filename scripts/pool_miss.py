@@ -16,4 +16,4 @@ if len(sys.argv) < 2:
 runs = pool_miss_runs([load_miss_runs(a) for a in sys.argv[1:]])
 print(table(["engine", "rounds"], [[k, len(v)] for k, v in runs.items()]))
 print()
-print(cost_split_table(runs) or "(no null engine in every run: nothing to split)")
+print(cost_split_table(runs) or "(no offload-off rounds in every run: nothing to compare)")

@@ -339,7 +339,9 @@ def test_null_engine_splits_the_miss_cost(monkeypatch, tmp_path):
     assert "+1.00%" in lines["null vs off"] and "+0.50%" in lines["ours vs null"] and "+1.50%" in lines["ours vs off"]
     assert "+0.99%" in lines["native vs null"]  # 1.02 / 1.01 - 1
     assert "+1.00..+1.00%" in lines["null vs off"]  # every round the same: the interval is that point
-    assert tables.cost_split_table({"off": off, "ours": off}) == ""  # no null engine, no split
+    plain = tables.cost_split_table({"off": off, "ours": [x * 1.03 for x in off]})  # no null: against off only
+    assert "ours vs off" in plain and "+3.00%" in plain and "null" not in plain
+    assert tables.cost_split_table({"ours": off}) == "" and tables.cost_split_table({"off": off}) == ""
 
 
 def test_pool_miss_runs_from_json_and_log(tmp_path):
