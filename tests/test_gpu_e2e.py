@@ -457,7 +457,7 @@ def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
 
     a = device.build_parser().parse_args(["ttft", "--cpus", "0,2-3"])
     assert a.cpus == [0, 2, 3] and device.build_parser().parse_args(["ttft"]).cpus == []
-    for bad in ("x", "3-a", "", "-1"):
+    for bad in ("x", "3-a", "", "-1", "0,3-1"):
         with pytest.raises(SystemExit):
             device.build_parser().parse_args(["ttft", "--cpus", bad])
     assert device.main(["ttft", "--cpus", "100000", "--out", str(tmp_path)]) == 2  # not on this machine

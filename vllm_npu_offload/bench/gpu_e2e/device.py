@@ -334,7 +334,10 @@ def _cpus(text: str) -> list[int]:
     try:
         for part in text.split(","):
             lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
+            a, b = int(lo), int(hi or lo)
+            if b < a:
+                raise ValueError(part)
+            out += range(a, b + 1)
     except ValueError:
         out = []
     if not out or min(out) < 0:
