@@ -186,3 +186,15 @@ def test_client_side_imports_neither_vllm_nor_torch():
             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_launcher_pins_the_server_to_the_cpus_asked_for(tmp_path):
+    from vllm_npu_offload.bench.multiturn.launcher import vllm_server
+
+    fake = tmp_path / "fakepython"
+    fake.write_text(f"#!/bin/sh\ngrep Cpus_allowed_list /proc/$$/status > {tmp_path}/cpus\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(BenchError, match="exited with code 3"):
+        with vllm_server("m", python=str(fake), startup_timeout_s=30, log_path=tmp_path / "s.log", cpus=[0]):
+            pass
+    assert (tmp_path / "cpus").read_text().split() == ["Cpus_allowed_list:", "0"]

@@ -298,7 +298,8 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
         if label == "native":
             extra = ["--kv-transfer-config", json.dumps(kv_transfer_config("native", a.cpu_gib * GiB, 64))]
         srv = partial(vllm_server, model, args + extra, offload=label == "ours", cpu_bytes=a.cpu_gib * GiB,
-                      block_size=64, env=env, startup_timeout_s=300, log_path=logs / f"server-{label}.log", label=label)
+                      block_size=64, env=env, startup_timeout_s=300, log_path=logs / f"server-{label}.log", label=label,
+                      cpus=a.cpus)
         t0 = time.perf_counter()
         try:
             run, s = run_one(convs, dcfg, label, srv)
@@ -353,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
     ap.add_argument("--cpus", type=_cpus, default=[],
-                    help="ttft/miss: run every engine on these CPUs (e.g. 4-7). They take turns, so sharing costs "
-                         "nothing, and a slow spell of a core then hits native and ours alike")
+                    help="run every engine (ttft/miss) or server (multiturn) on these CPUs (e.g. 4-7). They take "
+                         "turns, so sharing costs nothing, and a slow spell of a core then hits native and ours alike")
     ap.add_argument("--profile-reps", type=int, default=0,
                     help="ttft: reloads per spec and length whose first forward is profiled (torch.profiler), after the timed reps")
     ap.add_argument("--off-reps", type=int, default=5,

@@ -73,12 +73,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 def vllm_server(model: str, args: Sequence[str] = (), *, offload: bool = False, cpu_bytes: int = 1 << 30,
                 block_size: int | None = None, env: dict[str, str] | None = None, startup_timeout_s: float = 600,
                 log_path: str | Path | None = None, python: str = sys.executable, label: str = "server",
-                ) -> Iterator[str]:
+                cpus: Sequence[int] = ()) -> Iterator[str]:
     """Yield the base URL (``http://127.0.0.1:PORT``) of a healthy server; stop it on exit.
 
     ``args`` are extra ``api_server`` flags (e.g. ``--dtype``, ``--max-model-len``); with
     ``offload`` the NPUOffloadingSpec --kv-transfer-config is added (its block_size defaults to
-    the ``--block-size`` in ``args``, else 16)."""
+    the ``--block-size`` in ``args``, else 16). ``cpus``: the server's CPU affinity (its processes
+    inherit it), so servers run one after another on the same cores."""
     if not (startup_timeout_s > 0):
         raise BenchError(f"startup timeout = {startup_timeout_s}: must be > 0 seconds")
     port = free_port()
@@ -99,8 +100,9 @@ def vllm_server(model: str, args: Sequence[str] = (), *, offload: bool = False, 
     with open(log, "wb") as logf:
         logf.write((" ".join(cmd) + "\n").encode())
         logf.flush()
+        pin = (lambda: os.sched_setaffinity(0, list(cpus))) if cpus else None
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=full_env, start_new_session=True)
+                                env=full_env, start_new_session=True, preexec_fn=pin)
     try:
         t0 = time.monotonic()
         with httpx.Client(trust_env=False, timeout=2.0) as http:
