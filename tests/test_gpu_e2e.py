@@ -484,3 +484,56 @@ def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
     finally:
         os.sched_setaffinity(0, before)
     assert sent[0][0] == "ready" and sent[1] == ("ok", [0])
+
+
+@pytest.mark.parametrize("reps", [1, 3])
+def test_multiturn_passes_pair_servers_that_stay_up(monkeypatch, tmp_path, reps):
+    import contextlib
+
+    from vllm_npu_offload.bench.gpu_e2e import device
+    from vllm_npu_offload.bench.multiturn import compare, launcher, report
+
+    started, runs = [], []
+
+    @contextlib.contextmanager
+    def fake_server(model, args, *, label, cpus, **kw):
+        started.append((label, tuple(cpus), "--kv-transfer-config" in args or kw.get("offload")))
+        yield f"http://x/{label}"
+
+    speed = {"off": 10.0, "native": 9.0, "ours": 9.5, "null": 9.8}
+
+    def fake_run_one(convs, dcfg, label, server):
+        if server is not None:
+            with server() as url:
+                assert url.endswith(label)
+        else:
+            assert dcfg.url.endswith(label)
+        runs.append((label, convs[0]))
+        rps = speed[label] * (1.0 + 0.1 * len(runs))  # a drift: pairs by pass cancel it only roughly
+        return {"results": []}, {"label": label, "requests_per_s": rps, "ttft_ms": {"p50": 100.0}, "tpot_ms": {"p50": 20.0},
+                    "completed": 4, "planned": 4, "server": {}}
+
+    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "_mt_conversations", lambda a, seed: ({"seed": seed}, [f"conv-seed{seed}"]))
+    monkeypatch.setattr(launcher, "vllm_server", fake_server)
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    monkeypatch.setattr(report, "write_json", lambda path, data: None)
+    monkeypatch.setattr(report, "format_compare", lambda off, on: f"{off['label']}/{on['label']} pass {on['rep']}")
+    a = device.build_parser().parse_args(["multiturn", "--mt-reps", str(reps), "--null", "--cpus", "0"])
+    res = device.part_multiturn(tmp_path, a, tmp_path)
+    assert [res[f"compare_off_{k}"] for k in ("native", "ours", "null")] == [f"off/{k} pass 0" for k in
+                                                                             ("native", "ours", "null")]
+    labels = ["off", "native", "ours", "null"]
+    assert [s[0] for s in started] == labels and all(s[1] == (0,) for s in started)  # each server started once
+    assert all(s[2] for s in started[1:]) and not started[0][2]  # every server but off offloads
+    assert len(res["summaries"]) == 4 * reps and not res["errors"]
+    if reps == 1:
+        assert [r[0] for r in runs] == labels and tables.multiturn_paired_table(res) == ""
+        return
+    assert [r[0] for r in runs] == labels + labels[::-1] + labels  # the one going first alternates
+    assert [r[1] for r in runs[::4]] == ["conv-seed0", "conv-seed1", "conv-seed2"]  # new texts per pass
+    paired = tables.multiturn_paired_table(res)
+    assert paired and paired in tables.multiturn_table(res)
+    native = next(ln for ln in paired.splitlines() if ln.startswith("| native"))
+    # passes 0/1/2: 10.8/11.0, 15.3/18.0, 18.0/19.0 req/s against off in the same pass
+    assert "-5.3% (-15.0..-1.8%)" in native and "+0.0% (+0.0..+0.0%)" in native  # TPOT and TTFT unchanged

@@ -262,12 +262,31 @@ def part_miss(procs: dict, a) -> dict:
 
 
 # ---------------------------------------------------------------------------- multi-turn
+def _mt_conversations(a, seed: int) -> tuple[dict, list]:
+    """The multi-turn workload; each ``seed`` gives new texts, so a later pass finds none of an
+    earlier pass's prefixes cached."""
+    from ..multiturn.generate import Conversation, generate
+
+    cfg = {"filetype": "generate_conversations", "num_conversations": a.mt_conversations, "text_files": [],
+           "seed": seed, "num_system_prompts": 1, "max_context_tokens": 7000,
+           "prompt_input": {"num_turns": {"distribution": "constant", "value": 2 * a.mt_turns},
+                            "common_prefix_num_tokens": {"distribution": "constant", "value": 500},
+                            "prefix_num_tokens": {"distribution": "uniform", "min": 1000, "max": 2000},
+                            "num_tokens": {"distribution": "constant", "value": 100}},
+           "prompt_output": {"num_tokens": {"distribution": "constant", "value": 32}}}
+    return cfg, [Conversation(c["id"], c["messages"]) for c in generate(cfg)["conversations"]]
+
+
 def part_multiturn(work: Path, a, out: Path) -> dict:
+    """Multi-turn serving, one ``vllm serve`` per spec. With ``--mt-reps 1`` each server is started,
+    run and stopped in turn; with more, all servers stay up and take turns pass by pass (the one
+    going first alternates; every pass has new texts), so passes pair up like miss rounds."""
+    import contextlib
+    from dataclasses import replace
     from functools import partial
 
     from ..multiturn.compare import run_one
     from ..multiturn.driver import DriverConfig
-    from ..multiturn.generate import Conversation, generate
     from ..multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
     from ..multiturn.report import format_compare, run_payload, write_json
     from .engine import kv_transfer_config
@@ -279,40 +298,56 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
             "--block-size", "16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.3",
             "--kv-cache-memory-bytes", str(int(a.mt_device_kv_gib * GiB)), "--enable-prefix-caching",
             "--chat-template", str(tmpl), "--served-model-name", "llama8b", "--max-num-seqs", "32", "--seed", "0"]
-    cfg = {"filetype": "generate_conversations", "num_conversations": a.mt_conversations, "text_files": [],
-           "seed": 0, "num_system_prompts": 1, "max_context_tokens": 7000,
-           "prompt_input": {"num_turns": {"distribution": "constant", "value": 2 * a.mt_turns},
-                            "common_prefix_num_tokens": {"distribution": "constant", "value": 500},
-                            "prefix_num_tokens": {"distribution": "uniform", "min": 1000, "max": 2000},
-                            "num_tokens": {"distribution": "constant", "value": 100}},
-           "prompt_output": {"num_tokens": {"distribution": "constant", "value": 32}}}
-    convs = [Conversation(c["id"], c["messages"]) for c in generate(cfg)["conversations"]]
+    cfg, convs = _mt_conversations(a, 0)
     dcfg = DriverConfig(url="http://127.0.0.1", model=None, clients=a.mt_clients, max_active=a.mt_conversations,
                         warmup=2, timeout_s=120, temperature=0.0, ignore_eos=True, max_requests=None, progress=False)
     env = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # a normal server: engine core in its own process
     logs = work / "mt_logs"
-    res: dict = {"workload": cfg, "server_args": args, "cpu_bytes": a.cpu_gib * GiB, "summaries": [], "errors": []}
+    res: dict = {"workload": cfg, "server_args": args, "cpu_bytes": a.cpu_gib * GiB, "summaries": [], "errors": [],
+                 "reps": a.mt_reps}
     payload = {}
-    for label in ("off", "native", "ours"):
+    labels = ["off", "native", "ours"] + (["null"] if a.null else [])
+
+    def server(label: str):
         extra = []
-        if label == "native":
-            extra = ["--kv-transfer-config", json.dumps(kv_transfer_config("native", a.cpu_gib * GiB, 64))]
-        srv = partial(vllm_server, model, args + extra, offload=label == "ours", cpu_bytes=a.cpu_gib * GiB,
-                      block_size=64, env=env, startup_timeout_s=300, log_path=logs / f"server-{label}.log", label=label,
-                      cpus=a.cpus)
+        if label in ("native", "null"):
+            extra = ["--kv-transfer-config", json.dumps(kv_transfer_config(label, a.cpu_gib * GiB, 64))]
+        return partial(vllm_server, model, args + extra, offload=label == "ours", cpu_bytes=a.cpu_gib * GiB,
+                       block_size=64, env=env, startup_timeout_s=300, log_path=logs / f"server-{label}.log",
+                       label=label, cpus=a.cpus)
+
+    def one(label: str, conv_list: list, url: str | None, rep: int) -> None:
         t0 = time.perf_counter()
         try:
-            run, s = run_one(convs, dcfg, label, srv)
+            run, s = run_one(conv_list, replace(dcfg, url=url) if url else dcfg, label, None if url else server(label))
         except Exception as e:  # noqa: BLE001 - record and go on with the next server
-            res["errors"].append({"label": label, "error": f"{type(e).__name__}: {e}"[-3000:]})
-            continue
-        s["wall_with_start_s"] = time.perf_counter() - t0
+            res["errors"].append({"label": label, "rep": rep, "error": f"{type(e).__name__}: {e}"[-3000:]})
+            return
+        s["wall_with_start_s"], s["rep"] = time.perf_counter() - t0, rep
         res["summaries"].append(s)
-        payload[label] = run_payload(run, s)
-        print(f"[multiturn] {label}: {s['requests_per_s']:.2f} req/s, TTFT p50 {s['ttft_ms'].get('p50', 0):.0f} ms, "
-              f"{s['wall_with_start_s']:.0f}s with start", flush=True)
-    by = {s["label"]: s for s in res["summaries"]}
-    for k in ("native", "ours"):
+        payload[label if a.mt_reps <= 1 else f"{label}#{rep}"] = run_payload(run, s)
+        print(f"[multiturn] {label} pass {rep}: {s['requests_per_s']:.2f} req/s, TTFT p50 "
+              f"{s['ttft_ms'].get('p50', 0):.0f} ms, TPOT p50 {s['tpot_ms'].get('p50', 0):.1f} ms, "
+              f"{s['wall_with_start_s']:.0f}s", flush=True)
+
+    if a.mt_reps <= 1:
+        for label in labels:
+            one(label, convs, None, 0)
+    else:
+        with contextlib.ExitStack() as stack:
+            urls = {}
+            for label in labels:
+                try:
+                    urls[label] = stack.enter_context(server(label)())
+                except Exception as e:  # noqa: BLE001
+                    res["errors"].append({"label": label, "rep": -1, "error": f"{type(e).__name__}: {e}"[-3000:]})
+            live = [k for k in labels if k in urls]
+            for r in range(a.mt_reps):
+                conv_r = convs if r == 0 else _mt_conversations(a, r)[1]
+                for label in (live if r % 2 == 0 else live[::-1]):
+                    one(label, conv_r, urls[label], r)
+    by = {s["label"]: s for s in res["summaries"] if s["rep"] == 0}
+    for k in labels[1:]:
         if "off" in by and k in by:
             res[f"compare_off_{k}"] = format_compare(by["off"], by[k])
     write_json(out / "multiturn_requests.json", payload)
@@ -372,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--null", action="store_true",
                     help="add vLLM's spec without copies (null_spec.py) to the 8B pool: the miss part then splits "
                          "the cost into vLLM's connector (null vs off) and the copies (native/ours vs null); "
-                         "four engines need --kv-gib 13; not with ttft (a reload would stop it)")
+                         "four engines need --kv-gib 13; not with ttft (a reload would stop it). With multiturn: a "
+                         "fourth server, for workloads with no offload hits only (its first load stops it)")
     ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")
     ap.add_argument("--cpu-gib", type=int, default=8, help="host KV per offload engine (GiB)")
     ap.add_argument("--miss-batch", type=int, default=48)
@@ -380,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--miss-out", type=int, default=64)
     ap.add_argument("--mt-conversations", type=int, default=32)
     ap.add_argument("--mt-turns", type=int, default=4)
+    ap.add_argument("--mt-reps", type=int, default=1,
+                    help="multiturn passes; above 1 all servers stay up and take turns pass by pass, with new texts")
     ap.add_argument("--mt-clients", type=int, default=8)
     ap.add_argument("--mt-device-kv-gib", type=float, default=4.0, help="multiturn: device KV per server (GiB)")
     return ap

@@ -338,8 +338,34 @@ def multiturn_table(res: dict) -> str:
                      srv.get("offload_load_bytes", nan) / 2**20])
     for e in res.get("errors", []):
         rows.append([e["label"], "failed", "-", "-", "-", "-", "-", "-"])
-    return table(["server", "ok", "req/s", "TTFT p50 ms", "TTFT p99 ms", "device prefix hit %",
+    text = table(["server", "ok", "req/s", "TTFT p50 ms", "TTFT p99 ms", "device prefix hit %",
                   "offload hit %", "loaded MiB"], rows)
+    paired = multiturn_paired_table(res)
+    return text + ("\n\n" + paired if paired else "")
+
+
+def multiturn_paired_table(res: dict) -> str:
+    """With several passes (``--mt-reps``): each server's change against off in the same pass,
+    medians over passes with the range (req/s, and the median TPOT and TTFT of the pass)."""
+    by: dict[str, dict[int, dict]] = {}
+    for s in res["summaries"]:
+        by.setdefault(s["label"], {})[s.get("rep", 0)] = s
+    off = by.get("off", {})
+    rows = []
+    for label, per in by.items():
+        reps = sorted(r for r in per if r in off)
+        if label == "off" or len(reps) < 2:
+            continue
+        row = [label, len(reps)]
+        for key, pick in (("req/s", lambda s: s["requests_per_s"]), ("TPOT", lambda s: s["tpot_ms"].get("p50")),
+                          ("TTFT", lambda s: s["ttft_ms"].get("p50"))):
+            ch = paired_change([pick(per[r]) for r in reps], [pick(off[r]) for r in reps])
+            row.append(f"{ch['median'] * 100:+.1f}% ({ch['min'] * 100:+.1f}..{ch['max'] * 100:+.1f}%)")
+        rows.append(row)
+    if not rows:
+        return ""
+    return (table(["server", "passes", "req/s vs off", "TPOT p50 vs off", "TTFT p50 vs off"], rows)
+            + "\npaired by pass (all servers up, taking turns; new texts each pass): median change (min..max)")
 
 
 FORMATTERS = {"correctness": correctness_table, "ttft": ttft_table, "miss": miss_table, "multiturn": multiturn_table}
