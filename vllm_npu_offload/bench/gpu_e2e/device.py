@@ -282,6 +282,7 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     run and stopped in turn; with more, all servers stay up and take turns pass by pass (the one
     going first alternates; every pass has new texts), so passes pair up like miss rounds."""
     import contextlib
+    from concurrent.futures import ThreadPoolExecutor
     from dataclasses import replace
     from functools import partial
 
@@ -335,10 +336,13 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
             one(label, convs, None, 0)
     else:
         with contextlib.ExitStack() as stack:
-            urls = {}
-            for label in labels:
+            urls, cms = {}, {label: server(label)() for label in labels}
+            with ThreadPoolExecutor(len(cms)) as pool:  # start together: each start takes about a minute
+                futs = {label: pool.submit(cm.__enter__) for label, cm in cms.items()}
+            for label, fut in futs.items():
                 try:
-                    urls[label] = stack.enter_context(server(label)())
+                    urls[label] = fut.result()
+                    stack.push(cms[label].__exit__)
                 except Exception as e:  # noqa: BLE001
                     res["errors"].append({"label": label, "rep": -1, "error": f"{type(e).__name__}: {e}"[-3000:]})
             live = [k for k in labels if k in urls]
@@ -435,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.no_native and "ttft" in parts:
         print("error: --no-native leaves ttft nothing to compare with; run ttft without it", file=sys.stderr)
+        return 2
+    if a.cpus and a.mt_reps > 1 and "multiturn" in parts:
+        print("error: --cpus with --mt-reps > 1 puts every server, up at once, on the same CPUs; idle vLLM servers "
+              "still use CPU there (TPOT doubled in the one run that tried it): leave --cpus out", file=sys.stderr)
         return 2
     bad = sorted(set(a.cpus) - os.sched_getaffinity(0))
     if bad:
