@@ -15,6 +15,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from . import timeline
+
 _state: dict[str, Any] = {"armed": False, "last": None, "installed": False}
 
 
@@ -62,8 +64,7 @@ def install(llm) -> bool:
     """Wrap ``execute_model`` of this engine's executor (in-process engine only)."""
     if _state["installed"]:
         return True
-    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
-    ex = getattr(core, "model_executor", None)
+    ex = getattr(timeline.engine_core(llm), "model_executor", None)
     fn = getattr(ex, "execute_model", None)
     if fn is None:
         return False

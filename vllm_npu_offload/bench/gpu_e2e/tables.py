@@ -357,8 +357,8 @@ def multiturn_paired_table(res: dict) -> str:
         if label == "off" or len(reps) < 2:
             continue
         row = [label, len(reps)]
-        for key, pick in (("req/s", lambda s: s["requests_per_s"]), ("TPOT", lambda s: s["tpot_ms"].get("p50")),
-                          ("TTFT", lambda s: s["ttft_ms"].get("p50"))):
+        for pick in (lambda s: s["requests_per_s"], lambda s: s["tpot_ms"].get("p50"),
+                     lambda s: s["ttft_ms"].get("p50")):
             ch = paired_change([pick(per[r]) for r in reps], [pick(off[r]) for r in reps])
             row.append(f"{ch['median'] * 100:+.1f}% ({ch['min'] * 100:+.1f}..{ch['max'] * 100:+.1f}%)")
         rows.append(row)

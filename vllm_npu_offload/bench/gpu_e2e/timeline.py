@@ -88,6 +88,11 @@ def _finished_details(out, _args) -> dict:
     return {"recv": len(recving or ())}
 
 
+def engine_core(llm) -> Any:
+    """The in-process engine core of one ``LLM`` (None when the engine runs in another process)."""
+    return getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+
+
 def install(llm) -> list[str]:
     """Wrap one ``LLM``'s engine step, scheduler and worker-side connector; returns what was
     wrapped (a vLLM without one of them just records less)."""
@@ -97,7 +102,7 @@ def install(llm) -> list[str]:
     _installed = True
     gc.callbacks.append(_on_gc)
     done = ["gc"]
-    core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    core = engine_core(llm)
     if core is not None:
         if _wrap(core, "step_fn", "step"):
             done.append("step")
