@@ -189,7 +189,7 @@ def test_simple_connector_checks_at_construction(tiny_model, small_host):
 
 
 def test_simple_connector_checks_the_exact_size_at_registration(tiny_model, monkeypatch):
-    from vllm_npu_offload.integration.simple_worker import num_host_blocks_for
+    from vllm_npu_offload.integration.simple_worker import host_size
 
     conn, register = worker_connector(tiny_model, _cls(SIMPLE), {"cpu_bytes_to_use_per_rank": 64 << 20}, SIMPLE)
     monkeypatch.setattr(host_limits, "host_memory", lambda: host_limits.HostMemory(1 << 20, "test host"))
@@ -197,7 +197,7 @@ def test_simple_connector_checks_the_exact_size_at_registration(tiny_model, monk
         register(stacked_caches())
     msg = str(err.value)
     bpb = PAGE * len(LAYERS)
-    n = num_host_blocks_for(conn.worker_handler.kv_cache_config, 64 << 20, bpb)
+    n = host_size(conn.worker_handler.kv_cache_config, 64 << 20, bpb).blocks
     assert msg.startswith(f"kv_connector_extra_config['cpu_bytes_to_use_per_rank']={64 << 20}: ")
     assert f"would allocate {n * bpb} bytes" in msg and f"{n} host blocks x {bpb} bytes" in msg
     assert conn.worker_handler.transport is None

@@ -37,11 +37,14 @@ def vllm_config(model: str, extra: dict, connector: tuple[str, str | None] = NPU
 def kv_cache_config(num_blocks: int = NB):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
+    # As vLLM >= 0.26 places layers: one allocation, each KVCacheTensor's size is all of it.
+    region = num_blocks * PAGE
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
-            KVCacheTensor(size=num_blocks * PAGE, layers=[n], layer_stride=num_blocks * PAGE, block_stride=PAGE)
-            for n in LAYERS
+            KVCacheTensor(size=region * len(LAYERS), layers=[n], layer_stride=region, block_stride=PAGE,
+                          offset=i * region)
+            for i, n in enumerate(LAYERS)
         ],
         kv_cache_groups=[
             KVCacheGroupSpec(
@@ -52,8 +55,9 @@ def kv_cache_config(num_blocks: int = NB):
 
 
 def stacked_caches() -> dict:
-    """Upstream layout: one (num_blocks, 2, block, heads, head) tensor per layer."""
-    return {n: torch.randn(NB, 2, BLOCK, HEADS, HEAD) for n in LAYERS}
+    """Upstream layout: one (num_blocks, 2, block, heads, head) view per layer of one allocation."""
+    buf = torch.randn(len(LAYERS), NB, 2, BLOCK, HEADS, HEAD)
+    return {n: buf[i] for i, n in enumerate(LAYERS)}
 
 
 def worker_connector(model: str, cls, extra: dict, connector: tuple[str, str | None] = NPU_OFFLOADING):

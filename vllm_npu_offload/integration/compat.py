@@ -215,6 +215,10 @@ def chunk_geometry(spec) -> tuple[int, int]:
 
 # -- connector --------------------------------------------------------------------------
 
+# OffloadingConnectorWorker.register_kv_caches before the config API asserts that every layer's
+# tensor starts at its storage (storage_offset() == 0); from 0.26 it reads views into one allocation.
+UPSTREAM_NEEDS_OWN_STORAGE = API != "config"
+
 
 def offloaded_groups(kv_cache_config) -> list:
     """The KV-cache groups the upstream connector worker offloads, in its order."""
@@ -268,6 +272,15 @@ SIMPLE_RELEASE_ATTRS = (  # 0.23: take the event over and release its refs ourse
     "cpu_block_pool",
     "_gpu_block_pool",
 )
+
+
+def simple_scheduler_cpu_blocks(kv_cache_config, cpu_capacity_bytes: int) -> int:
+    """The CPU block count vLLM's simple-offload scheduler gives its block pool for this rank's
+    capacity, by its own derivation (0.23: capacity x device blocks / the sum of the per-layer
+    tensors; 0.32: / the one shared allocation's size), so host sizing follows the installed vLLM."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    return SimpleCPUOffloadScheduler._derive_cpu_config(kv_cache_config, cpu_capacity_bytes).num_blocks
 
 
 def simple_transfer_results(finished_recving: set[str], failed_recving: set[str]):

@@ -39,10 +39,14 @@ def _layer_specs(kv_cache_config) -> dict:
 
 
 def needs_canonicalizing(kv_caches: Mapping, kv_cache_config) -> bool:
-    """True if an attention layer is not one tensor starting at its storage (upstream asserts both)."""
+    """True if an attention layer is not one tensor upstream can read: a K/V tuple, or (0.21-0.25,
+    whose worker asserts it) a view that does not start at its storage. vLLM >= 0.26 places every
+    layer as a view into one allocation and reads such views itself."""
     for name, spec in _layer_specs(kv_cache_config).items():
         kv = kv_caches.get(name)
-        if isinstance(spec, AttentionSpec) and not (isinstance(kv, torch.Tensor) and kv.storage_offset() == 0):
+        if not isinstance(spec, AttentionSpec):
+            continue
+        if not isinstance(kv, torch.Tensor) or (compat.UPSTREAM_NEEDS_OWN_STORAGE and kv.storage_offset() != 0):
             return True
     return False
 

@@ -105,14 +105,37 @@ def kv_segments(kv_caches: dict, kv_cache_config) -> list[DeviceKVTensor]:
     return dedupe_segments(segs)
 
 
-def num_host_blocks_for(kv_cache_config, cpu_capacity_bytes: int, bytes_per_block: int) -> int:
-    """At least as many host blocks as vLLM's scheduler hands out ids for."""
-    own = cpu_capacity_bytes // bytes_per_block
-    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
-    if tensors and getattr(tensors[0], "size", 0):
-        sched = kv_cache_config.num_blocks * cpu_capacity_bytes // tensors[0].size
-        own = max(own, sched)
-    return max(1, own)
+@dataclass(frozen=True)
+class HostSize:
+    """This rank's host KV for the Simple connector: one host block holds every segment's page."""
+
+    blocks: int  # exactly the CPU blocks vLLM's simple scheduler hands out ids for
+    bytes_per_block: int  # sum of the device segments' pages (all layers, K and V)
+    capacity: int  # this rank's share of the size key
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        return (f"{self.blocks} host blocks x {self.bytes_per_block} bytes "
+                f"for a per-rank capacity of {self.capacity} bytes")
+
+
+def host_size(kv_cache_config, cpu_capacity_bytes: int, bytes_per_block: int) -> HostSize:
+    """Host blocks = the scheduler's CPU block count, derived by vLLM's own code for the
+    installed version (0.23 divides the capacity by the sum of its per-layer tensors, >= 0.26 by
+    the one shared allocation), so every block id it hands out exists here and no block is
+    allocated that it never uses."""
+    size = HostSize(compat.simple_scheduler_cpu_blocks(kv_cache_config, cpu_capacity_bytes),
+                    bytes_per_block, cpu_capacity_bytes)
+    if size.nbytes > cpu_capacity_bytes * 1.01:
+        logger.warning(
+            "NPUSimpleCPUOffloadWorker: %s need %d bytes, %.1f%% above this rank's capacity: the registered KV "
+            "caches hold more bytes per block than vLLM's scheduler counted when it derived its block count",
+            size.describe(), size.nbytes, 100 * (size.nbytes / cpu_capacity_bytes - 1),
+        )
+    return size
 
 
 class NPUSimpleCPUOffloadWorker:
@@ -142,18 +165,16 @@ class NPUSimpleCPUOffloadWorker:
             return
         segments = kv_segments(kv_caches, self.kv_cache_config)
         platform = device_platform([t for _, t in flatten_kv_values(kv_caches)])
-        bpb = sum(s.page_bytes for s in segments)
-        n_host = num_host_blocks_for(self.kv_cache_config, self.cpu_capacity_bytes, bpb)
-        check_host_allocation(
-            n_host * bpb, self.options.size_key, self.options.size_value,
-            f"{n_host} host blocks x {bpb} bytes for a per-rank capacity of {self.cpu_capacity_bytes} bytes",
-        )
-        self.transport = CoreTransport.from_segments(segments, n_host, platform, staging_bytes=self.staging_bytes)
+        size = host_size(self.kv_cache_config, self.cpu_capacity_bytes, sum(s.page_bytes for s in segments))
+        check_host_allocation(size.nbytes, self.options.size_key, self.options.size_value, size.describe())
+        self.transport = CoreTransport.from_segments(segments, size.blocks, platform, staging_bytes=self.staging_bytes)
         self.core = SimpleOffloadCore(self.transport)
         logger.info(
-            "NPUSimpleCPUOffloadWorker on %s: %d segments, %d host blocks x %d bytes (%.1f MiB, %s)",
-            platform.kind, len(segments), n_host, bpb, self.transport.host.nbytes / 2**20,
-            "pinned" if self.transport.host.pinned else "pageable",
+            "NPUSimpleCPUOffloadWorker on %s: %d segments, %d host blocks x %d bytes = %d bytes (%.2f GiB, %s) "
+            "for a per-rank capacity of %d bytes",
+            platform.kind, len(segments), size.blocks, size.bytes_per_block, self.transport.host.nbytes,
+            self.transport.host.nbytes / 2**30, "pinned" if self.transport.host.pinned else "pageable",
+            self.cpu_capacity_bytes,
         )
 
     # -- step hooks ---------------------------------------------------------------------
