@@ -197,7 +197,7 @@ def test_simple_connector_checks_the_exact_size_at_registration(tiny_model, monk
         register(stacked_caches())
     msg = str(err.value)
     bpb = PAGE * len(LAYERS)
-    n = host_size(conn.worker_handler.kv_cache_config, 64 << 20, bpb).blocks
+    n = host_size(conn.worker_handler.kv_cache_config, 64 << 20, [PAGE] * len(LAYERS)).blocks
     assert msg.startswith(f"kv_connector_extra_config['cpu_bytes_to_use_per_rank']={64 << 20}: ")
     assert f"would allocate {n * bpb} bytes" in msg and f"{n} host blocks x {bpb} bytes" in msg
     assert conn.worker_handler.transport is None

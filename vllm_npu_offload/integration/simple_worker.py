@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata, SimpleCPUOffloadWorkerMetadata
 
 from ..copy.base import Direction
 from ..errors import OffloadConfigError
+from ..host_layout import HostLayout
 from ..host_limits import check_host_allocation
 from ..offload_worker import DeviceKVTensor, device_platform
 from ..simple_core import (
@@ -107,28 +109,29 @@ def kv_segments(kv_caches: dict, kv_cache_config) -> list[DeviceKVTensor]:
 
 @dataclass(frozen=True)
 class HostSize:
-    """This rank's host KV for the Simple connector: one host block holds every segment's page."""
+    """This rank's host KV for the Simple connector: one record per host block, holding every
+    device segment's page (all layers, K and V), as ``HostLayout`` lays it out."""
 
     blocks: int  # exactly the CPU blocks vLLM's simple scheduler hands out ids for
-    bytes_per_block: int  # sum of the device segments' pages (all layers, K and V)
+    record_bytes: int  # one host block: the segments' pages, 64-byte aligned
     capacity: int  # this rank's share of the size key
 
     @property
     def nbytes(self) -> int:
-        return self.blocks * self.bytes_per_block
+        return self.blocks * self.record_bytes
 
     def describe(self) -> str:
-        return (f"{self.blocks} host blocks x {self.bytes_per_block} bytes "
+        return (f"{self.blocks} host blocks x {self.record_bytes} bytes "
                 f"for a per-rank capacity of {self.capacity} bytes")
 
 
-def host_size(kv_cache_config, cpu_capacity_bytes: int, bytes_per_block: int) -> HostSize:
+def host_size(kv_cache_config, cpu_capacity_bytes: int, page_bytes: Sequence[int]) -> HostSize:
     """Host blocks = the scheduler's CPU block count, derived by vLLM's own code for the
     installed version (0.23 divides the capacity by the sum of its per-layer tensors, >= 0.26 by
     the one shared allocation), so every block id it hands out exists here and no block is
     allocated that it never uses."""
-    size = HostSize(compat.simple_scheduler_cpu_blocks(kv_cache_config, cpu_capacity_bytes),
-                    bytes_per_block, cpu_capacity_bytes)
+    blocks = compat.simple_scheduler_cpu_blocks(kv_cache_config, cpu_capacity_bytes)
+    size = HostSize(blocks, HostLayout.build(page_bytes, 1, blocks).record_bytes, cpu_capacity_bytes)
     if size.nbytes > cpu_capacity_bytes * 1.01:
         logger.warning(
             "NPUSimpleCPUOffloadWorker: %s need %d bytes, %.1f%% above this rank's capacity: the registered KV "
@@ -165,14 +168,14 @@ class NPUSimpleCPUOffloadWorker:
             return
         segments = kv_segments(kv_caches, self.kv_cache_config)
         platform = device_platform([t for _, t in flatten_kv_values(kv_caches)])
-        size = host_size(self.kv_cache_config, self.cpu_capacity_bytes, sum(s.page_bytes for s in segments))
+        size = host_size(self.kv_cache_config, self.cpu_capacity_bytes, [s.page_bytes for s in segments])
         check_host_allocation(size.nbytes, self.options.size_key, self.options.size_value, size.describe())
         self.transport = CoreTransport.from_segments(segments, size.blocks, platform, staging_bytes=self.staging_bytes)
         self.core = SimpleOffloadCore(self.transport)
         logger.info(
             "NPUSimpleCPUOffloadWorker on %s: %d segments, %d host blocks x %d bytes = %d bytes (%.2f GiB, %s) "
             "for a per-rank capacity of %d bytes",
-            platform.kind, len(segments), size.blocks, size.bytes_per_block, self.transport.host.nbytes,
+            platform.kind, len(segments), size.blocks, size.record_bytes, self.transport.host.nbytes,
             self.transport.host.nbytes / 2**30, "pinned" if self.transport.host.pinned else "pageable",
             self.cpu_capacity_bytes,
         )
