@@ -22,7 +22,7 @@ def main() -> None:
         rig = CoreRig(p, SHAPES[name])
         core = rig.core
         dev, chunks = rig.ids("random", 1)
-        plan = core._staged_plan(Direction.D2H, core.split_groups(dev, [len(dev)], [0], chunks))
+        plan = core.plan(Direction.D2H, dev, [len(dev)], [0], chunks, staged=True).plan
         n, nbytes = len(plan.local), plan.local.total_bytes
         s, ev0, ev1 = p.new_stream(), p.new_event(), p.new_event()
         out = []

@@ -48,7 +48,7 @@ MODELS = {
     )
 }
 CASES = [  # (model, tensor-parallel size)
-    ("llama3-8b", 1), ("llama3-8b", 2), ("llama3-8b", 8), ("llama3-8b-fp8", 1), ("llama3-70b", 8),
+    ("llama3-8b", 1), ("llama3-8b", 2), ("llama3-8b", 4), ("llama3-8b", 8), ("llama3-8b-fp8", 1), ("llama3-70b", 8),
     ("deepseek-v3-mla", 1), ("deepseek-v3-mla", 2), ("deepseek-v3-mla-fp8", 1), ("gemma2-9b", 1), ("gemma2-9b", 2),
 ]
 CASE_IDS = [f"{m}-tp{tp}" for m, tp in CASES]

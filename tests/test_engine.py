@@ -10,6 +10,18 @@ from vllm_npu_offload.copy import BackendChoice, CopyPath, Direction, NPUDmaCopy
 from vllm_npu_offload.engine import TransferEngine
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
 from vllm_npu_offload.platform import CpuPlatform
+from vllm_npu_offload.transfer import DirectTransfer
+
+
+class Engine(TransferEngine):
+    """The engine over one backend, taking descriptors as the tests plan them (direct transfers)."""
+
+    def __init__(self, platform, backend, pool=None):
+        super().__init__(platform, pool)
+        self.backend = backend
+
+    def submit(self, job_id, direction, descriptors):
+        super().submit(job_id, DirectTransfer(Direction(direction), descriptors, self.backend))
 
 
 @pytest.fixture(params=[False, True], ids=["inline", "threaded"])
@@ -27,7 +39,7 @@ def test_in_order_exactly_once_and_bytes(platform):
     dev = torch.from_numpy(rng.integers(0, 256, (64, 96), dtype=np.uint8))
     host = torch.zeros((64, 96), dtype=torch.uint8)
     pool = DescriptorPool(platform)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform), pool)
+    eng = Engine(platform, NPUDmaCopyBackend(platform), pool)
     store, load = planner(dev, host, 96), planner(host, dev, 96)
     # store blocks to host, wipe the device, load them back: the load must see the store
     eng.submit(1, Direction.D2H, store.plan(np.arange(32), np.arange(32) + 32, pool))
@@ -48,7 +60,7 @@ def test_in_order_exactly_once_and_bytes(platform):
 def test_many_jobs_from_threads_complete_once(platform):
     src = torch.arange(256, dtype=torch.uint8).repeat(128, 1)
     dst = torch.zeros_like(src)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
     pl = planner(src, dst, 256)
     ids = iter(range(10_000))
     lock = threading.Lock()
@@ -93,7 +105,7 @@ def test_failed_copy_is_reported_not_raised(platform):
     register_path("fail_third", lambda p, pages: _FailOnThird())
     src = torch.ones((8, 16), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice("fail_third", "fail_third")))
+    eng = Engine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice("fail_third", "fail_third")))
     pl = planner(src, dst, 16)
     for j in range(5):
         eng.submit(j, Direction.D2H, pl.plan([j], [j]))
@@ -108,7 +120,7 @@ def test_failed_copy_is_reported_not_raised(platform):
 def test_async_stream_error_reaches_the_right_job():
     platform = CpuPlatform(threaded_streams=True)
     src = torch.ones((4, 16), dtype=torch.uint8)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
     bad = CopyPlanner([TensorPair(BlockLayout(0, 16, 4), BlockLayout(src.data_ptr(), 16, 4), 16)])  # null source
     dst = torch.zeros_like(src)  # keep a reference: the engine copies into raw addresses
     good = planner(src, dst, 16)
@@ -123,7 +135,7 @@ def test_async_stream_error_reaches_the_right_job():
 
 def test_bad_submissions(platform):
     src = torch.ones((4, 16), dtype=torch.uint8)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
     dst = torch.zeros_like(src)
     pl = planner(src, dst, 16)
     eng.submit(7, Direction.D2H, pl.plan([0], [0]))
@@ -145,7 +157,7 @@ def test_bad_submissions(platform):
 def test_duplicate_job_id_rejected():
     platform = CpuPlatform(threaded_streams=True)
     src = torch.ones((4, 16), dtype=torch.uint8)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
     dst = torch.zeros_like(src)
     pl = planner(src, dst, 16)
     gate = threading.Event()
@@ -169,7 +181,7 @@ def test_one_stream_per_direction_however_many_jobs():
     platform.new_stream = lambda: made.append(new_stream()) or made[-1]
     src = torch.arange(64, dtype=torch.uint8).view(4, 16)
     dst = torch.zeros_like(src)
-    eng = TransferEngine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
     pl = planner(src, dst, 16)
     for job in range(12):
         eng.submit(job, Direction.D2H if job % 3 else Direction.H2D, pl.plan([job % 4], [job % 4]))

@@ -109,7 +109,7 @@ def test_pool_reuses_buffers_only_after_release():
     a = pool.acquire(10)
     b = pool.acquire(10)
     assert a is not b and a.capacity >= 10
-    pool.release(a)
+    pool.release([a])
     assert pool.acquire(5) is a
     big = pool.acquire(10_000)
     assert big.capacity >= 10_000

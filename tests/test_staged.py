@@ -141,7 +141,7 @@ def test_pipeline_reuses_slots_across_many_slices(device):
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
     chunks = rng.choice(CHUNKS, 20, replace=False).astype(np.int64)
-    plan = core._staged_plan(Direction.D2H, core.split_groups(dev_ids, [20], [0], chunks))
+    plan = core.plan(Direction.D2H, dev_ids, [20], [0], chunks, staged=True).plan
     assert plan.num_slices == 20 and len(plan.link) == 20  # slot-sized slices: 1 block each
     core.pool.release(plan.buffers)
     original = [t.clone() for t in tensors]
@@ -189,7 +189,7 @@ def test_link_copies_are_few_and_merged(monkeypatch):
     """Adjacent chunks become one host copy; the gather has one descriptor per page."""
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 1 << 40)  # one slice
     core, tensors, refs, rng = random_core(3, 2, staging_chunks=16)
-    plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(8), [8], [0], np.array([5, 6, 7, 20])))
+    plan = core.plan(Direction.D2H, np.arange(8), [8], [0], np.array([5, 6, 7, 20]), staged=True).plan
     n_pages = 8 * len(refs[0])
     assert len(plan.local) == n_pages
     assert plan.num_slices == 1 and len(plan.link) == 2  # chunks 5-7 merge, chunk 20 alone
@@ -239,7 +239,7 @@ def test_slices_ramp_small_then_slot_sized(monkeypatch):
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 6 * core.layout.record_bytes)
     assert core.stager.slice_sizes(40, Direction.D2H) == [6, 16, 16, 2]
     assert core.stager.slice_sizes(4, Direction.D2H) == [4]
-    plan = core._staged_plan(Direction.D2H, core.split_groups(np.arange(40), [40], [0], np.arange(40)))
+    plan = core.plan(Direction.D2H, np.arange(40), [40], [0], np.arange(40), staged=True).plan
     assert plan.num_slices == 4 and len(plan.link) == 4  # consecutive host blocks: one run per slice
     assert plan.link.sizes.tolist() == [r * core.layout.record_bytes for r in (6, 16, 16, 2)]
     core.pool.release(plan.buffers)

@@ -15,15 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
-from .copy.backend import NPUDmaCopyBackend
 from .copy.base import Direction
-from .plan import DescriptorPool, Descriptors
+from .plan import DescriptorPool
 from .platform import Platform
-from .staging import StagedPlan
 from .stats import TOTALS
+from .transfer import Transfer
 
 
 @dataclass(frozen=True)
@@ -47,30 +46,14 @@ class _InFlight:
     direction: Direction
     start: Any
     end: Any
-    num_bytes: int
-    descriptors: "Descriptors | StagedPlan"
+    transfer: Transfer
     error: str | None = None
     submitted_at: float = 0.0  # perf_counter() at submit
 
 
-@dataclass
-class EngineStats:
-    submitted: int = 0
-    completed: int = 0
-    failed: int = 0
-    bytes: dict = field(default_factory=lambda: {Direction.H2D: 0, Direction.D2H: 0})
-    seconds: dict = field(default_factory=lambda: {Direction.H2D: 0.0, Direction.D2H: 0.0})
-
-
 class TransferEngine:
-    def __init__(
-        self,
-        platform: Platform,
-        backend: NPUDmaCopyBackend,
-        pool: DescriptorPool | None = None,
-    ):
+    def __init__(self, platform: Platform, pool: DescriptorPool | None = None):
         self.platform = platform
-        self.backend = backend
         self.pool = pool or DescriptorPool(platform)
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
@@ -79,18 +62,13 @@ class TransferEngine:
         self._job_ids: set[int] = set()
         self._done: list[TransferResult] = []
         self._closed = False
-        self.stats = EngineStats()
 
     # -- submission -------------------------------------------------------------------
-    def submit(self, job_id: int, direction: Direction, descriptors: "Descriptors | StagedPlan",
-               execute: Callable[[Any], None] | None = None) -> None:
-        """Enqueue one transfer. Never blocks on the device; a failed submit is reported by ``poll``.
-
-        ``descriptors`` are copied with the backend, unless ``execute(stream)`` is given,
-        which enqueues the transfer itself (a staged plan); either way their pooled
-        buffers are released once the transfer has finished.
-        """
-        direction = Direction(direction)
+    def submit(self, job_id: int, transfer: Transfer) -> None:
+        """Enqueue one transfer after the compute stream's work and this direction's earlier
+        jobs. Never blocks on the device; a failed submit is reported by ``poll``. The
+        transfer's pooled buffers go back to the pool once it has finished."""
+        direction = Direction(transfer.direction)
         t_submit = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -98,9 +76,7 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            stream = self._streams.get(direction)
-            if stream is None:
-                stream = self._streams[direction] = self.platform.new_stream()
+            stream = self.stream(direction)
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
             stream.wait_stream(self.platform.current_stream())  # earlier jobs: stream order
@@ -108,20 +84,20 @@ class TransferEngine:
             with self.platform.stream_context(stream):
                 start.record(stream)
                 try:
-                    if execute is not None:
-                        execute(stream)
-                    else:
-                        self.backend.copy(
-                            descriptors.src, descriptors.dst, descriptors.sizes, direction, stream, descriptors.buffers
-                        )
+                    transfer.enqueue(stream)
                 except Exception as e:  # noqa: BLE001 - becomes a failed result
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)
-            queue.append(
-                _InFlight(job_id, direction, start, end, descriptors.total_bytes, descriptors, error, t_submit)
-            )
+            queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
             self._job_ids.add(job_id)
-            self.stats.submitted += 1
+
+    def stream(self, direction: Direction) -> Any:
+        """The one stream this direction's transfers run on (made on first use)."""
+        with self._lock:
+            stream = self._streams.get(direction)
+            if stream is None:
+                stream = self._streams[direction] = self.platform.new_stream()
+            return stream
 
     # -- completion -------------------------------------------------------------------
     def _finish(self, item: _InFlight) -> TransferResult:
@@ -133,20 +109,13 @@ class TransferEngine:
             seconds = item.start.elapsed_time(item.end) * 1e-3
         except Exception:  # noqa: BLE001 - timing is best effort
             seconds = 0.0
-        self.pool.release(item.descriptors.buffers)
+        self.pool.release(item.transfer.buffers)
         self._events.extend((item.start, item.end))
         self._job_ids.discard(item.job_id)
         ok = error is None
-        TOTALS.record(item.direction.is_load, ok, item.num_bytes, seconds, time.perf_counter() - item.submitted_at)
-        self.stats.completed += 1
-        if ok:
-            self.stats.bytes[item.direction] += item.num_bytes
-            self.stats.seconds[item.direction] += seconds
-        else:
-            self.stats.failed += 1
-        return TransferResult(
-            item.job_id, item.direction, ok, item.num_bytes if ok else 0, seconds, len(item.descriptors), error
-        )
+        nbytes = item.transfer.total_bytes
+        TOTALS.record(item.direction.is_load, ok, nbytes, seconds, time.perf_counter() - item.submitted_at)
+        return TransferResult(item.job_id, item.direction, ok, nbytes if ok else 0, seconds, len(item.transfer), error)
 
     def poll(self) -> list[TransferResult]:
         """Results of transfers that finished since the last call, each exactly once."""

@@ -29,6 +29,7 @@ from .memory import HostKVBuffer
 from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair
 from .platform import Platform, platform_for_tensor
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
+from .transfer import DirectTransfer, StagedTransfer, Transfer
 from .staging_choice import _NEVER, staged_thresholds
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class OffloadWorkerCore:
         page_sizes = [r.page_bytes for refs in self.group_refs for r in refs]
         self.backend = backend or NPUDmaCopyBackend(platform, page_sizes)
         self.pool = DescriptorPool(platform)
-        self.engine = TransferEngine(platform, self.backend, self.pool)
+        self.engine = TransferEngine(platform, self.pool)
         self.num_groups = len(self.group_refs)
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
@@ -205,12 +206,6 @@ class OffloadWorkerCore:
             raise ValueError(f"transfer gives {len(chunk_ids)} host chunks but its groups use {chunk_off}")
         return out
 
-    def build_descriptors(self, direction: Direction, device_block_ids, group_sizes, block_indices,
-                          chunk_ids) -> Descriptors:
-        """Direct descriptors (one per page and tensor) for a transfer."""
-        return self._direct_descriptors(direction, self.split_groups(device_block_ids, group_sizes, block_indices,
-                                                                     chunk_ids))
-
     def _direct_descriptors(self, direction: Direction, parts) -> Descriptors:
         work = []
         for g, dev, host in parts:
@@ -229,7 +224,7 @@ class OffloadWorkerCore:
                 pos += n
                 nbytes += b
         except BaseException:
-            self.pool.release(bufs)
+            self.pool.release([bufs])
             raise
         return Descriptors(bufs.src_np[:pos], bufs.dst_np[:pos], bufs.sizes_np[:pos], nbytes, bufs)
 
@@ -250,9 +245,11 @@ class OffloadWorkerCore:
         return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]
 
     # -- transfers ----------------------------------------------------------------------
-    def submit(self, job_id: int, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
-               staged: bool | None = None) -> None:
-        """Enqueue one transfer; ``staged`` overrides the calibrated choice (benchmarks, tests)."""
+    def plan(self, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
+             staged: bool | None = None) -> Transfer:
+        """One transfer, planned: staged or direct by its size against the calibrated threshold
+        (``staged`` overrides it: benchmarks, tests). Its buffers are pooled: hand it to the
+        engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
         direction = Direction(direction)
         parts = self.split_groups(device_block_ids, group_sizes, block_indices, chunk_ids)
         n = sum(len(dev) for _, dev, _ in parts)
@@ -261,16 +258,26 @@ class OffloadWorkerCore:
         if staged and self.stager is None:
             raise ValueError("staged transfer asked for, but this worker has no staging (CPU, or paths unavailable)")
         if staged and n:
-            plan = self._staged_plan(direction, parts)
-            execute = lambda stream: self.stager.run(plan, direction, stream)  # noqa: E731
-            work = plan
-        else:
-            work, execute = self._direct_descriptors(direction, parts), None
+            return StagedTransfer(direction, self._staged_plan(direction, parts), self.stager)
+        return DirectTransfer(direction, self._direct_descriptors(direction, parts), self.backend)
+
+    def submit(self, job_id: int, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
+               staged: bool | None = None) -> None:
+        """Plan one transfer and enqueue it on the engine; its result comes from ``poll``."""
+        transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:
-            self.engine.submit(job_id, direction, work, execute)
+            self.engine.submit(job_id, transfer)
         except BaseException:
-            self.pool.release(work.buffers)
+            self.pool.release(transfer.buffers)
             raise
+
+    def streams(self) -> list:
+        """Every stream this core enqueues copies on (the engine's per direction, the staging
+        aux streams): none may be the model's compute stream (diagnostics, benchmarks)."""
+        out = [self.engine.stream(d) for d in Direction]
+        if self.stager is not None:
+            out += self.stager.aux_streams()
+        return out
 
     def poll(self) -> list[TransferResult]:
         return self.engine.poll()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -211,16 +211,6 @@ class CopyPlanner:
         return Descriptors(arrs[0][:n], arrs[1][:n], arrs[2][:n], nbytes, bufs)
 
 
-def concat_descriptors(parts: Sequence[Descriptors]) -> Descriptors:
-    """Join plain-array descriptor sets (used when one transfer spans several KV groups)."""
-    return Descriptors(
-        np.concatenate([p.src for p in parts]) if parts else np.empty(0, np.int64),
-        np.concatenate([p.dst for p in parts]) if parts else np.empty(0, np.int64),
-        np.concatenate([p.sizes for p in parts]) if parts else np.empty(0, np.int64),
-        sum(p.total_bytes for p in parts),
-    )
-
-
 class DescriptorBuffers:
     """Three pinned int64 rows (src, dst, sizes) plus numpy views of them."""
 
@@ -254,11 +244,9 @@ class DescriptorPool:
         cap = max(self._min, 1 << max(0, (n - 1).bit_length()))
         return DescriptorBuffers(self._platform, cap)
 
-    def release(self, bufs: "DescriptorBuffers | list[DescriptorBuffers] | None") -> None:
-        if bufs is None:
-            return
+    def release(self, bufs: "Iterable[DescriptorBuffers]") -> None:
         with self._lock:
-            self._free.extend(bufs if isinstance(bufs, list) else [bufs])
+            self._free.extend(bufs)
             self._free.sort(key=lambda b: b.capacity)
 
     @property

@@ -161,6 +161,10 @@ class Stager:
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
                     local_path.name, link_path.name, "native" if self._fused is not None else "python")
 
+    def aux_streams(self) -> list:
+        """The streams the gather/scatter runs on (one per direction)."""
+        return list(self._aux.values())
+
     def staging_layouts(self, direction: Direction, tensor_ids: Sequence[int]):
         """Per tensor: where its pages sit in ``direction``'s staging area (record-strided)."""
         g = self.geometry
@@ -222,7 +226,7 @@ class Stager:
             m = len(starts)
             link_bufs = self.pool.acquire(m)
         except BaseException:
-            self.pool.release(local.buffers if local is not None else ids)
+            self.pool.release([local.buffers if local is not None else ids])
             raise
         src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
         link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
@@ -265,7 +269,7 @@ class Stager:
                 nbytes += b
                 blk += k_g
         except BaseException:
-            self.pool.release(local_bufs)
+            self.pool.release([local_bufs])
             raise
         return Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes,
                            local_bufs), ranges
@@ -294,17 +298,25 @@ class Stager:
         return bufs, tables, nbytes, pages
 
     # -- execution ------------------------------------------------------------------------------
-    def run(self, plan: StagedPlan, direction: Direction, stream: Any) -> None:
+    def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True) -> None:
         """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy.
 
         Device-local copies are issued under the aux stream's context (one upload of the
         transfer's page descriptors, then one launch per slice); link copies and events
         name their stream explicitly, so no per-slice context switch is needed.
+        ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
         direction = Direction(direction)
         aux = self._aux[direction]
         if self._fused is not None:
-            self._fused.run(plan, direction, stream, aux)
+            self._fused.run(plan, direction, stream, aux, link=link)
+            return
+        if not link:
+            with self.platform.stream_context(stream):
+                prepared = self.local_path.prepare(plan.local)
+                for rngs in plan.local_ranges:
+                    for rng in rngs:
+                        self.local_path.copy_range(prepared, rng, direction, stream)
             return
         filled, drained = self._filled[direction], self._drained[direction]
         slots, lr, kb = self.geometry.slots, plan.local_ranges, plan.link_bounds.tolist()

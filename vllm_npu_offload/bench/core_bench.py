@@ -104,32 +104,12 @@ class CoreRig:
         return [r.seconds for r in res]
 
     def executor(self, direction: Direction, dev, chunks, staged: bool, stream):
-        """A function that enqueues the transfer's copies only (descriptors planned once, here)."""
-        core = self.core
-        parts = core.split_groups(dev, [len(dev)], [0], chunks)
-        if staged:
-            plan = core._staged_plan(direction, parts)
-            return (lambda: core.stager.run(plan, direction, stream)), plan
-        descs = core._direct_descriptors(direction, parts)
-        return (lambda: core.backend.copy(descs.src, descs.dst, descs.sizes, direction, stream, descs.buffers)), descs
+        """(a function that enqueues the transfer's copies only, the transfer): planned once, here."""
+        transfer = self.core.plan(direction, dev, [len(dev)], [0], chunks, staged=staged)
+        return (lambda: transfer.enqueue(stream)), transfer
 
     def close(self) -> None:
         self.core.shutdown()
-
-
-def _local_only(stager, plan, direction: Direction, stream):
-    """A function enqueueing only the gather/scatter of every slice of ``plan``."""
-    if plan.local is None:  # table form: the native pipeline without its link copies
-        return lambda: stager._fused.run(plan, direction, stream, stager._aux[direction], link=False)
-    loc = stager.local_path
-
-    def run():
-        with stager.platform.stream_context(stream):
-            prep = loc.prepare(plan.local)
-            for rngs in plan.local_ranges:
-                for rng in rngs:
-                    loc.copy_range(prep, rng, direction, stream)
-    return run
 
 
 def device_only_seconds(platform: Platform, fn, stream, reps: int, hold_s: float = 2e-3) -> tuple[float, float]:
@@ -180,7 +160,7 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
                 row[f"{mode}_gpu_pct"] = 100.0 * ref_dev_s / gpu_s  # both device-only: CPU cost hidden
                 row[f"{mode}_enqueue_us"] = cpu_s * 1e6
                 if staged:  # the device-local half alone (gather or scatter of every slice)
-                    local_only = _local_only(core.stager, planned, d, stream)
+                    local_only = lambda: planned.enqueue(stream, link=False)  # noqa: E731
                     row["gather_gbps"] = nbytes / median_seconds(local_only, stream.synchronize, reps) / 1e9
                     row["gather_gpu_gbps"] = nbytes / device_only_seconds(platform, local_only, stream, reps)[0] / 1e9
                 for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):

@@ -134,9 +134,7 @@ def measure(shape: str = "llama-8b", blocks: int = 512, jobs: int = 1, steps: in
             row[f"{mode}_xfer_ms"] = statistics.median(xfer[1:])
             row[f"{mode}_submit_cpu_ms"] = statistics.median(cpu[1:])
         res["rows"].append(row)
-    ours = list(rig.core.engine._streams.values()) + (list(rig.core.stager._aux.values()) if rig.core.stager
-                                                      else [])
-    mine = {platform.raw_stream_handle(s) for s in ours}
+    mine = {platform.raw_stream_handle(s) for s in rig.core.streams()}
     res["aliased"] = [name for name, cs in computes if platform.raw_stream_handle(cs) in mine]
     rig.close()
     return res

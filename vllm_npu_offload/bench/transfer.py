@@ -168,7 +168,7 @@ def bench_config(platform: Platform, cfg: ModelConfig, blocks: int | None = None
                              stream.synchronize, reps)
         row["gbps"]["contiguous"] = nbytes / sec / 1e9
         row["pct_of_limit"] = {k: 100.0 * v / row["gbps"]["contiguous"] for k, v in row["gbps"].items()}
-        rig.pool.release(desc.buffers)
+        rig.pool.release([desc.buffers])
         out["directions"][d.name] = row
     out["plan_us_per_10k"] = planning_us_per_10k(rig, blocks)
     if own:
@@ -202,7 +202,7 @@ def interference(platform: Platform, cfg: ModelConfig, gemm_n: int = 8192, gemms
                                  "copies": copies, "copy_gbps": copies * int(desc.sizes.sum()) / wall / 1e9}
             except Exception as e:  # noqa: BLE001
                 entry[d.name] = {"error": f"{type(e).__name__}: {e}"}
-            rig.pool.release(desc.buffers)
+            rig.pool.release([desc.buffers])
         res["paths"][name] = entry
     rig.close()
     return res
@@ -226,7 +226,7 @@ def sm_variants(platform: Platform, cfg: ModelConfig, programs=(4, 8, 12, 16), t
                                       stream.synchronize, reps)
                 rows.append({"config": cfg.name, "dir": d.name, "programs": p, "tile_bytes": t,
                              "gbps": nbytes / sec / 1e9})
-        rig.pool.release(desc.buffers)
+        rig.pool.release([desc.buffers])
     rig.close()
     return rows
 

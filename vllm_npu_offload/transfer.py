@@ -1,0 +1,94 @@
+"""The transfer contract: one planned transfer, which knows its bytes, its pooled descriptor
+buffers, and how to enqueue itself on a stream.
+
+The worker core plans (``OffloadWorkerCore.plan``), the engine runs (``TransferEngine.submit``
+enqueues it between its timing events and releases its buffers when the copy has finished).
+Two kinds: *direct* (one descriptor per page, device <-> host, on the backend's path for that
+direction) and *staged* (gather/scatter on the device through the staging buffer, a few large
+link copies; ``staging.Stager``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from .copy.backend import NPUDmaCopyBackend
+from .copy.base import Direction
+from .plan import DescriptorBuffers, Descriptors
+from .staging import StagedPlan, Stager
+
+
+class Transfer(ABC):
+    direction: Direction
+
+    @property
+    @abstractmethod
+    def total_bytes(self) -> int:
+        """KV bytes the transfer moves (each page once)."""
+
+    @property
+    @abstractmethod
+    def buffers(self) -> list[DescriptorBuffers]:
+        """Pooled descriptor buffers to return once the copies have finished."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Descriptors (device pages and link runs) the transfer copies."""
+
+    @abstractmethod
+    def enqueue(self, stream: Any) -> None:
+        """Enqueue every copy; ``stream`` passes its end only after the last one. Raises
+        ``CopyError`` when a copy cannot be submitted."""
+
+
+@dataclass
+class DirectTransfer(Transfer):
+    """One descriptor per page and tensor, device <-> host."""
+
+    direction: Direction
+    descriptors: Descriptors
+    backend: NPUDmaCopyBackend
+
+    @property
+    def total_bytes(self) -> int:
+        return self.descriptors.total_bytes
+
+    @property
+    def buffers(self) -> list[DescriptorBuffers]:
+        return [self.descriptors.buffers] if self.descriptors.buffers is not None else []
+
+    def __len__(self) -> int:
+        return len(self.descriptors)
+
+    def enqueue(self, stream: Any) -> None:
+        d = self.descriptors
+        self.backend.copy(d.src, d.dst, d.sizes, self.direction, stream, d.buffers)
+
+
+@dataclass
+class StagedTransfer(Transfer):
+    """Device gather/scatter through the staging slots plus a few large link copies, in slices."""
+
+    direction: Direction
+    plan: StagedPlan
+    stager: Stager
+
+    @property
+    def total_bytes(self) -> int:
+        return self.plan.total_bytes
+
+    @property
+    def buffers(self) -> list[DescriptorBuffers]:
+        return self.plan.buffers
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def enqueue(self, stream: Any, link: bool = True) -> None:
+        """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
+        self.stager.run(self.plan, self.direction, stream, link=link)
+
+
+__all__ = ["DirectTransfer", "StagedTransfer", "Transfer"]
