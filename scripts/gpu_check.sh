@@ -30,7 +30,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 step env 60 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; $PY -c 'import triton; print(\"triton\", triton.__version__)'; nvcc --version | tail -2; ${CXX:-c++} --version | head -1"
-step build 120 bash -c "$PY csrc_cuda/build.py --out vllm_npu_offload/_native && NPU_OFFLOAD_CUDA_BATCH_MEMCPY=0 $PY csrc_cuda/build.py --out $OUT/loop_build && $PY -c 'from vllm_npu_offload.copy.cuda_native import load_library; print(load_library().describe())'"
+step build 120 bash -c "$PY csrc_cuda/build.py --out vllm_npu_offload/_native && NPU_OFFLOAD_CUDA_BATCH_MEMCPY=0 $PY csrc_cuda/build.py --out $OUT/loop_build && $PY -c 'from vllm_npu_offload._native.cuda import load_library; print(load_library().describe())'"
 if $PY -c 'import pytest' 2>/dev/null; then
   step tests 300 $PY -m pytest -m gpu tests/ -v -rs -p no:cacheprovider --continue-on-collection-errors
 else

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vllm_npu_offload.bench.core_bench import device_only_seconds
-    from vllm_npu_offload.copy.cuda_native import load_library
+    from vllm_npu_offload._native.cuda import load_library
     from vllm_npu_offload.platform import get_platform
 
     if not torch.cuda.is_available():

@@ -90,31 +90,32 @@ def emu(built):
 
 @pytest.fixture
 def lib_batch(built, emu):
-    from vllm_npu_offload.copy import npu_native
+    from vllm_npu_offload._native import acl
 
-    lib = npu_native.load_library(built[0]["1"])
-    npu_native.set_batch_form(0, lib)
+    lib = acl.load_library(built[0]["1"])
+    acl.set_batch_form(0, lib)
     emu.acl_emu_reset()
     yield lib
-    npu_native.set_batch_form(0, lib)
+    acl.set_batch_form(0, lib)
 
 
 @pytest.fixture
 def lib_loop(built, emu):
-    from vllm_npu_offload.copy import npu_native
+    from vllm_npu_offload._native import acl
 
     emu.acl_emu_reset()
-    return npu_native.load_library(built[0]["0"])
+    return acl.load_library(built[0]["0"])
 
 
 def acl_path(kind: str, lib_batch, lib_loop, device_local: bool = False):
     """An AclCopyPath: kind "batch" (failIndex form), "batch_v2" or "loop"."""
-    from vllm_npu_offload.copy import npu_native
+    from vllm_npu_offload._native import acl
+    from vllm_npu_offload.copy import acl_copy
 
     if kind == "loop":
-        return npu_native.AclCopyPath(None, batch=False, lib=lib_loop, device_local=device_local)
-    npu_native.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
-    return npu_native.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local)
+        return acl_copy.AclCopyPath(None, batch=False, lib=lib_loop, device_local=device_local)
+    acl.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
+    return acl_copy.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local)
 
 
 def fake_npu_platform():

@@ -102,7 +102,7 @@ def test_missing_toolkit_raises_toolkit_missing(monkeypatch, tmp_path):
 def test_loads_without_driver_and_reports_it(libs):
     out = _run("""
         import numpy as np
-        from vllm_npu_offload.copy.cuda_native import load_library
+        from vllm_npu_offload._native.cuda import load_library
         from vllm_npu_offload.errors import CopyError
         lib = load_library()
         info = lib.describe()
@@ -120,7 +120,8 @@ def test_loads_without_driver_and_reports_it(libs):
 FAKE_CASE = """
     import ctypes, numpy as np, sys
     fake = ctypes.CDLL({fake!r}, mode=ctypes.RTLD_GLOBAL)
-    from vllm_npu_offload.copy.cuda_native import CudaDmaCopyPath, load_library
+    from vllm_npu_offload._native.cuda import load_library
+    from vllm_npu_offload.copy.cuda_dma import CudaDmaCopyPath
     from vllm_npu_offload.copy.base import Direction
     from vllm_npu_offload.errors import CopyError
     from vllm_npu_offload.platform import get_platform
@@ -171,7 +172,7 @@ def test_loop_build_and_null_address(libs, fake_driver):
     out = _run(f"""
         import ctypes, numpy as np
         ctypes.CDLL({str(fake_driver)!r}, mode=ctypes.RTLD_GLOBAL)
-        from vllm_npu_offload.copy.cuda_native import load_library
+        from vllm_npu_offload._native.cuda import load_library
         from vllm_npu_offload.errors import CopyError
         lib = load_library()
         print(lib.describe()["runtime"])
@@ -197,7 +198,7 @@ def test_transfer_streams_are_the_drivers_own(libs, fake_driver):
     out = _run(f"""
         import ctypes
         fake = ctypes.CDLL({str(fake_driver)!r}, mode=ctypes.RTLD_GLOBAL)
-        from vllm_npu_offload.copy.cuda_native import load_library
+        from vllm_npu_offload._native.cuda import load_library
         lib = load_library()
         a, b = lib.create_stream(0), lib.create_stream(-1)
         n = ctypes.c_longlong.in_dll(fake, "fake_streams").value

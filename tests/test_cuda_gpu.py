@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NPU_OFFLOAD_CACHE_DIR", tempfile.mkdtemp(prefix="npo_cal_"))
 
-from vllm_npu_offload.copy.backend import _PATH_FACTORIES, NPUDmaCopyBackend, load_accelerator_paths  # noqa: E402
+from vllm_npu_offload.copy.backend import NPUDmaCopyBackend, path_factories  # noqa: E402
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
 from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorBuffers, TensorPair  # noqa: E402
@@ -60,7 +59,6 @@ def _platform():
     from vllm_npu_offload.platform import get_platform
 
     p = get_platform("cuda")
-    load_accelerator_paths("cuda")
     return p
 
 
@@ -69,7 +67,7 @@ def make_path(name: str, pages: list[int]):
     if name == "chosen":
         return NPUDmaCopyBackend(p, pages)
     try:
-        return _PATH_FACTORIES[name](p, pages)
+        return path_factories(p.kind)[name](p, pages)
     except ImportError as e:
         if os.environ.get("NPU_OFFLOAD_REQUIRE_NATIVE") == "1":
             raise
@@ -160,13 +158,13 @@ def test_null_address_raises_copy_error(name):
 
 BAD_ADDRESS = """
 import sys, numpy as np, torch
-from vllm_npu_offload.copy.backend import _PATH_FACTORIES, load_accelerator_paths
+from vllm_npu_offload.copy.backend import path_factories
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import CopyError
 from vllm_npu_offload.platform import get_platform
 name = sys.argv[1]
-p = get_platform("cuda"); load_accelerator_paths("cuda")
-path = _PATH_FACTORIES[name](p, [4096])
+p = get_platform("cuda")
+path = path_factories(p.kind)[name](p, [4096])
 dev = torch.empty(1 << 20, dtype=torch.uint8, device=p.device)
 host = p.empty_pinned(64 << 20, torch.uint8)
 p.synchronize()
@@ -291,7 +289,7 @@ def test_transfer_streams_are_not_torch_pool_streams():
 
     p = _platform()
     try:
-        from vllm_npu_offload.copy.cuda_native import load_library
+        from vllm_npu_offload._native.cuda import load_library
 
         load_library()
     except ImportError as e:

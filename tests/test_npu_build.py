@@ -23,7 +23,9 @@ from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch
     lib_loop,
 )
 
-from vllm_npu_offload.copy import npu_native
+from vllm_npu_offload._native import acl
+
+from vllm_npu_offload.copy import acl_copy
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import CopyError
 
@@ -45,9 +47,9 @@ def _scatter(rng, sizes, pool_bytes):
 # -- build ---------------------------------------------------------------------------------
 def test_toggle_selects_mode(built):
     libs, _ = built
-    modes = {t: npu_native.build_mode(npu_native.load_library(p)) for t, p in libs.items()}
+    modes = {t: acl.build_mode(acl.load_library(p)) for t, p in libs.items()}
     assert modes == {"1": "batch", "0": "loop", None: "batch"}  # unset: the headers have the API
-    info = npu_native.load_library(libs["1"]).npu_offload_acl_build_info().decode()
+    info = acl.load_library(libs["1"]).npu_offload_acl_build_info().decode()
     assert "aclrtMemcpyBatchAsync" in info and "aclrtHostRegisterV2" in info
 
 
@@ -79,8 +81,8 @@ def test_toggle_1_fails_clearly_without_batch_api(headers_without_batch, tmp_pat
 
 
 def test_unset_toggle_probes_to_loop_without_batch_api(headers_without_batch, tmp_path):
-    lib = npu_native.load_library(build_into(tmp_path, headers_without_batch, None))
-    assert npu_native.build_mode(lib) == "loop"
+    lib = acl.load_library(build_into(tmp_path, headers_without_batch, None))
+    assert acl.build_mode(lib) == "loop"
 
 
 def test_bad_toggle_value_is_named(tmp_path):
@@ -149,7 +151,7 @@ def _descs(n, size=16):
 def test_injected_failure_reports_index(k, lib_batch, lib_loop, emu):
     a, b, s, d, z = _descs(12)
     emu.acl_emu_set_fail_at(k)
-    with pytest.raises(npu_native.AclCopyError) as e:
+    with pytest.raises(acl.AclCopyError) as e:
         _path("batch", lib_batch, lib_loop).copy(s, d, z, Direction.H2D, STREAM)
     assert (e.value.call, e.value.index, e.value.fail_index) == ("aclrtMemcpyBatchAsync", k, k)
     assert e.value.acl_code == 507000 and f"failIndex {k}" in str(e.value) and "injected failure" in str(e.value)
@@ -166,21 +168,21 @@ def test_injected_failure_reports_index(k, lib_batch, lib_loop, emu):
 def test_v2_failure_has_no_fail_index(lib_batch, lib_loop, emu):
     a, b, s, d, z = _descs(8)
     emu.acl_emu_set_fail_at(3)
-    with pytest.raises(npu_native.AclCopyError) as e:
+    with pytest.raises(acl.AclCopyError) as e:
         _path("batch_v2", lib_batch, lib_loop).copy(s, d, z, Direction.H2D, STREAM)
     assert e.value.call == "aclrtMemcpyBatchAsyncV2" and e.value.index is None and e.value.fail_index is None
     assert "descriptors 0..7" in str(e.value)
 
 
 def test_chunked_batches_offset_fail_index(lib_batch, lib_loop, emu, monkeypatch):
-    monkeypatch.setenv(npu_native.ENV_MAX_BATCH, "3")
+    monkeypatch.setenv(acl_copy.ENV_MAX_BATCH, "3")
     a, b, s, d, z = _descs(10)
     path = _path("batch", lib_batch, lib_loop)
     path.copy(s, d, z, Direction.H2D, STREAM)
     assert np.array_equal(a, b) and emu.acl_emu_count(b"aclrtMemcpyBatchAsync") == 4
     emu.acl_emu_reset()
     emu.acl_emu_set_fail_at(7)
-    with pytest.raises(npu_native.AclCopyError) as e:
+    with pytest.raises(acl.AclCopyError) as e:
         path.copy(s, d, z, Direction.H2D, STREAM)
     assert (e.value.index, e.value.fail_index) == (7, 7)
 
@@ -194,10 +196,10 @@ def test_device_id_reaches_the_batch_attribute(lib_batch, lib_loop, emu):
 
 def test_bad_arguments_are_named(lib_batch, lib_loop):
     a, b, s, d, z = _descs(4)
-    err = npu_native.AclError()
+    err = acl.AclError()
     rc = lib_batch.npu_offload_acl_copy_batch(s.ctypes.data, d.ctypes.data, z.ctypes.data, 4, 3, STREAM, 0,
                                               ctypes.byref(err))
-    assert rc == npu_native.BAD_ARGUMENT and b"direction 3 is not allowed" in err.message
+    assert rc == acl.BAD_ARGUMENT and b"direction 3 is not allowed" in err.message
     path = _path("loop", lib_batch, lib_loop)
     with pytest.raises(ValueError, match="descriptor 1 has size 0"):
         path.copy(s, d, np.array([4, 0, 4, 4], np.int64), Direction.H2D, STREAM)
@@ -208,16 +210,16 @@ def test_bad_arguments_are_named(lib_batch, lib_loop):
 
 
 def test_loop_build_has_no_batch_path(lib_loop):
-    with pytest.raises(npu_native.AclCopyError, match="batch path was not built") as e:
-        npu_native.AclCopyPath(None, batch=True, lib=lib_loop).copy(*_descs(2)[2:], Direction.H2D, STREAM)
-    assert e.value.status == npu_native.NOT_BUILT
+    with pytest.raises(acl.AclCopyError, match="batch path was not built") as e:
+        acl_copy.AclCopyPath(None, batch=True, lib=lib_loop).copy(*_descs(2)[2:], Direction.H2D, STREAM)
+    assert e.value.status == acl.NOT_BUILT
 
 
 def test_host_register_pins_page_aligned_range(built, emu):
-    lib = npu_native.load_library(built[0]["1"])
+    lib = acl.load_library(built[0]["1"])
     buf = np.zeros(3 * 4096 + 100, np.uint8)
     ptr = buf.ctypes.data + 10  # unaligned on purpose: the library widens to whole pages
-    err = npu_native.AclError()
+    err = acl.AclError()
     assert lib.npu_offload_acl_host_register(ptr, 5000, ctypes.byref(err)) == 0, err.message
     assert lib.npu_offload_acl_host_unregister(ptr, ctypes.byref(err)) == 0, err.message
     assert emu.acl_emu_count(b"aclrtHostRegisterV2") == 1
@@ -227,13 +229,13 @@ def test_missing_libascendcl_is_named(built, tmp_path, monkeypatch):
     # A private copy of the library has its own (not yet loaded) ACL state.
     copy = tmp_path / "libnpu_offload_acl.so"
     shutil.copy(built[0]["1"], copy)
-    lib = npu_native.load_library(copy)
+    lib = acl.load_library(copy)
     monkeypatch.setenv("NPU_OFFLOAD_ACL_LIBRARY", str(tmp_path / "absent" / "libascendcl.so"))
     for batch in (True, False):
-        with pytest.raises(npu_native.AclCopyError, match=r"cannot load the Ascend runtime library .*libascendcl.so") as e:
-            npu_native.AclCopyPath(None, batch=batch, lib=lib).copy(*_descs(2)[2:], Direction.H2D, STREAM)
-        assert e.value.call == "dlopen" and e.value.status == npu_native.MISSING
-    assert "cannot load" in npu_native.probe(lib)
+        with pytest.raises(acl.AclCopyError, match=r"cannot load the Ascend runtime library .*libascendcl.so") as e:
+            acl_copy.AclCopyPath(None, batch=batch, lib=lib).copy(*_descs(2)[2:], Direction.H2D, STREAM)
+        assert e.value.call == "dlopen" and e.value.status == acl.MISSING
+    assert "cannot load" in acl.probe(lib)
 
 
 def test_chooser_and_backend_with_emulation(built, emu, monkeypatch):

@@ -20,7 +20,9 @@ from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch
     lib_loop,
 )
 
-from vllm_npu_offload.copy import npu_native
+from vllm_npu_offload._native import acl
+
+from vllm_npu_offload.copy import acl_copy
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import CopyError
 
@@ -110,16 +112,16 @@ def test_d2d_round_trip_random_sizes(kind, lib_batch, lib_loop, emu):
 @pytest.mark.parametrize("toggle", ["1", "0", None])
 def test_d2d_in_every_toggle_build(toggle, built, emu):
     """The loop entry point exists in every build; the batch one where the toggle built it."""
-    lib = npu_native.load_library(built[0][toggle])
+    lib = acl.load_library(built[0][toggle])
     emu.acl_emu_reset()
     rng = np.random.default_rng(5)
     sizes = _sizes(rng, 24)
     a_off, a_bytes = _slots(rng, sizes)
     b_off, b_bytes = _slots(rng, sizes)
-    batch = npu_native.build_mode(lib) == "batch"
+    batch = acl.build_mode(lib) == "batch"
     for use_batch in {False, batch}:
         a, b = _pool(a_bytes, rng), _pool(b_bytes)
-        npu_native.AclCopyPath(None, batch=use_batch, lib=lib, device_local=True).copy(
+        acl_copy.AclCopyPath(None, batch=use_batch, lib=lib, device_local=True).copy(
             _ptrs(a, a_off), _ptrs(b, b_off), sizes, Direction.H2D, STREAM)
         assert _pages_equal(a, a_off, b, b_off, sizes)
     assert emu.acl_emu_count(b"d2d_copies") == len(sizes) * (1 + batch)
@@ -163,7 +165,7 @@ def test_device_id_reaches_the_d2d_attribute(lib_batch, lib_loop, emu):
 
 # -- errors --------------------------------------------------------------------------------
 def _raw_call(lib, batch: bool, src, dst, sizes, n, direction):
-    err = npu_native.AclError()
+    err = acl.AclError()
     if batch:
         rc = lib.npu_offload_acl_copy_batch(src, dst, sizes, n, direction, STREAM, 0, ctypes.byref(err))
     else:
@@ -177,10 +179,10 @@ def test_bad_direction_and_null_arrays_are_named(batch, lib_batch, lib_loop):
     a, b = _pool(256), _pool(256)
     s, d, z = _ptrs(a, np.array([0])), _ptrs(b, np.array([0])), np.array([64], np.int64)
     rc, err = _raw_call(lib, batch, s.ctypes.data, d.ctypes.data, z.ctypes.data, 1, 3)
-    assert rc == npu_native.BAD_ARGUMENT and err.call == b"argument"
+    assert rc == acl.BAD_ARGUMENT and err.call == b"argument"
     assert b"direction 3 is not allowed; use 0 (host->device), 1 (device->host) or 2 (device->device)" in err.message
-    rc, err = _raw_call(lib, batch, None, d.ctypes.data, z.ctypes.data, 1, npu_native.D2D)
-    assert rc == npu_native.BAD_ARGUMENT and b"must not be NULL (src=" in err.message
+    rc, err = _raw_call(lib, batch, None, d.ctypes.data, z.ctypes.data, 1, acl.D2D)
+    assert rc == acl.BAD_ARGUMENT and b"must not be NULL (src=" in err.message
     assert not b.any()
 
 
@@ -198,10 +200,10 @@ def test_null_descriptor_address_says_d2d(kind, lib_batch, lib_loop):
 def test_loop_d2d_rejects_misaligned_addresses_before_copying(lib_batch, lib_loop, emu):
     a, b = _pool(1024, np.random.default_rng(1)), _pool(1024)
     src = _ptrs(a, np.array([0, 64, 200], np.int64))
-    with pytest.raises(npu_native.AclCopyError, match="acl_loop_local D2D .*descriptor 2: .*64-byte aligned") as e:
+    with pytest.raises(acl.AclCopyError, match="acl_loop_local D2D .*descriptor 2: .*64-byte aligned") as e:
         acl_path("loop", lib_batch, lib_loop, device_local=True).copy(
             src, _ptrs(b, np.array([0, 128, 256], np.int64)), np.full(3, 32, np.int64), Direction.D2H, STREAM)
-    assert (e.value.status, e.value.index) == (npu_native.BAD_ARGUMENT, 2)
+    assert (e.value.status, e.value.index) == (acl.BAD_ARGUMENT, 2)
     assert not b.any() and emu.acl_emu_count(b"aclrtMemcpyAsync") == 0
 
 
@@ -212,7 +214,7 @@ def test_d2d_injected_failure_names_call_and_index(lib_batch, lib_loop, emu):
     b_off, b_bytes = _slots(rng, sizes)
     a, b = _pool(a_bytes, rng), _pool(b_bytes)
     emu.acl_emu_set_fail_at(7)
-    with pytest.raises(npu_native.AclCopyError, match="acl_batch_local D2D copy of 12 descriptors failed") as e:
+    with pytest.raises(acl.AclCopyError, match="acl_batch_local D2D copy of 12 descriptors failed") as e:
         acl_path("batch", lib_batch, lib_loop, device_local=True).copy(
             _ptrs(a, a_off), _ptrs(b, b_off), sizes, Direction.H2D, STREAM)
     assert (e.value.call, e.value.index, e.value.fail_index) == ("aclrtMemcpyBatchAsync", 7, 7)

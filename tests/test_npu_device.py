@@ -45,13 +45,13 @@ def platform():
 
 
 def _backend(platform, name):
-    from vllm_npu_offload.copy import npu_native
+    from vllm_npu_offload._native import acl
     from vllm_npu_offload.copy.backend import BackendChoice, NPUDmaCopyBackend
 
-    if name == "acl_batch" and npu_native.build_mode() != "batch":
+    if name == "acl_batch" and acl.build_mode() != "batch":
         pytest.skip("library built with VLLM_ASCEND_ENABLE_BATCH_MEMCPY=0")
-    if name == "acl_batch" and not npu_native.batch_form()[0]:
-        pytest.skip(f"batch API not exported by this CANN: {npu_native.batch_form()[1]}")
+    if name == "acl_batch" and not acl.batch_form()[0]:
+        pytest.skip(f"batch API not exported by this CANN: {acl.batch_form()[1]}")
     return NPUDmaCopyBackend(platform, [], BackendChoice(name, name))
 
 
@@ -138,10 +138,10 @@ def _aligned_slots(rng, sizes, align=64):
 def test_staged_d2d_gather_scatter(platform, name):
     """Store: gather device pages D2D into a device staging buffer, 3 large D2H copies; load: 3 large
     H2D copies into staging, scatter D2D into other pages. Byte-exact, untouched bytes stay zero."""
-    from vllm_npu_offload.copy import npu_native, npu_paths
+    from vllm_npu_offload.copy import acl_copy, npu_paths
 
     backend = _backend(platform, name)  # skips where the batch path is unusable
-    local = npu_native.AclCopyPath(platform, batch=name == "acl_batch", device_local=True)
+    local = acl_copy.AclCopyPath(platform, batch=name == "acl_batch", device_local=True)
     assert npu_paths.local_path(platform).name.endswith("_local")
     rng = np.random.default_rng(17)
     sizes = np.array([1, 63, 64, 4097, 28 * 1024, 65537, 256 << 10] * 4, np.int64)

@@ -250,7 +250,7 @@ def test_crossover_follows_the_cost_lines():
     """Staged = fixed cost + link per block; direct = more per block. The threshold is where the
     two lines cross, inside or beyond the sizes measured, and one disturbed point does not
     move it (the H200 calibration that sent every store of < 128 blocks down the direct path)."""
-    from vllm_npu_offload.staging_choice import _NEVER, crossover
+    from vllm_npu_offload.staging_choice import NEVER, crossover
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     direct = [10.0 * n for n in sizes]
@@ -261,10 +261,10 @@ def test_crossover_follows_the_cost_lines():
     disturbed = [20 + 5.0 * n for n in sizes]
     disturbed[-1] = 2000.0  # slower than direct at the largest size only
     assert crossover(sizes, direct, disturbed) == 4
-    assert crossover(sizes, direct, [5 + 11.0 * n for n in sizes]) == _NEVER  # dearer per block, never faster
+    assert crossover(sizes, direct, [5 + 11.0 * n for n in sizes]) == NEVER  # dearer per block, never faster
     assert crossover(sizes, direct, list(direct)) == 1  # same line: staged is never slower
-    assert crossover(sizes, direct, [t + 1 for t in direct]) == _NEVER  # parallel and above: never faster
-    assert crossover([64], [1.0], [2.0]) == _NEVER and crossover([64], [2.0], [1.0]) == 64  # one size: no line
+    assert crossover(sizes, direct, [t + 1 for t in direct]) == NEVER  # parallel and above: never faster
+    assert crossover([64], [1.0], [2.0]) == NEVER and crossover([64], [2.0], [1.0]) == 64  # one size: no line
 
 
 def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
@@ -275,7 +275,8 @@ def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("NPU_OFFLOAD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMO", {})
     core, tensors, refs, rng = random_core(4, 2, staging_chunks=8, groups=2)
-    entry = staging_choice.measure(core)
+    target = core.calibration_target()
+    entry = staging_choice.measure(target)
     assert entry["sizes"] == [1, 2, 4, 8, 16, 32]  # not 64: the rig has 48 device blocks
     for d in ("H2D", "D2H"):
         assert len(entry["direct"][d]) == len(entry["staged"][d]) == 6
@@ -285,7 +286,7 @@ def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
     monkeypatch.delenv("NPU_OFFLOAD_STAGED")
     calls = []
     monkeypatch.setattr(staging_choice, "measure", lambda c: calls.append(c) or entry)
-    first = staging_choice.staged_thresholds(core)
-    assert calls == [core] and staging_choice.staged_thresholds(core) == first and len(calls) == 1
+    first = staging_choice.staged_thresholds(target)
+    assert calls == [target] and staging_choice.staged_thresholds(target) == first and len(calls) == 1
     assert (tmp_path / calibration.CACHE_FILE).exists()
     core.shutdown()

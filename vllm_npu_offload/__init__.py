@@ -21,7 +21,8 @@ CORE_MODULES = (
     "vllm_npu_offload.stats",
     "vllm_npu_offload.offload_worker",
     "vllm_npu_offload.layouts",
-    "vllm_npu_offload.copy.npu_native",
+    "vllm_npu_offload._native.acl",
+    "vllm_npu_offload.copy.acl_copy",
     "vllm_npu_offload.copy.npu_paths",
     "vllm_npu_offload.simple_core",
 )

@@ -23,14 +23,14 @@ def _device() -> str:
 
 
 def _npu_native() -> str:
-    from .copy.npu_native import library_info
+    from ._native.acl import library_info
 
     return library_info()
 
 
 def _cuda_native() -> str:
     try:
-        from .copy.cuda_native import load_library
+        from ._native.cuda import load_library
     except ImportError as e:  # torch-free install checks, or a broken tree
         return f"unavailable ({e})"
     try:

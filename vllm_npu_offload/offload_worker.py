@@ -11,8 +11,10 @@ adapters in ``integration`` only translate vLLM's types into these.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,7 +32,7 @@ from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorP
 from .platform import Platform, platform_for_tensor
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
-from .staging_choice import _NEVER, staged_thresholds
+from .staging_choice import NEVER, CalibrationTarget, staged_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class OffloadWorkerCore:
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
         self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
-        self.staged_min_blocks = {d: _NEVER for d in Direction}
+        self.staged_min_blocks = {d: NEVER for d in Direction}
         self._setup_staging(page_sizes, staging_bytes)
         _LIVE.add(self)
         logger.info(
@@ -164,7 +166,31 @@ class OffloadWorkerCore:
         if mode == "1":
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
-            self.staged_min_blocks = staged_thresholds(self)
+            self.staged_min_blocks = staged_thresholds(self.calibration_target())
+
+    def calibration_target(self) -> CalibrationTarget:
+        """This core as the staged/direct crossover measurement sees it (the first KV group's
+        tensors stand for all; jobs use negative ids, never a connector's)."""
+        lay, g = self.layout, self.stager.geometry
+        key = (f"{self.platform.device_name()}|pages={','.join(map(str, lay.page_bytes))}"
+               f"|bpc={lay.blocks_per_chunk}|slots={g.slots}x{g.slot_blocks}|local={self.stager.local_path.name}"
+               f"|link={self.stager.link_path.name}|direct={self.backend.choice.load},{self.backend.choice.store}")
+        rest = [0] * (self.num_groups - 1)
+        jobs = itertools.count(-1, -1)
+
+        def time_transfer(direction: Direction, dev: np.ndarray, chunks: np.ndarray, staged: bool) -> float:
+            job = next(jobs)
+            t0 = time.perf_counter()
+            self.submit(job, direction, dev, [len(dev)] + rest, [0] + rest, chunks, staged=staged)
+            self.wait([job])
+            dt = time.perf_counter() - t0
+            for r in self.poll():
+                if not r.success:
+                    raise RuntimeError(f"calibration transfer failed: {r.error}")
+            return dt
+
+        return CalibrationTarget(key, min(t.num_blocks for t in self.device_tensors), self.num_chunks,
+                                 self.blocks_per_chunk, time_transfer)
 
     # -- id mapping ---------------------------------------------------------------------
     def _host_blocks(self, chunk_ids: np.ndarray, skip: int, count: int) -> np.ndarray:
@@ -239,7 +265,7 @@ class OffloadWorkerCore:
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""
         n = self.staged_min_blocks[Direction(direction)]
-        return "never" if self.stager is None or n >= _NEVER else str(n)
+        return "never" if self.stager is None or n >= NEVER else str(n)
 
     def uses_staging(self, direction: Direction, num_blocks: int) -> bool:
         return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]

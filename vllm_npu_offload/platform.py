@@ -135,7 +135,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         duration (docs/benchmarks.md, fifth run). Without the native library (no copy-engine
         path either) a high-priority pooled stream is the fallback: vLLM draws from the normal pool.
         """
-        from .copy.cuda_native import load_library
+        from ._native.cuda import load_library
 
         try:
             lib = load_library()
@@ -192,13 +192,13 @@ class NpuPlatform(_TorchAcceleratorPlatform):
         # library; False (pageable fallback) when it is not built or ACL refuses.
         if tensor.numel() == 0:
             return True
-        from .copy.npu_native import acl_host_register
+        from ._native.acl import acl_host_register
 
         return acl_host_register(tensor.data_ptr(), tensor.nbytes)
 
     def unpin(self, tensor: torch.Tensor) -> None:
         if tensor.numel():
-            from .copy.npu_native import acl_host_unregister
+            from ._native.acl import acl_host_unregister
 
             acl_host_unregister(tensor.data_ptr())
 

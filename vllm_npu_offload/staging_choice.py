@@ -10,57 +10,51 @@ it is measured once per (device, KV geometry) with the worker's own buffers at s
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from . import calibration
 from .copy.base import Direction
 
-if TYPE_CHECKING:
-    from .offload_worker import OffloadWorkerCore
-
 logger = logging.getLogger(__name__)
 
-_NEVER = 1 << 62  # "no transfer is large enough": stays direct
+NEVER = 1 << 62  # "no transfer is large enough": stays direct
 HEURISTIC_MIN_BLOCKS = 4  # without a measurement (NPU_OFFLOAD_CALIBRATE=0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 REPS = 5
 VERSION = 3
 
 
-def _time_transfer(core: "OffloadWorkerCore", direction: Direction, dev: np.ndarray, chunks: np.ndarray,
-                   staged: bool, job: int) -> float:
-    rest = [0] * (core.num_groups - 1)  # the first KV group's tensors stand for all
-    t0 = time.perf_counter()
-    core.submit(job, direction, dev, [len(dev)] + rest, [0] + rest, chunks, staged=staged)
-    core.wait([job])
-    dt = time.perf_counter() - t0
-    for r in core.poll():
-        if not r.success:
-            raise RuntimeError(f"calibration transfer failed: {r.error}")
-    return dt
+@dataclass(frozen=True)
+class CalibrationTarget:
+    """What the measurement needs of a worker core: its geometry, a name for the cache, and a
+    function that runs one transfer (device block ids, host chunk ids, staged?) and returns its
+    wall seconds from submit to completion."""
+
+    key: str  # device, pages, chunk and staging geometry, paths: a cached result is reused only for these
+    device_blocks: int
+    num_chunks: int
+    blocks_per_chunk: int
+    time_transfer: Callable[[Direction, np.ndarray, np.ndarray, bool], float]
 
 
-def measure(core: "OffloadWorkerCore") -> dict:
+def measure(target: CalibrationTarget) -> dict:
     """Best-of-``REPS`` seconds of direct and staged transfers per size, and the crossover."""
-    bpc = core.blocks_per_chunk
-    dev_blocks = min(t.num_blocks for t in core.device_tensors)
-    sizes = [n for n in SIZES if n <= dev_blocks and -(-n // bpc) <= core.num_chunks]
+    bpc = target.blocks_per_chunk
+    sizes = [n for n in SIZES if n <= target.device_blocks and -(-n // bpc) <= target.num_chunks]
     rng = np.random.default_rng(0)
-    job = -1
     out: dict = {"sizes": sizes, "direct": {}, "staged": {}, "min_blocks": {}}
     for d in Direction:
         direct, staged = [], []
         for n in sizes:
-            dev = rng.choice(dev_blocks, n, replace=False).astype(np.int64)
-            chunks = rng.choice(core.num_chunks, -(-n // bpc), replace=False).astype(np.int64)
+            dev = rng.choice(target.device_blocks, n, replace=False).astype(np.int64)
+            chunks = rng.choice(target.num_chunks, -(-n // bpc), replace=False).astype(np.int64)
             best = {False: float("inf"), True: float("inf")}
             for rep in range(REPS + 1):  # the first round warms up (JIT, first touch)
                 for st in (False, True):
-                    job -= 1
-                    t = _time_transfer(core, d, dev, chunks, st, job)
+                    t = target.time_transfer(d, dev, chunks, st)
                     if rep:
                         best[st] = min(best[st], t)
             direct.append(best[False])
@@ -96,19 +90,15 @@ def crossover(sizes: list[int], direct: list[float], staged: list[float]) -> int
     # staged no cheaper per block (or one size): staged only where it is never slower again
     wins = [s <= d for s, d in zip(staged, direct)]
     first = next((i for i in range(len(sizes)) if all(wins[i:])), None)
-    return sizes[first] if first is not None else _NEVER
+    return sizes[first] if first is not None else NEVER
 
 
-def staged_thresholds(core: "OffloadWorkerCore") -> dict[Direction, int]:
+def staged_thresholds(target: CalibrationTarget) -> dict[Direction, int]:
     """Per direction, the smallest transfer (in blocks) that goes staged."""
     if not calibration.enabled():
         return {d: HEURISTIC_MIN_BLOCKS for d in Direction}
-    lay, g = core.layout, core.stager.geometry
-    key = (f"staged-v{VERSION}|{core.platform.device_name()}|pages={','.join(map(str, lay.page_bytes))}"
-           f"|bpc={lay.blocks_per_chunk}|slots={g.slots}x{g.slot_blocks}|local={core.stager.local_path.name}"
-           f"|link={core.stager.link_path.name}|direct={core.backend.choice.load},{core.backend.choice.store}")
     try:
-        entry = calibration.cached(key, lambda: measure(core))
+        entry = calibration.cached(f"staged-v{VERSION}|{target.key}", lambda: measure(target))
     except Exception as e:  # noqa: BLE001 - never fail start-up over a measurement
         logger.warning("staged-copy calibration failed (%s); staging from %d blocks", e, HEURISTIC_MIN_BLOCKS)
         return {d: HEURISTIC_MIN_BLOCKS for d in Direction}

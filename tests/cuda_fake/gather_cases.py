@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from vllm_npu_offload.copy.base import DescriptorRange, Direction  # noqa: E402
 from vllm_npu_offload.copy.cuda_gather import NativeGatherPath  # noqa: E402
-from vllm_npu_offload.copy.cuda_native import load_library  # noqa: E402
+from vllm_npu_offload._native.cuda import load_library  # noqa: E402
 from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import DescriptorBuffers, Descriptors  # noqa: E402
 from vllm_npu_offload.platform import CpuPlatform  # noqa: E402

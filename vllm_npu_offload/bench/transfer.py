@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..copy.backend import NPUDmaCopyBackend, _PATH_FACTORIES, load_accelerator_paths
+from ..copy.backend import NPUDmaCopyBackend, path_factories
 from ..copy.base import Direction
 from ..plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
 from ..platform import Platform, get_platform
@@ -145,7 +145,7 @@ def bench_config(platform: Platform, cfg: ModelConfig, blocks: int | None = None
     stream = platform.new_stream()
     backend = NPUDmaCopyBackend(platform, rig.page_sizes)
     if paths is None:
-        paths = tuple(p for p in ACCEL_PATHS if p in _PATH_FACTORIES) if platform.kind != "cpu" else ("host",)
+        paths = tuple(p for p in ACCEL_PATHS if p in path_factories(platform.kind)) if platform.kind != "cpu" else ("host",)
     out: dict[str, Any] = {"config": asdict(cfg), "blocks": blocks, "page_bytes": cfg.page_bytes,
                            "choice": {"load": backend.choice.load, "store": backend.choice.store}, "directions": {}}
     for d in Direction:
@@ -154,7 +154,7 @@ def bench_config(platform: Platform, cfg: ModelConfig, blocks: int | None = None
         row: dict[str, Any] = {"descriptors": len(desc), "bytes": nbytes, "gbps": {}, "errors": {}}
         for name in paths:
             try:
-                path = _PATH_FACTORIES[name](platform, rig.page_sizes)
+                path = path_factories(platform.kind)[name](platform, rig.page_sizes)
                 sec = median_seconds(lambda: path.copy(desc.src, desc.dst, desc.sizes, d, stream, desc.buffers),
                                       stream.synchronize, reps)
                 row["gbps"][name] = nbytes / sec / 1e9
@@ -185,13 +185,13 @@ def interference(platform: Platform, cfg: ModelConfig, gemm_n: int = 8192, gemms
     alone = load.alone_ms(1)
     res: dict[str, Any] = {"config": cfg.name, "gemm_n": gemm_n, "gemm_ms_alone": alone, "paths": {}}
     for name in paths:
-        if name not in _PATH_FACTORIES:
+        if name not in path_factories(platform.kind):
             continue
         entry: dict[str, Any] = {}
         for d in Direction:
             desc = rig.descriptors(d, cfg.blocks)
             try:
-                path = _PATH_FACTORIES[name](platform, rig.page_sizes)
+                path = path_factories(platform.kind)[name](platform, rig.page_sizes)
                 def copy_once():
                     path.copy(desc.src, desc.dst, desc.sizes, d, xs, desc.buffers)
                     xs.synchronize()
@@ -263,7 +263,6 @@ def run(kind: str | None = None, configs: list[str] | None = None, reps: int = 2
         json_path: str | None = None, printer=print, table: bool = True) -> dict[str, Any]:
     """Benchmark ``configs`` (None = all) and write the report to ``json_path``; returns it."""
     platform = get_platform(kind)
-    load_accelerator_paths(platform.kind)
     names = list(CONFIGS) if configs is None else configs
     for n in names + (sweep_configs or []):
         if n not in CONFIGS:
@@ -274,7 +273,7 @@ def run(kind: str | None = None, configs: list[str] | None = None, reps: int = 2
                               "torch": torch.__version__, "configs": [], "sweep": [], "interference": [],
                               "sm_variants": []}
     try:
-        from ..copy.cuda_native import load_library
+        from .._native.cuda import load_library
 
         report["native"] = load_library().describe()
     except Exception as e:  # noqa: BLE001

@@ -1,14 +1,6 @@
 """Copy paths behind one interface (``NPUDmaCopyBackend``)."""
 
-from .backend import BackendChoice, NPUDmaCopyBackend, available_paths, register_chooser, register_path
-from .base import CopyPath, Direction
+from .backend import NPUDmaCopyBackend, available_paths, register_path
+from .base import BackendChoice, CopyPath, Direction
 
-__all__ = [
-    "BackendChoice",
-    "CopyPath",
-    "Direction",
-    "NPUDmaCopyBackend",
-    "available_paths",
-    "register_chooser",
-    "register_path",
-]
+__all__ = ["BackendChoice", "CopyPath", "Direction", "NPUDmaCopyBackend", "available_paths", "register_path"]

@@ -6,94 +6,73 @@ the platform and what is installed; ``NPU_OFFLOAD_COPY_PATH`` forces one.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ..platform import Platform
-from .base import CopyPath, Direction
+from .base import BackendChoice, CopyPath, Direction, PathFactory, PlatformPaths
 from .host import HostCopyPath
 
 logger = logging.getLogger(__name__)
 
-# name -> factory(platform, page_sizes) ; accelerator paths register themselves here
-_PATH_FACTORIES: dict[str, Callable[[Platform, "list[int]"], CopyPath]] = {
-    "host": lambda platform, pages: HostCopyPath(),
-}
+# Paths every platform has, plus any a test or an extension registers by name.
+_EXTRA_PATHS: dict[str, PathFactory] = {"host": lambda platform, pages: HostCopyPath()}
 
 
-def register_path(name: str, factory: Callable[[Platform, "list[int]"], CopyPath]) -> None:
-    _PATH_FACTORIES[name] = factory
+def register_path(name: str, factory: PathFactory) -> None:
+    """Make one more path selectable by name (tests, out-of-tree paths)."""
+    _EXTRA_PATHS[name] = factory
 
 
-def available_paths() -> tuple[str, ...]:
-    return tuple(_PATH_FACTORIES)
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    load: str
-    store: str
-
-
-# Accelerator paths live in their own modules, imported on first use so that a
-# machine without a toolkit never loads them. Each calls register_path/register_chooser.
-_ACCELERATOR_MODULES = {"cuda": "vllm_npu_offload.copy.cuda_paths", "npu": "vllm_npu_offload.copy.npu_paths"}
-
-
-def load_accelerator_paths(kind: str) -> None:
-    mod = _ACCELERATOR_MODULES.get(kind)
-    if mod is None:
-        return
+def platform_paths(kind: str) -> PlatformPaths | None:
+    """The copy paths of a device kind, imported on first use so that a machine without a
+    toolkit never loads them; None for CPU, or when the kind's module cannot load."""
     try:
-        importlib.import_module(mod)
+        if kind == "cuda":
+            from .cuda_paths import PATHS
+        elif kind == "npu":
+            from .npu_paths import PATHS
+        else:
+            return None
     except ImportError as e:
         logger.warning("copy paths for %s unavailable: %s", kind, e)
+        return None
+    return PATHS
+
+
+def path_factories(kind: str) -> dict[str, PathFactory]:
+    """Every path selectable on ``kind``, by name."""
+    found = platform_paths(kind)
+    return {**_EXTRA_PATHS, **(found.paths if found is not None else {})}
+
+
+def available_paths(kind: str = "cpu") -> tuple[str, ...]:
+    return tuple(path_factories(kind))
 
 
 def default_choice(platform: Platform, page_sizes: "list[int] | None" = None) -> BackendChoice:
     if platform.kind == "cpu":
         return BackendChoice("host", "host")
-    load_accelerator_paths(platform.kind)
-    chooser = _CHOOSERS.get(platform.kind)
-    if chooser is None:
+    found = platform_paths(platform.kind)
+    if found is None:
         raise RuntimeError(f"no copy path is available for device kind {platform.kind!r}; build the native library")
-    return chooser(platform, list(page_sizes or []))
-
-
-# kind -> chooser(platform, page_sizes) -> BackendChoice (may measure, e.g. CUDA calibration)
-_CHOOSERS: dict[str, Callable[[Platform, "list[int]"], BackendChoice]] = {}
-
-
-def register_chooser(kind: str, chooser: Callable[[Platform, "list[int]"], BackendChoice]) -> None:
-    _CHOOSERS[kind] = chooser
-
-
-# kind -> factory(platform) -> (local path, link path) for staged transfers: the local
-# path copies device <-> device staging (gather/scatter), the link path moves the few
-# large staging <-> host runs. A factory raises ImportError/RuntimeError when the
-# platform lacks what staging needs (then transfers stay direct).
-_STAGED_FACTORIES: dict[str, Callable[[Platform, "list[int]"], "tuple[CopyPath, CopyPath]"]] = {
-    "cpu": lambda platform, pages: (HostCopyPath(), HostCopyPath()),
-}
-
-
-def register_staged(kind: str, factory: Callable[[Platform, "list[int]"], "tuple[CopyPath, CopyPath]"]) -> None:
-    _STAGED_FACTORIES[kind] = factory
+    return found.choose(platform, list(page_sizes or []))
 
 
 def staged_paths(platform: Platform, page_sizes: "list[int]") -> "tuple[CopyPath, CopyPath] | None":
-    """(local, link) copy paths for staged transfers on ``platform``; None when unavailable."""
-    load_accelerator_paths(platform.kind)
-    factory = _STAGED_FACTORIES.get(platform.kind)
-    if factory is None:
+    """(local, link) copy paths for staged transfers on ``platform``; None when unavailable.
+    The local path copies device <-> device staging (gather/scatter), the link path moves the
+    few large staging <-> host runs."""
+    if platform.kind == "cpu":
+        return HostCopyPath(), HostCopyPath()
+    found = platform_paths(platform.kind)
+    if found is None:
         return None
     try:
-        return factory(platform, list(page_sizes))
+        return found.staged(platform, list(page_sizes))
     except (ImportError, RuntimeError, OSError) as e:
         logger.warning("staged copies unavailable on %s (%s); transfers stay direct", platform.kind, e)
         return None
@@ -106,19 +85,19 @@ class NPUDmaCopyBackend:
 
     def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None):
         self.platform = platform
-        load_accelerator_paths(platform.kind)
+        factories = path_factories(platform.kind)
         forced = os.environ.get(self.ENV_FORCE)
         if forced:
-            if forced not in _PATH_FACTORIES:
-                raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {available_paths()}")
+            if forced not in factories:
+                raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {tuple(factories)}")
             choice = BackendChoice(forced, forced)
         pages = list(page_sizes or [])
         self.choice = choice or default_choice(platform, pages)
         self._paths: dict[Direction, CopyPath] = {}
         for d, name in ((Direction.H2D, self.choice.load), (Direction.D2H, self.choice.store)):
-            if name not in _PATH_FACTORIES:
-                raise ValueError(f"copy path {name!r} is not one of {available_paths()}")
-            self._paths[d] = _PATH_FACTORIES[name](platform, pages)
+            if name not in factories:
+                raise ValueError(f"copy path {name!r} is not one of {tuple(factories)}")
+            self._paths[d] = factories[name](platform, pages)
         logger.info("NPUDmaCopyBackend on %s: load=%s store=%s", platform.kind, self.choice.load, self.choice.store)
 
     def use_path(self, direction: Direction, path: CopyPath) -> None:

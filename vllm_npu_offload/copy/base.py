@@ -9,9 +9,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..platform import Platform
 
 
 class Direction(enum.IntEnum):
@@ -65,6 +68,28 @@ class CopyPath(ABC):
         """As a staged transfer's local path: an object whose ``run(plan, direction, stream, aux)``
         enqueues the whole slice pipeline with ``link`` itself, or None (the Stager's loop runs it)."""
         return None
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The copy path of each direction, by name."""
+
+    load: str
+    store: str
+
+
+PathFactory = Callable[["Platform", "list[int]"], CopyPath]  # (platform, page sizes) -> path
+
+
+@dataclass(frozen=True)
+class PlatformPaths:
+    """What one device kind's copy module offers (``cuda_paths.PATHS``, ``npu_paths.PATHS``):
+    its named paths, how to choose one per direction (it may measure), and the (local, link)
+    pair for staged transfers (raises ImportError / RuntimeError when staging is unavailable)."""
+
+    paths: dict[str, PathFactory]
+    choose: Callable[["Platform", "list[int]"], BackendChoice]
+    staged: Callable[["Platform", "list[int]"], "tuple[CopyPath, CopyPath]"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from ..plan import Descriptors
 from ..platform import Platform
 from .base import CopyPath, DescriptorRange, Direction, check_descriptors
-from .cuda_native import NativeCudaLib, load_library
+from .._native.cuda import NativeCudaLib, load_library
 from .device_descriptors import refuse_null, upload
 
 MAX_PROGRAMS = 16
@@ -52,7 +52,7 @@ class NativeGatherPath(CopyPath):
                         self.platform.raw_stream_handle(stream))
 
     def fused_pipeline(self, link: CopyPath, slots: int):
-        from .cuda_native import CudaDmaCopyPath
+        from .cuda_dma import CudaDmaCopyPath
         from .cuda_pipeline import CudaStagedPipeline, pipeline_mode
 
         if pipeline_mode() == "python" or not isinstance(link, CudaDmaCopyPath) or link.lib is not self.lib:

@@ -1,7 +1,7 @@
 """CUDA copy paths and the calibrated per-direction choice.
 
-Registers ``dma`` (cuMemcpyBatchAsync), ``dma_loop`` (cuMemcpyAsync per descriptor),
-``sm`` (Triton), ``gather_native`` (the library's own kernel) and the ``cuda`` chooser.
+``PATHS`` offers ``dma`` (cuMemcpyBatchAsync), ``dma_loop`` (cuMemcpyAsync per descriptor),
+``sm`` (Triton), ``gather_native`` (the library's own kernel), the chooser and staged paths.
 Which path wins depends on the page size, the GPU and the link (batch DMA collapses
 below ~28 KiB host->device; SM copies do not), so the chooser measures them on the real GPU with the real page sizes at first
 use, for a few ms, and caches the winner per (GPU, direction, page sizes) in
@@ -26,8 +26,7 @@ import torch
 from .. import calibration
 from ..platform import Platform
 from . import sm_triton
-from .backend import BackendChoice, register_chooser, register_path, register_staged
-from .base import Direction
+from .base import BackendChoice, Direction, PlatformPaths
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +37,11 @@ CAL_REPS = 5
 
 
 def _dma(platform: Platform, pages, batch: bool):
-    from .cuda_native import CudaDmaCopyPath
+    from .cuda_dma import CudaDmaCopyPath
 
     return CudaDmaCopyPath(platform, batch=batch)
 
 
-register_path("dma", lambda platform, pages: _dma(platform, pages, True))
-register_path("dma_loop", lambda platform, pages: _dma(platform, pages, False))
-register_path("sm", lambda platform, pages: sm_triton.SmCopyPath(platform, pages))
 
 
 # The native kernel keeps 64 KiB in flight per SM, so two SMs nearly fill the host link; and a
@@ -65,12 +61,11 @@ def _gather_native(platform: Platform, pages):
     return NativeGatherPath(platform, pages, programs=programs)
 
 
-register_path("gather_native", _gather_native)
 
 
 def native_gather_built() -> bool:
     try:
-        from .cuda_native import load_library
+        from .._native.cuda import load_library
 
         return load_library().built_gather
     except (ImportError, OSError):
@@ -80,7 +75,7 @@ def native_gather_built() -> bool:
 def dma_available() -> str | None:
     """None when the native library loads and the driver resolves, else why not."""
     try:
-        from .cuda_native import load_library
+        from .._native.cuda import load_library
 
         mode, _, err = load_library().runtime_mode()
         return (err or f"driver mode {mode}") if mode < 0 else None
@@ -132,15 +127,13 @@ def time_paths(paths: dict, stream, src, dst, sizes, direction: Direction, reps:
 
 def calibrate(platform: Platform, page_sizes: list[int], direction: Direction, names: list[str]) -> dict:
     """Measure each candidate on this GPU; returns {"choice", "gbps": {name: GB/s}}."""
-    from .backend import _PATH_FACTORIES
-
     span = 2 * CAL_BYTES + 2 * max(page_sizes) * 64
     host = platform.empty_pinned(span, torch.uint8)
     dev = torch.empty(span, dtype=torch.uint8, device=platform.device)
     stream = platform.new_stream()
     src, dst, sizes = _synthetic_batch(page_sizes, host, dev, direction)
     nbytes = float(sizes.sum())
-    paths = {name: _PATH_FACTORIES[name](platform, page_sizes) for name in names}
+    paths = {name: PATHS.paths[name](platform, page_sizes) for name in names}
     best = time_paths(paths, stream, src, dst, sizes, direction, CAL_REPS)
     gbps = {name: nbytes / sec / 1e9 for name, sec in best.items()}
     del host, dev
@@ -170,7 +163,6 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
     return BackendChoice(load=picks[Direction.H2D], store=picks[Direction.D2H])
 
 
-register_chooser("cuda", choose_cuda)
 
 ENV_STAGE_PROGRAMS = "NPU_OFFLOAD_STAGE_PROGRAMS"
 ENV_STAGE_GATHER = "NPU_OFFLOAD_STAGE_GATHER"
@@ -210,4 +202,13 @@ def staged_cuda(platform: Platform, page_sizes: list[int]):
     return local, _dma(platform, [], True)
 
 
-register_staged("cuda", staged_cuda)
+PATHS = PlatformPaths(
+    paths={
+        "dma": lambda platform, pages: _dma(platform, pages, True),
+        "dma_loop": lambda platform, pages: _dma(platform, pages, False),
+        "sm": lambda platform, pages: sm_triton.SmCopyPath(platform, pages),
+        "gather_native": _gather_native,
+    },
+    choose=choose_cuda,
+    staged=staged_cuda,
+)

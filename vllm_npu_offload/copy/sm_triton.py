@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
-import torch
 
 from ..errors import CopyError
 from ..platform import Platform

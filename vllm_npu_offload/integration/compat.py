@@ -46,7 +46,7 @@ else:
 
     OffloadingHandler = None
 
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402,F401  (used as compat.CPULoadStoreSpec)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
 

@@ -1,10 +1,8 @@
-"""ctypes wrapper over ``libnpu_offload_cuda.so``: the DMA (copy engine) paths and the
-launcher of its device-local gather kernel.
+"""ctypes binding of ``libnpu_offload_cuda.so``: batch / per-copy DMA, the gather kernel's
+launcher, the staged pipeline, driver streams and events.
 
-``dma`` submits a batch with cuMemcpyBatchAsync (chunked in C); ``dma_loop`` issues
-one cuMemcpyAsync per descriptor (the pre-batching baseline, kept for benchmarks).
-The library is plain C, so it works with any torch build; the driver is resolved
-inside it at run time.
+Below the platform and the copy paths (both use it; it uses neither). The library is plain
+C, so it works with any torch build; the driver is resolved inside it at run time.
 """
 
 from __future__ import annotations
@@ -12,14 +10,10 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
-from typing import Any
-
 import numpy as np
 
-from .._native import library_path
 from ..errors import CopyError
-from ..platform import Platform
-from .base import CopyPath, Direction, check_descriptors
+from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
 ABI_VERSION = 3
@@ -165,19 +159,3 @@ def load_library() -> NativeCudaLib:
                 )
             _LIB = NativeCudaLib(str(path))
         return _LIB
-
-
-class CudaDmaCopyPath(CopyPath):
-    """Copy-engine path: one cuMemcpyBatchAsync per chunk, or a cuMemcpyAsync loop."""
-
-    def __init__(self, platform: Platform, batch: bool = True, lib: NativeCudaLib | None = None):
-        self.platform = platform
-        self.batch = batch
-        self.name = "dma" if batch else "dma_loop"
-        self.lib = lib or load_library()
-
-    def copy(self, src, dst, sizes, direction: Direction, stream: Any, buffers=None) -> None:
-        check_descriptors(src, dst, sizes)
-        # ANY is only safe when the source is stable pinned host memory: loads.
-        self.lib.copy(src, dst, sizes, self.platform.raw_stream_handle(stream), self.batch,
-                      src_order_any=Direction(direction).is_load)

@@ -1,4 +1,4 @@
-"""ctypes wrapper of ``libnpu_offload_acl.so``: the ``acl_batch`` and ``acl_loop`` copy paths.
+"""ctypes binding of ``libnpu_offload_acl.so`` (the copy paths over it: ``copy.acl_copy``).
 
 The library is plain C with every ACL symbol resolved at run time, so loading it never
 needs CANN; a missing ``libascendcl.so`` (or symbol) surfaces as a ``CopyError`` from
@@ -11,17 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Any
 
-import numpy as np
 
-from .._native import library_path
 from ..errors import CopyError
-from ..platform import Platform
-from .base import CopyPath, Direction, check_descriptors
+from . import library_path
 
 LIBRARY_NAME = "npu_offload_acl"
-ENV_MAX_BATCH = "NPU_OFFLOAD_ACL_MAX_BATCH"  # descriptors per aclrtMemcpyBatchAsync call; unset = all
 
 # Status codes of the C library (csrc_npu/npu_offload_acl.h).
 OK, ACL_FAILED, MISSING, BAD_ARGUMENT, NOT_BUILT = range(5)
@@ -130,64 +125,6 @@ def acl_host_unregister(ptr: int) -> None:
     err = AclError()
     if load_library().npu_offload_acl_host_unregister(ctypes.c_void_p(ptr), ctypes.byref(err)) != OK:
         _raise(err, "unpinning host memory")
-
-
-def _as_int64(a: np.ndarray, name: str) -> np.ndarray:
-    if a.dtype != np.int64 or not a.flags.c_contiguous:
-        raise TypeError(f"{name} descriptors must be a C-contiguous int64 array, got {a.dtype} "
-                        f"(contiguous={a.flags.c_contiguous})")
-    return a
-
-
-class AclCopyPath(CopyPath):
-    """One C entry point (batch or loop) behind the CopyPath contract.
-
-    ``device_local=True`` submits every copy device->device on the current device, whatever
-    ``direction`` says: the gather (store) and scatter (load) between KV pages and a device
-    staging buffer. The loop path then needs 64-byte aligned addresses (aclrtMemcpyAsync D2D).
-    """
-
-    def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None,
-                 device_local: bool = False):
-        self.platform = platform
-        self.batch = batch
-        self.device_local = device_local
-        self.name = ("acl_batch" if batch else "acl_loop") + ("_local" if device_local else "")
-        self._lib = lib or load_library()
-        self._max_batch = int(os.environ.get(ENV_MAX_BATCH, "0") or 0)
-        if self._max_batch < 0:
-            raise ValueError(f"{ENV_MAX_BATCH}={self._max_batch} must be >= 0 (0 = no limit)")
-
-    def stream_handle(self, stream: Any) -> int:
-        """An int is taken as a raw aclrtStream (tests); anything else goes through the platform."""
-        if isinstance(stream, int):
-            return stream
-        if self.platform is None:
-            raise CopyError(f"{self.name}: no platform to turn {type(stream).__name__} into an aclrtStream",
-                            self.name)
-        return self.platform.raw_stream_handle(stream)
-
-    def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Any,
-             buffers=None) -> None:
-        check_descriptors(src, dst, sizes)
-        if self.device_local:
-            code, label = D2D, "D2D"
-        else:
-            direction = Direction(direction)
-            code, label = int(direction), direction.name
-        n = len(sizes)
-        if n == 0:
-            return
-        s, d, z = _as_int64(src, "src"), _as_int64(dst, "dst"), _as_int64(sizes, "sizes")
-        handle = ctypes.c_void_p(self.stream_handle(stream))
-        err = AclError()
-        args = (s.ctypes.data, d.ctypes.data, z.ctypes.data, n, code, handle)
-        if self.batch:
-            rc = self._lib.npu_offload_acl_copy_batch(*args, self._max_batch, ctypes.byref(err))
-        else:
-            rc = self._lib.npu_offload_acl_copy_loop(*args, ctypes.byref(err))
-        if rc != OK:
-            _raise(err, f"{self.name} {label} copy of {n} descriptors failed")
 
 
 def library_info() -> str:
