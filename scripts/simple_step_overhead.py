@@ -83,7 +83,8 @@ def bench_engine(steps: int) -> float:
     import torch
 
     from vllm_npu_offload.platform import get_platform
-    from vllm_npu_offload.simple_core import CoreTransport, tensor_segments
+    from vllm_npu_offload.device_kv import tensor_segments
+    from vllm_npu_offload.simple_core import CoreTransport
 
     kv = torch.zeros(2, 64, 32, 2, 32)  # 2 x 64 blocks x 8 KiB pages
     tr = CoreTransport.from_segments(tensor_segments(kv, 64), 64, get_platform("cpu"))

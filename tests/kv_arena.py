@@ -26,3 +26,15 @@ class Arena:
         for p, n in self.used:
             mask[p : p + n] = False
         return bool(torch.equal(self.buf[mask], self.pristine[mask]))
+
+
+def build_worker_core(kv_caches, num_blocks: int, blocks_per_chunk: int, num_chunks: int, groups=None, backend=None):
+    """An ``OffloadWorkerCore`` for per-layer caches, canonicalised as NPUOffloadingConnector does;
+    ``groups`` lists layer names per KV group (default: one group of every layer)."""
+    from vllm_npu_offload.device_kv import canonicalize, device_platform
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    layout = canonicalize(kv_caches, num_blocks)
+    group_refs = [layout.group_refs(g) for g in (groups if groups is not None else [None])]
+    return OffloadWorkerCore(layout.tensors, group_refs, blocks_per_chunk, num_chunks,
+                             device_platform(layout.sources), backend)

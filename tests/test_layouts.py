@@ -7,10 +7,10 @@ import torch
 
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
-from vllm_npu_offload.layouts import build_worker_core, canonicalize
+from vllm_npu_offload.device_kv import canonicalize
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, TensorPair
 
-from kv_arena import ALIGN, Arena  # noqa: E402  (tests/ is on sys.path under pytest)
+from kv_arena import ALIGN, Arena, build_worker_core  # noqa: E402  (tests/ is on sys.path under pytest)
 
 NB, BS = 6, 16  # device blocks, tokens per block
 

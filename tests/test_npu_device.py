@@ -94,7 +94,7 @@ def test_exact_pinning_with_host_register(platform):
 @pytest.mark.parametrize("name", PATHS)
 def test_worker_core_ascend_layout(platform, name):
     """Per-layer (K, V) and MLA (512, 64) tuples on the NPU, through OffloadWorkerCore."""
-    from vllm_npu_offload.layouts import build_worker_core
+    from kv_arena import build_worker_core
 
     nb, bs = 8, 128
     dt, dv = torch.bfloat16, platform.device

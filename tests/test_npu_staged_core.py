@@ -15,7 +15,8 @@ from _npu_build_support import INCLUDE, SKIP_REASON, built, emu, fake_npu_platfo
 from staged_round_trip import store_then_load
 
 from vllm_npu_offload import staging
-from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
 

@@ -8,7 +8,8 @@ from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
 from vllm_npu_offload.host_layout import HostLayout
 from vllm_npu_offload.memory import HostKVBuffer
-from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+from vllm_npu_offload.offload_worker import OffloadWorkerCore
 from vllm_npu_offload.platform import CpuPlatform
 
 

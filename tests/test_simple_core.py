@@ -16,7 +16,7 @@ from vllm_npu_offload.copy.backend import BackendChoice, NPUDmaCopyBackend
 from vllm_npu_offload.copy.base import CopyPath, Direction
 from vllm_npu_offload.copy.host import HostCopyPath
 from vllm_npu_offload.errors import CopyError, OffloadConfigError
-from vllm_npu_offload.offload_worker import DeviceKVTensor
+from vllm_npu_offload.device_kv import DeviceKVTensor, dedupe_segments, placement_segments, tensor_segments
 from vllm_npu_offload.platform import get_platform
 from vllm_npu_offload.simple_core import (
     Completion,
@@ -24,9 +24,6 @@ from vllm_npu_offload.simple_core import (
     CoreTransport,
     SimpleOffloadCore,
     StepPlan,
-    dedupe_segments,
-    placement_segments,
-    tensor_segments,
 )
 
 H2D, D2H = Direction.H2D, Direction.D2H

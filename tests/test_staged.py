@@ -12,7 +12,8 @@ import torch
 from vllm_npu_offload import staging
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
-from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+from vllm_npu_offload.offload_worker import OffloadWorkerCore
 from vllm_npu_offload.platform import CpuPlatform
 
 DEV_BLOCKS, CHUNKS = 48, 40

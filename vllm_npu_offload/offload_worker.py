@@ -16,7 +16,6 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -24,44 +23,18 @@ import torch
 
 from .copy.backend import NPUDmaCopyBackend, staged_paths
 from .copy.base import Direction
+from .device_kv import DeviceKVTensor, GroupRef
 from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .memory import HostKVBuffer
 from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair
-from .platform import Platform, platform_for_tensor
+from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
 from .staging_choice import NEVER, CalibrationTarget, staged_thresholds
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeviceKVTensor:
-    """One device KV allocation seen as blocks: block ``i`` at ``base + i * block_stride``."""
-
-    base: int
-    block_stride: int
-    num_blocks: int
-    page_bytes: int  # padded page; the host mirrors this many bytes per block
-
-    @classmethod
-    def from_block_view(cls, t: torch.Tensor, page_bytes: int | None = None) -> "DeviceKVTensor":
-        """From a ``(num_blocks, ...)`` tensor whose per-block payload is contiguous."""
-        if t.dim() < 1 or t.shape[0] == 0:
-            raise OffloadConfigError(f"KV tensor must have a leading num_blocks dimension, got shape {tuple(t.shape)}")
-        stride = t.stride(0) * t.element_size()
-        page = page_bytes if page_bytes is not None else t[0].numel() * t.element_size()
-        if page > stride:
-            raise OffloadConfigError(f"KV page of {page} bytes exceeds the block stride {stride} of {tuple(t.shape)}")
-        return cls(t.data_ptr(), stride, t.shape[0], page)
-
-
-@dataclass(frozen=True)
-class GroupRef:
-    tensor_idx: int
-    page_bytes: int  # un-padded bytes actually copied per block
 
 
 _LIVE: "weakref.WeakSet[OffloadWorkerCore]" = weakref.WeakSet()
@@ -322,10 +295,3 @@ class OffloadWorkerCore:
         lay = self.layout
         return self.host.strided_view(lay.page_offsets[tensor_idx], lay.num_blocks, lay.page_bytes[tensor_idx],
                                       lay.record_bytes)
-
-
-def device_platform(tensors: Sequence[torch.Tensor]) -> Platform:
-    kinds = {t.device.type for t in tensors}
-    if len(kinds) != 1:
-        raise OffloadConfigError(f"KV tensors are on several device kinds {sorted(kinds)}")
-    return platform_for_tensor(tensors[0])

@@ -23,7 +23,6 @@ blocks as load errors; stores: reported as failed, never as completed).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import deque
@@ -35,7 +34,8 @@ import numpy as np
 from .copy.backend import NPUDmaCopyBackend
 from .copy.base import Direction
 from .errors import OffloadConfigError
-from .offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from .device_kv import DeviceKVTensor, GroupRef
+from .offload_worker import OffloadWorkerCore
 from .platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -315,98 +315,3 @@ class CoreTransport:
 
 
 # -- where the blocks live ---------------------------------------------------------------
-def placement_segments(
-    base: int,
-    nbytes: int,
-    offset: int,
-    layer_stride: int,
-    block_stride: int,
-    num_layers: int,
-    num_blocks: int,
-) -> list[DeviceKVTensor]:
-    """Segments of one allocation placed as ``offset + l*layer_stride + b*block_stride``.
-
-    Layer-outermost placements give one segment per ``num_blocks * block_stride``
-    span (a layer, or a K/V part of it); block-outermost placements are one segment
-    whose block holds every layer's page.
-    """
-    if block_stride <= 0 or num_blocks <= 0 or num_layers <= 0:
-        raise OffloadConfigError(
-            f"KV placement needs positive block_stride/num_blocks/num_layers, got "
-            f"{block_stride}/{num_blocks}/{num_layers}"
-        )
-    span_blocks = num_blocks * block_stride
-    if layer_stride >= span_blocks:
-        start, span = offset, num_layers * layer_stride
-        n_seg, rem = divmod(span, span_blocks)
-        if rem:
-            raise OffloadConfigError(
-                f"KV placement: {num_layers} layers x layer_stride {layer_stride} is not a multiple of "
-                f"{num_blocks} blocks x block_stride {block_stride}"
-            )
-    else:
-        start, span, n_seg = 0, span_blocks, 1
-    if start + span > nbytes:
-        raise OffloadConfigError(
-            f"KV placement needs {start + span} bytes but the allocation has {nbytes}"
-        )
-    return [DeviceKVTensor(base + start + i * span_blocks, block_stride, num_blocks, block_stride) for i in range(n_seg)]
-
-
-def tensor_segments(t, num_blocks: int) -> list[DeviceKVTensor]:
-    """Segments of a tensor with a ``num_blocks`` dimension (e.g. ``(2, N, ...)`` K/V
-    stacks, ``(N, ...)`` per-part tensors as Ascend hands them in tuples)."""
-    dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-    # Kernel blocks smaller than scheduler blocks: dimension num_blocks * k, k adjacent.
-    dims = dims or [d for d, n in enumerate(t.shape) if n and n % num_blocks == 0]
-    if not dims:
-        raise OffloadConfigError(
-            f"KV tensor of shape {tuple(t.shape)} has no dimension of num_blocks={num_blocks} (or a multiple)"
-        )
-    d = dims[0]
-    k = t.shape[d] // num_blocks
-    el = t.element_size()
-    inner = t[(0,) * (d + 1)] if d + 1 < t.dim() else None
-    page = (inner.numel() if inner is not None else 1) * el
-    if k > 1:
-        if t.stride(d) * el != page:
-            raise OffloadConfigError(
-                f"KV tensor of shape {tuple(t.shape)}: {k} kernel blocks per block are not adjacent"
-            )
-        page *= k
-    block_stride = t.stride(d) * el * k
-    if inner is not None and not inner.is_contiguous():
-        raise OffloadConfigError(
-            f"KV tensor of shape {tuple(t.shape)} stride {tuple(t.stride())}: the per-block payload after "
-            f"dimension {d} is not contiguous"
-        )
-    if page > block_stride:
-        raise OffloadConfigError(
-            f"KV tensor of shape {tuple(t.shape)}: page of {page} bytes exceeds the block stride {block_stride}"
-        )
-    outer = t.shape[:d]
-    out = []
-    for idx in itertools.product(*(range(n) for n in outer)):
-        off = sum(i * s for i, s in zip(idx, t.stride()[:d])) * el
-        out.append(DeviceKVTensor(t.data_ptr() + off, block_stride, num_blocks, page))
-    return out
-
-
-def dedupe_segments(segments: Sequence[DeviceKVTensor]) -> list[DeviceKVTensor]:
-    """Drop exact duplicates (layers sharing one allocation); reject conflicting overlaps,
-    which would make a load of block ``b`` overwrite bytes of another block."""
-    uniq: dict[tuple[int, int], DeviceKVTensor] = {}
-    for s in segments:
-        key = (s.base, s.block_stride)
-        prev = uniq.get(key)
-        if prev is None or s.page_bytes > prev.page_bytes:
-            uniq[key] = s
-    out = sorted(uniq.values(), key=lambda s: s.base)
-    for a, b in zip(out, out[1:]):
-        a_end = a.base + (a.num_blocks - 1) * a.block_stride + a.page_bytes
-        if b.base < a_end and a.block_stride != b.block_stride:
-            raise OffloadConfigError(
-                f"KV segments at {a.base:#x} (block stride {a.block_stride}) and {b.base:#x} "
-                f"(block stride {b.block_stride}) overlap with different block strides; not supported"
-            )
-    return out

@@ -111,7 +111,8 @@ def case_staged():
 def case_staged_groups():
     """Two KV groups in one table-form transfer: each group's table and block ids, its tensors only."""
     from vllm_npu_offload import staging
-    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
@@ -147,7 +148,8 @@ def case_staged_wide_first():
     """A store whose first slice has more blocks than fit in the launch parameters: its first
     gather waits for the uploaded ids instead (no inline launch), still byte for byte."""
     from vllm_npu_offload import staging
-    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
     pages = [64, 64, 128, 32]
@@ -175,7 +177,8 @@ def case_staged_one_slice():
     """A store of one slice with its ids inline uploads nothing: no copy is left running on the
     aux stream after the job's stream ends (its id buffers go back to the pool then)."""
     from vllm_npu_offload import staging
-    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
     staging.MIN_SLOT_BYTES = 0
@@ -202,7 +205,8 @@ def case_staged_one_slice():
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging
-    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
@@ -219,7 +223,8 @@ def case_staged_fail():
 
 def staged_round_trip(mode):
     from vllm_npu_offload import staging
-    from vllm_npu_offload.offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ["NPU_OFFLOAD_STAGED"] = "1"
     os.environ["NPU_OFFLOAD_CALIBRATE"] = "0"

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ..copy.base import Direction
-from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore
+from ..device_kv import DeviceKVTensor, GroupRef
+from ..offload_worker import OffloadWorkerCore
 from ..platform import Platform, get_platform
 from .gemm_load import GemmLoad
 from .transfer import contiguous_copy_fn, median_seconds

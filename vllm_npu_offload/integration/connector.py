@@ -22,8 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
 from ..errors import OffloadConfigError
-from ..layouts import canonicalize
-from ..offload_worker import DeviceKVTensor
+from ..device_kv import DeviceKVTensor, canonicalize
 from . import compat
 
 

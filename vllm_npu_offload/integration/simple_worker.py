@@ -18,15 +18,8 @@ from ..copy.base import Direction
 from ..errors import OffloadConfigError
 from ..host_layout import HostLayout
 from ..host_limits import check_host_allocation
-from ..offload_worker import DeviceKVTensor, device_platform
-from ..simple_core import (
-    CoreTransport,
-    SimpleOffloadCore,
-    StepPlan,
-    dedupe_segments,
-    placement_segments,
-    tensor_segments,
-)
+from ..device_kv import DeviceKVTensor, dedupe_segments, device_platform, placement_segments, tensor_segments
+from ..simple_core import CoreTransport, SimpleOffloadCore, StepPlan
 
 from . import compat
 from .options import SimpleOptions, staging_bytes_option

@@ -13,7 +13,8 @@ from __future__ import annotations
 from ..errors import OffloadConfigError
 from ..host_limits import check_host_allocation
 from ..memory import round_up
-from ..offload_worker import DeviceKVTensor, GroupRef, OffloadWorkerCore, device_platform
+from ..device_kv import DeviceKVTensor, GroupRef, device_platform
+from ..offload_worker import OffloadWorkerCore
 from . import compat
 from .options import SPEC_KEYS, reject_unknown_keys, resolve_cpu_bytes, staging_bytes_option, validate_extra_config
 from .workers import NPUOffloadingWorker, handler_pair
