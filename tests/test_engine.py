@@ -190,3 +190,16 @@ def test_one_stream_per_direction_however_many_jobs():
     assert sorted(r.job_id for r in res) == list(range(12)) and all(r.success for r in res)
     assert len(made) == 2 and torch.equal(dst, src)
     eng.shutdown()
+
+
+def test_poll_of_one_direction_keeps_the_others_results(platform):
+    dev = torch.arange(8 * 16, dtype=torch.uint8).view(8, 16)
+    host = torch.zeros(8, 16, dtype=torch.uint8)
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
+    eng.submit(1, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
+    eng.submit(2, Direction.H2D, planner(host, dev, 16).plan([1], [1]))
+    eng.drain()
+    assert [r.job_id for r in eng.poll(Direction.H2D)] == [2]
+    assert eng.poll(Direction.H2D) == []
+    assert [r.job_id for r in eng.poll()] == [1]  # kept for its own direction's poll
+    eng.shutdown()

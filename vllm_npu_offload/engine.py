@@ -60,7 +60,7 @@ class TransferEngine:
         self._streams: dict[Direction, Any] = {}
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
-        self._done: list[TransferResult] = []
+        self._done: dict[Direction, list[TransferResult]] = {d: [] for d in Direction}
         self._closed = False
 
     # -- submission -------------------------------------------------------------------
@@ -117,11 +117,16 @@ class TransferEngine:
         TOTALS.record(item.direction.is_load, ok, nbytes, seconds, time.perf_counter() - item.submitted_at)
         return TransferResult(item.job_id, item.direction, ok, nbytes if ok else 0, seconds, len(item.transfer), error)
 
-    def poll(self) -> list[TransferResult]:
-        """Results of transfers that finished since the last call, each exactly once."""
+    def poll(self, direction: Direction | None = None) -> list[TransferResult]:
+        """Results of transfers that finished since the last call, each exactly once; only
+        ``direction``'s when given (the other's stay for their own poll: vLLM 0.21-0.24 polls a
+        handler per direction)."""
         with self._lock:
-            out, self._done = self._done, []
-            for q in self._queues.values():
+            out: list[TransferResult] = []
+            for d in (Direction(direction),) if direction is not None else tuple(Direction):
+                out += self._done[d]
+                self._done[d] = []
+                q = self._queues[d]
                 while q and q[0].end.query():
                     out.append(self._finish(q.popleft()))
             return out
@@ -147,7 +152,8 @@ class TransferEngine:
         with self._lock:
             for q in self._queues.values():
                 while q:
-                    self._done.append(self._finish(q.popleft()))
+                    item = q.popleft()
+                    self._done[item.direction].append(self._finish(item))
 
     def shutdown(self) -> None:
         with self._lock:

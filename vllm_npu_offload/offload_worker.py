@@ -86,6 +86,7 @@ class OffloadWorkerCore:
         self.backend = backend or NPUDmaCopyBackend(platform, page_sizes)
         self.pool = DescriptorPool(platform)
         self.engine = TransferEngine(platform, self.pool)
+        self._closed = False
         self.num_groups = len(self.group_refs)
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
@@ -278,13 +279,23 @@ class OffloadWorkerCore:
             out += self.stager.aux_streams()
         return out
 
-    def poll(self) -> list[TransferResult]:
-        return self.engine.poll()
+    def poll(self, direction: Direction | None = None) -> list[TransferResult]:
+        """Finished transfers (of ``direction`` only, when given), each reported once."""
+        return self.engine.poll(direction)
 
     def wait(self, job_ids) -> None:
         self.engine.wait(job_ids)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def shutdown(self) -> None:
+        """Wait for every transfer and free host and staging memory; a second call does nothing
+        (vLLM 0.21-0.24 shuts down both handlers of one core)."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.shutdown()
         self.host.release()
         if self.stager is not None:

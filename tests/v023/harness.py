@@ -133,8 +133,8 @@ class Engine:
     @property
     def core(self):
         store, load = self.spec._npu_handlers
-        assert store.shared is load.shared
-        return store.shared.core
+        assert store.core is load.core
+        return store.core
 
     def _record(self, core) -> None:
         submit = core.submit

@@ -115,7 +115,7 @@ def test_store_load_through_real_scheduler(tiny_model, extra, bpc, num_blocks):
     round_trip(eng, caches, bpc)
     store, load = eng.spec._npu_handlers
     eng.worker.shutdown()
-    assert store.shared._closed and load.shared is store.shared
+    assert store.core.closed and load.core is store.core
 
 
 def test_handlers_report_only_their_direction(tiny_model):

@@ -9,7 +9,6 @@ vLLM's ``TransferResult``; the copying itself is the same code on every version.
 from __future__ import annotations
 
 import logging
-import threading
 
 from ..copy.base import Direction
 from ..offload_worker import OffloadWorkerCore
@@ -42,30 +41,6 @@ def to_vllm_results(results) -> list:
     return out
 
 
-class SharedCore:
-    """One core polled on behalf of several handlers: each result is kept for its direction."""
-
-    def __init__(self, core: OffloadWorkerCore):
-        self.core = core
-        self._pending: dict[Direction, list] = {d: [] for d in Direction}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def take(self, direction: Direction) -> list:
-        with self._lock:
-            for r in self.core.poll():
-                self._pending[r.direction].append(r)
-            out, self._pending[direction] = self._pending[direction], []
-        return out
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.core.shutdown()
-
-
 class NPUOffloadingWorker(compat.OffloadingWorker or object):
     """vLLM >= 0.25: both directions through one worker object."""
 
@@ -89,31 +64,31 @@ class NPUOffloadingWorker(compat.OffloadingWorker or object):
 
 
 class NPUTransferHandler(compat.OffloadingHandler or object):
-    """vLLM 0.21-0.24: one direction; ``get_finished`` returns only this direction's jobs."""
+    """vLLM 0.21-0.24: one direction of a core shared with the other direction's handler;
+    ``get_finished`` returns only this direction's jobs (the core keeps the other's)."""
 
-    def __init__(self, shared: SharedCore, direction: Direction):
-        self.shared = shared
+    def __init__(self, core: OffloadWorkerCore, direction: Direction):
+        self.core = core
         self.direction = direction
 
     def transfer_async(self, job_id: int, spec) -> bool:
         src, dst = spec
         gpu, cpu = (src, dst) if self.direction is Direction.D2H else (dst, src)
-        return submit(self.shared.core, job_id, self.direction, gpu, cpu)
+        return submit(self.core, job_id, self.direction, gpu, cpu)
 
     def get_finished(self) -> list:
-        return to_vllm_results(self.shared.take(self.direction))
+        return to_vllm_results(self.core.poll(self.direction))
 
     def wait(self, job_ids) -> None:
-        self.shared.core.wait(job_ids)
+        self.core.wait(job_ids)
 
     def shutdown(self) -> None:
-        self.shared.shutdown()
+        self.core.shutdown()
 
 
 def handler_pair(core: OffloadWorkerCore) -> tuple[NPUTransferHandler, NPUTransferHandler]:
-    """(store handler, load handler) sharing ``core``."""
-    shared = SharedCore(core)
-    return NPUTransferHandler(shared, Direction.D2H), NPUTransferHandler(shared, Direction.H2D)
+    """(store handler, load handler) over one core."""
+    return NPUTransferHandler(core, Direction.D2H), NPUTransferHandler(core, Direction.H2D)
 
 
-__all__ = ["NPUOffloadingWorker", "NPUTransferHandler", "SharedCore", "handler_pair"]
+__all__ = ["NPUOffloadingWorker", "NPUTransferHandler", "handler_pair"]
