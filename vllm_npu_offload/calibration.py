@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from . import env
+
 logger = logging.getLogger(__name__)
 
 ENV_CALIBRATE = "NPU_OFFLOAD_CALIBRATE"
@@ -24,11 +26,11 @@ _MEMO: dict[str, dict] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_CALIBRATE, "1") != "0"
+    return env.get(ENV_CALIBRATE)
 
 
 def cache_path() -> Path:
-    root = os.environ.get(ENV_CACHE_DIR)
+    root = env.get(ENV_CACHE_DIR)
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm_npu_offload"
     return Path(root) / CACHE_FILE

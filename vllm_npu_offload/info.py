@@ -78,6 +78,14 @@ def collect() -> list[tuple[str, str]]:
 
 
 def format_info() -> str:
+    from .env import describe
+
     rows = collect()
     width = max(len(n) for n, _ in rows)
-    return "\n".join(f"{n:<{width}}  {v}" for n, v in rows)
+    lines = [f"{n:<{width}}  {v}" for n, v in rows]
+    knobs = describe()
+    kw = max(len(n) for n, _, _ in knobs)
+    vw = max(len(v) for _, v, _ in knobs)
+    lines += ["", "environment (run time; `vllm_npu_offload/env.py`):"]
+    lines += [f"  {n:<{kw}}  {v:<{vw}}  {m}" for n, v, m in knobs]
+    return "\n".join(lines)

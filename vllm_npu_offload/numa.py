@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import env
+
 logger = logging.getLogger(__name__)
 
 SYSFS_NODES = Path("/sys/devices/system/node")
@@ -99,11 +101,11 @@ def place(addr: int, nbytes: int, kind: str) -> NumaPlacement:
     nodes = num_nodes()
     if nodes <= 1:
         return NumaPlacement(nodes, None, False, "single node")
-    forced = os.environ.get("NPU_OFFLOAD_NUMA_NODE", "").strip()
-    if forced:
-        if not forced.isdigit() or int(forced) >= nodes:
-            raise ValueError(f"NPU_OFFLOAD_NUMA_NODE={forced!r}; allowed: 0..{nodes - 1}")
-        node, why = int(forced), "NPU_OFFLOAD_NUMA_NODE"
+    forced = env.get("NPU_OFFLOAD_NUMA_NODE")
+    if forced is not None:
+        if forced >= nodes:
+            raise ValueError(f"NPU_OFFLOAD_NUMA_NODE={str(forced)!r}; allowed: 0..{nodes - 1}")
+        node, why = forced, "NPU_OFFLOAD_NUMA_NODE"
     else:
         bus = device_bus_id(kind)
         node = pci_numa_node(bus) if bus else None

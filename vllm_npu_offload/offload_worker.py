@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 import weakref
 from typing import Sequence
@@ -21,6 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import env
 from .copy.backend import NPUDmaCopyBackend, staged_paths
 from .copy.base import Direction
 from .device_kv import DeviceKVTensor, GroupRef
@@ -119,10 +119,8 @@ class OffloadWorkerCore:
         return CopyPlanner(pairs, merge=staging is None)  # staged: one gather descriptor per page
 
     def _setup_staging(self, page_sizes: list[int], staging_bytes: int | None) -> None:
-        mode = os.environ.get(ENV_STAGED, "").strip()
-        if mode not in ("", "0", "1"):
-            raise ValueError(f"{ENV_STAGED}={mode!r}; allowed: 0 (direct only), 1 (staged only), unset (calibrated)")
-        if mode == "0" or (self.platform.kind == "cpu" and mode != "1"):
+        mode = env.get(ENV_STAGED)  # True: staged only, False: direct only, None: calibrated
+        if mode is False or (self.platform.kind == "cpu" and mode is not True):
             return  # on CPU the "device" is host memory: a staging copy would only add a memmove
         paths = staged_paths(self.platform, page_sizes)
         if paths is None:
@@ -137,7 +135,7 @@ class OffloadWorkerCore:
         self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
         self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
                        for refs in self.group_refs]
-        if mode == "1":
+        if mode is True:
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
             self.staged_min_blocks = staged_thresholds(self.calibration_target())

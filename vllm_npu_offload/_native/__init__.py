@@ -7,9 +7,9 @@ NATIVE_DIR = Path(__file__).resolve().parent
 
 def library_path(name: str) -> Path | None:
     """Path of ``lib<name>.so`` if it was built, else None. ``NPU_OFFLOAD_NATIVE_DIR`` overrides the folder."""
-    import os
+    from .. import env
 
-    for folder in (os.environ.get("NPU_OFFLOAD_NATIVE_DIR"), NATIVE_DIR):
+    for folder in (env.get("NPU_OFFLOAD_NATIVE_DIR"), NATIVE_DIR):
         if folder:
             p = Path(folder) / f"lib{name}.so"
             if p.exists():

@@ -4,12 +4,12 @@ gather/scatter): one C entry point of ``libnpu_offload_acl.so`` each (``_native.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import numpy as np
 
 from .._native.acl import D2D, OK, AclError, _raise, load_library
+from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import CopyPath, Direction, check_descriptors
@@ -39,9 +39,7 @@ class AclCopyPath(CopyPath):
         self.device_local = device_local
         self.name = ("acl_batch" if batch else "acl_loop") + ("_local" if device_local else "")
         self._lib = lib or load_library()
-        self._max_batch = int(os.environ.get(ENV_MAX_BATCH, "0") or 0)
-        if self._max_batch < 0:
-            raise ValueError(f"{ENV_MAX_BATCH}={self._max_batch} must be >= 0 (0 = no limit)")
+        self._max_batch = env.get(ENV_MAX_BATCH)
 
     def stream_handle(self, stream: Any) -> int:
         """An int is taken as a raw aclrtStream (tests); anything else goes through the platform."""

@@ -7,11 +7,11 @@ the platform and what is installed; ``NPU_OFFLOAD_COPY_PATH`` forces one.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
 
+from .. import env
 from ..platform import Platform
 from .base import BackendChoice, CopyPath, Direction, PathFactory, PlatformPaths
 from .host import HostCopyPath
@@ -86,7 +86,7 @@ class NPUDmaCopyBackend:
     def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None):
         self.platform = platform
         factories = path_factories(platform.kind)
-        forced = os.environ.get(self.ENV_FORCE)
+        forced = env.get(self.ENV_FORCE)
         if forced:
             if forced not in factories:
                 raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {tuple(factories)}")

@@ -17,13 +17,12 @@ ends. So it is not offered.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
 import torch
 
-from .. import calibration
+from .. import calibration, env
 from ..platform import Platform
 from . import sm_triton
 from .base import BackendChoice, Direction, PlatformPaths
@@ -57,7 +56,7 @@ def _gather_native(platform: Platform, pages):
     NATIVE_DIRECT_PROGRAMS SMs unless ``NPU_OFFLOAD_SM_PROGRAMS`` says otherwise."""
     from .cuda_gather import NativeGatherPath
 
-    programs = sm_triton._env_int(sm_triton.ENV_PROGRAMS, NATIVE_DIRECT_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
+    programs = env.get("NPU_OFFLOAD_SM_PROGRAMS") or NATIVE_DIRECT_PROGRAMS
     return NativeGatherPath(platform, pages, programs=programs)
 
 
@@ -154,7 +153,7 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
     picks = {}
     for d in Direction:
         key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
-               f"|sm{os.environ.get(sm_triton.ENV_PROGRAMS, sm_triton.DEFAULT_PROGRAMS)}|{'+'.join(names)}")
+               f"|sm{env.get('NPU_OFFLOAD_SM_PROGRAMS') or sm_triton.DEFAULT_PROGRAMS}|{'+'.join(names)}")
         try:
             picks[d] = calibration.cached(key, lambda: calibrate(platform, pages, d, names))["choice"]
         except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
@@ -162,18 +161,6 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
             return fallback
     return BackendChoice(load=picks[Direction.H2D], store=picks[Direction.D2H])
 
-
-
-ENV_STAGE_PROGRAMS = "NPU_OFFLOAD_STAGE_PROGRAMS"
-ENV_STAGE_GATHER = "NPU_OFFLOAD_STAGE_GATHER"
-GATHER_KINDS = ("native", "triton")
-
-
-def _gather_kind() -> str | None:
-    raw = os.environ.get(ENV_STAGE_GATHER, "").strip()
-    if raw not in ("",) + GATHER_KINDS:
-        raise ValueError(f"{ENV_STAGE_GATHER}={raw!r}; allowed: {', '.join(GATHER_KINDS)} or unset (native when built)")
-    return raw or None
 
 
 def staged_cuda(platform: Platform, page_sizes: list[int]):
@@ -185,8 +172,8 @@ def staged_cuda(platform: Platform, page_sizes: list[int]):
     why = dma_available()
     if why is not None:
         raise RuntimeError(f"the copy-engine library is unavailable: {why}")
-    programs = sm_triton._env_int(ENV_STAGE_PROGRAMS, sm_triton.MAX_PROGRAMS, 1, sm_triton.MAX_PROGRAMS)
-    kind = _gather_kind()
+    programs = env.get("NPU_OFFLOAD_STAGE_PROGRAMS")
+    kind = env.get("NPU_OFFLOAD_STAGE_GATHER")
     if kind is None:
         kind = "native" if native_gather_built() else "triton"
     if kind == "native":

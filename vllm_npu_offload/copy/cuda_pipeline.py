@@ -10,12 +10,12 @@ keeps the Python loop (for comparison in benchmarks).
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import Direction
@@ -37,10 +37,7 @@ class StagedJob(ctypes.Structure):
 
 
 def pipeline_mode() -> str:
-    raw = os.environ.get(ENV_PIPELINE, "").strip()
-    if raw not in ("", "native", "python"):
-        raise ValueError(f"{ENV_PIPELINE}={raw!r}; allowed: native, python, or unset (native)")
-    return raw or "native"
+    return env.get(ENV_PIPELINE)
 
 
 def _ptr(a: np.ndarray):

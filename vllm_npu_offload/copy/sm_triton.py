@@ -11,10 +11,10 @@ many bytes are in flight. Descriptors whose src and dst are 16-byte aligned move
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
+from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import CopyPath, DescriptorRange, Direction, check_descriptors
@@ -29,25 +29,10 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = tl = None
     HAS_TRITON = False
 
-ENV_PROGRAMS = "NPU_OFFLOAD_SM_PROGRAMS"
-ENV_TILE = "NPU_OFFLOAD_SM_TILE_BYTES"
 DEFAULT_PROGRAMS = 8
 MAX_PROGRAMS = 16
 DEFAULT_TILE_BYTES = 32 * 1024  # bytes one program moves per iteration (all its descriptors)
 MAX_CHUNK_BYTES = 16 * 1024  # per descriptor per iteration
-
-
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        val = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; allowed: {lo}..{hi}") from None
-    if not lo <= val <= hi:
-        raise ValueError(f"{name}={val} is out of range; allowed: {lo}..{hi}")
-    return val
 
 
 def _next_pow2(x: int) -> int:
@@ -112,10 +97,10 @@ class SmCopyPath(CopyPath):
         if not HAS_TRITON:
             raise ImportError("the SM copy path needs triton (pip install triton)")
         self.platform = platform
-        self.programs = programs or _env_int(ENV_PROGRAMS, DEFAULT_PROGRAMS, 1, MAX_PROGRAMS)
+        self.programs = programs or env.get("NPU_OFFLOAD_SM_PROGRAMS") or DEFAULT_PROGRAMS
         if not 1 <= self.programs <= 1024:
             raise ValueError(f"programs={self.programs}; allowed: 1..1024")
-        self.tile_bytes = tile_bytes or _env_int(ENV_TILE, DEFAULT_TILE_BYTES, 256, 1 << 20)
+        self.tile_bytes = tile_bytes or env.get("NPU_OFFLOAD_SM_TILE_BYTES")
         self.num_warps = num_warps
         self.page = max(page_sizes) if page_sizes else 16 * 1024
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from .. import env
 from ..errors import OffloadConfigError
 from ..memory import round_up
 
@@ -56,7 +56,7 @@ def reject_unknown_keys(extra: Mapping[str, Any], known: Iterable[str], owner: s
         f"kv_connector_extra_config has {'an unknown key' if len(unknown) == 1 else 'unknown keys'} for "
         f"{owner}: {', '.join(parts)}. Known keys: {', '.join(known)}"
     )
-    if os.environ.get(ALLOW_UNKNOWN_ENV) == "1":
+    if env.get(ALLOW_UNKNOWN_ENV):
         logger.warning("%s (ignored: %s=1)", msg, ALLOW_UNKNOWN_ENV)
         return
     raise OffloadConfigError(f"{msg}. ({ALLOW_UNKNOWN_ENV}=1 turns this into a warning.)")

@@ -1,0 +1,56 @@
+"""Run-time environment variables: one list (env.py), one parser, errors that name the variable,
+the value and what is allowed, and no other module of the package reading os.environ for them."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_npu_offload import env
+from vllm_npu_offload.info import format_info
+
+PKG = Path(__file__).resolve().parents[1] / "vllm_npu_offload"
+
+
+@pytest.mark.parametrize("name, raw, value", [
+    ("NPU_OFFLOAD_STAGED", "1", True), ("NPU_OFFLOAD_STAGED", "0", False), ("NPU_OFFLOAD_STAGED", "", None),
+    ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_STAGE_PROGRAMS", "4", 4),
+    ("NPU_OFFLOAD_STAGE_PIPELINE", "", "native"), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
+])
+def test_values(monkeypatch, name, raw, value):
+    monkeypatch.setenv(name, raw)
+    assert env.get(name) == value
+
+
+@pytest.mark.parametrize("name, raw, allowed", [
+    ("NPU_OFFLOAD_STAGED", "yes", "0 or 1"),
+    ("NPU_OFFLOAD_STAGE_PROGRAMS", "17", "an integer in 1..16"),
+    ("NPU_OFFLOAD_SM_TILE_BYTES", "big", "an integer in 256..1048576"),
+    ("NPU_OFFLOAD_STAGE_GATHER", "cuda", "native, triton"),
+    ("NPU_OFFLOAD_ACL_MAX_BATCH", "-1", "an integer >= 0"),
+])
+def test_bad_values_name_variable_value_and_allowed(monkeypatch, name, raw, allowed):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=re.escape(f"{name}={raw!r}; allowed: {allowed}")):
+        env.get(name)
+
+
+def test_no_module_reads_its_own_variable():
+    """Every NPU_OFFLOAD_* variable read at run time goes through env.get (build scripts aside)."""
+    for p in PKG.rglob("*.py"):
+        if p.name == "env.py" or "bench" in p.parts or "demo" in p.parts:
+            continue
+        text = p.read_text()
+        assert not re.search(r"(os\.environ|getenv)[^\n]*NPU_OFFLOAD_", text), p
+    used = set()
+    for p in PKG.rglob("*.py"):
+        used |= set(re.findall(r"env\.get\(\s*[\"'](NPU_OFFLOAD_[A-Z_]+)", p.read_text()))
+    assert used and used <= set(env.KNOBS), used - set(env.KNOBS)
+
+
+def test_info_lists_every_variable(monkeypatch):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PROGRAMS", "99")
+    text = format_info()
+    for name in env.KNOBS:
+        assert name in text
+    assert "INVALID (NPU_OFFLOAD_STAGE_PROGRAMS='99'" in text  # a bad value shows, info does not fail

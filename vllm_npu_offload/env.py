@@ -1,0 +1,116 @@
+"""Every run-time environment variable the package reads: name, type, default, meaning.
+
+One parser, one list: ``get(NAME)`` returns the checked value (a bad value raises a
+``ValueError`` naming the variable, the value and what is allowed), and
+``python -m vllm_npu_offload info`` prints the list with the values in effect. Values are read
+where the object that uses them is built (a worker core, a copy path), never per transfer.
+``user`` marks the ones a user sets (README lists those); the rest exist for benchmarks and
+diagnosis. Build-time flags (``NPU_OFFLOAD_BUILD_*``, ``VLLM_ASCEND_ENABLE_BATCH_MEMCPY`` ...)
+are read by ``setup.py`` / ``csrc_*/build.py``, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: str  # "flag" (0/1), "int", "choice", "path"
+    default: Any  # the value when unset (None: decided by the code, see meaning)
+    meaning: str
+    choices: tuple[str, ...] = ()
+    lo: int | None = None
+    hi: int | None = None
+    user: bool = False
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, "").strip()
+
+    def allowed(self) -> str:
+        if self.kind == "flag":
+            return "0 or 1"
+        if self.kind == "choice":
+            return ", ".join(self.choices)
+        if self.kind == "int":
+            return f"an integer in {self.lo}..{self.hi}" if self.hi is not None else f"an integer >= {self.lo}"
+        return "a folder"
+
+    def get(self) -> Any:
+        raw = self.raw()
+        if not raw:
+            return self.default
+        bad = ValueError(f"{self.name}={raw!r}; allowed: {self.allowed()}, or unset "
+                         f"({'default ' + repr(self.default) if self.default is not None else 'automatic'})")
+        if self.kind == "flag":
+            if raw not in ("0", "1"):
+                raise bad
+            return raw == "1"
+        if self.kind == "choice":
+            if raw not in self.choices:
+                raise bad
+            return raw
+        if self.kind == "int":
+            try:
+                val = int(raw)
+            except ValueError:
+                raise bad from None
+            if (self.lo is not None and val < self.lo) or (self.hi is not None and val > self.hi):
+                raise bad
+            return val
+        return raw
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("NPU_OFFLOAD_COPY_PATH", "choice", None,
+         "force one direct copy path for both directions (unset: calibrated per direction)",
+         ("host", "dma", "dma_loop", "sm", "gather_native", "acl_batch", "acl_loop"), user=True),
+    Knob("NPU_OFFLOAD_STAGED", "flag", None,
+         "1: every transfer staged, 0: every transfer direct (unset: by size, from the start-up measurement; "
+         "CPU-only machines stay direct)", user=True),
+    Knob("NPU_OFFLOAD_CALIBRATE", "flag", True,
+         "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics", user=True),
+    Knob("NPU_OFFLOAD_CACHE_DIR", "path", None,
+         "folder of the calibration cache (unset: $XDG_CACHE_HOME or ~/.cache, /vllm_npu_offload)", user=True),
+    Knob("NPU_OFFLOAD_NUMA_NODE", "int", None,
+         "NUMA node of the host KV buffer (unset: the device's node from sysfs)", lo=0, user=True),
+    Knob("NPU_OFFLOAD_NATIVE_DIR", "path", None,
+         "folder holding libnpu_offload_cuda.so / libnpu_offload_acl.so (unset: the package's _native/)", user=True),
+    Knob("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "flag", False,
+         "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
+    Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
+         ("npu", "cuda", "cpu")),
+    Knob("NPU_OFFLOAD_STAGE_GATHER", "choice", None,
+         "CUDA staged gather/scatter kernel (unset: native when compiled in, else triton)", ("native", "triton")),
+    Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
+         "who enqueues a CUDA staged transfer's slices: one native call, or a Python loop", ("native", "python")),
+    Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
+    Knob("NPU_OFFLOAD_SM_PROGRAMS", "int", None,
+         "SMs of a direct SM copy (unset: 2 for the native kernel, 8 for Triton)", lo=1, hi=16),
+    Knob("NPU_OFFLOAD_SM_TILE_BYTES", "int", 32 * 1024, "bytes a Triton SM-copy program moves per iteration",
+         lo=256, hi=1 << 20),
+    Knob("NPU_OFFLOAD_ACL_MAX_BATCH", "int", 0, "descriptors per aclrtMemcpyBatchAsync call (0: all)", lo=0),
+)}
+
+
+def get(name: str) -> Any:
+    """The checked value of one variable (its default when unset)."""
+    return KNOBS[name].get()
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, value in effect or 'unset', meaning) of every variable, for ``info``."""
+    out = []
+    for k in KNOBS.values():
+        try:
+            val = repr(k.get()) if k.raw() else "unset"
+        except ValueError as e:
+            val = f"INVALID ({e})"
+        out.append((k.name, val, k.meaning))
+    return out
+
+
+__all__ = ["KNOBS", "Knob", "describe", "get"]
