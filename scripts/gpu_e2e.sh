@@ -19,10 +19,10 @@ cmd=${1:-help}; shift || true
 
 case "$cmd" in
   prepare)
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage prepare --out "$GPU_E2E_DIR" "$@" || exit $?
-    # the code the device runs: the package, the CUDA library sources and this script
+    "$PY" -m benchmarks.gpu_e2e.stage prepare --out "$GPU_E2E_DIR" "$@" || exit $?
+    # the code the device runs: the package, benchmarks/, the CUDA library sources and this script
     rm -rf "$GPU_E2E_DIR/e2e_src" && mkdir -p "$GPU_E2E_DIR/e2e_src/scripts"
-    cp -r vllm_npu_offload csrc_cuda "$GPU_E2E_DIR/e2e_src/" && cp scripts/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/"
+    cp -r vllm_npu_offload benchmarks csrc_cuda "$GPU_E2E_DIR/e2e_src/" && cp scripts/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/"
     find "$GPU_E2E_DIR/e2e_src" \( -name __pycache__ -o -name '*.so' \) -prune -exec rm -rf {} +
     echo "code copy: $GPU_E2E_DIR/e2e_src ($(du -sh "$GPU_E2E_DIR/e2e_src" | cut -f1))"
     rel=$(basename "$GPU_E2E_DIR")
@@ -39,27 +39,27 @@ case "$cmd" in
     ;;
   stage)
     p=${1:?stage needs a part folder}; case "$p" in /*) ;; *) p="$CALLER/$p" ;; esac
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage stage "$p"
+    "$PY" -m benchmarks.gpu_e2e.stage stage "$p"
     ;;
   install)
     t=$(date +%s)
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage install || exit $?
+    "$PY" -m benchmarks.gpu_e2e.stage install || exit $?
     # our CUDA copy library (cuMemcpyBatchAsync): built here, outside the carried tree
     "$PY" csrc_cuda/build.py --out "$NATIVE" >/tmp/gpu_e2e/native_build.log 2>&1 \
       || { echo "warning: native CUDA library not built (tail below); copies use the Triton/host paths"; tail -5 /tmp/gpu_e2e/native_build.log; }
     echo "[install] done in $(( $(date +%s) - t ))s"
     ;;
   check)
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage check
+    "$PY" -m benchmarks.gpu_e2e.stage check
     ;;
   run)
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.stage check || exit 3
+    "$PY" -m benchmarks.gpu_e2e.stage check || exit 3
     export PYTHONPATH="$ROOT:$SITE" NPU_OFFLOAD_NATIVE_DIR="$NATIVE" PYTHONUNBUFFERED=1
     export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     export OUT=${OUT:-$ROOT/gpu_e2e_out}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu] /'
     lscpu 2>/dev/null | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Model name)' | sed 's/^/[cpu] /'
-    "$PY" -m vllm_npu_offload.bench.gpu_e2e.device "$@" --out "$OUT" 2>&1 | tee "$OUT/gpu_e2e.log"
+    "$PY" -m benchmarks.gpu_e2e.device "$@" --out "$OUT" 2>&1 | tee "$OUT/gpu_e2e.log"
     exit "${PIPESTATUS[0]}"
     ;;
   *)

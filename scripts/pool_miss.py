@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vllm_npu_offload.bench.gpu_e2e.tables import cost_split_table, load_miss_runs, pool_miss_runs, table  # noqa: E402
+from benchmarks.gpu_e2e.tables import cost_split_table, load_miss_runs, pool_miss_runs, table  # noqa: E402
 
 if len(sys.argv) < 2:
     sys.exit(__doc__)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_npu_offload.bench.gpu_e2e import stage, tables
-from vllm_npu_offload.bench.gpu_e2e.engine import kv_transfer_config
+from benchmarks.gpu_e2e import stage, tables
+from benchmarks.gpu_e2e.engine import kv_transfer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_parse_parts():
 
 
 def test_device_args():
-    from vllm_npu_offload.bench.gpu_e2e.device import build_parser
+    from benchmarks.gpu_e2e.device import build_parser
 
     a = build_parser().parse_args(["ttft", "--ttft-lengths", "2048,8192", "--reps", "7"])
     assert a.parts == ["ttft"] and a.ttft_lengths == [2048, 8192] and a.reps == 7 and a.variant == []
@@ -208,7 +208,7 @@ def test_timeline_breakdown_puts_the_load_on_its_steps(monkeypatch):
     import time
     from types import ModuleType, SimpleNamespace as NS
 
-    from vllm_npu_offload.bench.gpu_e2e import timeline
+    from benchmarks.gpu_e2e import timeline
 
     polls = iter([set(), set(), {"r"}, set()])
     conn = NS(start_load_kv=lambda ctx: None, get_finished=lambda ids: (set(), next(polls)),
@@ -260,7 +260,7 @@ def test_ttft_steps_table_pairs_native_and_ours():
 
 
 def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path):
-    from vllm_npu_offload.bench.gpu_e2e import device
+    from benchmarks.gpu_e2e import device
 
     seen = {}
     monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
@@ -275,7 +275,7 @@ def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path)
 
 
 def test_start_8b_without_native(monkeypatch, tmp_path):
-    from vllm_npu_offload.bench.gpu_e2e import device
+    from benchmarks.gpu_e2e import device
 
     seen = {}
     monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
@@ -287,7 +287,7 @@ def test_start_8b_without_native(monkeypatch, tmp_path):
 
 
 def test_step_rows_and_step_kind_table():
-    from vllm_npu_offload.bench.gpu_e2e import timeline
+    from benchmarks.gpu_e2e import timeline
 
     ev = [{"t_ms": 0.0, "what": "step", "ms": 10.0}, {"t_ms": 0.5, "what": "schedule", "ms": 0.2, "tokens": 300},
           {"t_ms": 1.0, "what": "gpu_execute", "ms": 8.0}, {"t_ms": 9.0, "what": "gpu_sample", "ms": 0.3},
@@ -317,7 +317,7 @@ def test_median_ci_order_statistics():
 
 
 def test_null_engine_splits_the_miss_cost(monkeypatch, tmp_path):
-    from vllm_npu_offload.bench.gpu_e2e import device
+    from benchmarks.gpu_e2e import device
 
     null = kv_transfer_config("null", 1 << 30, 64)["kv_connector_extra_config"]
     assert null["spec_name"] == "NullCopySpec" and null["spec_module_path"].endswith("gpu_e2e.null_spec")
@@ -376,8 +376,8 @@ def test_part_miss_drops_a_round_an_engine_failed_in():
     so every engine's n-th value comes from the same round."""
     from types import SimpleNamespace
 
-    from vllm_npu_offload.bench.gpu_e2e import device
-    from vllm_npu_offload.bench.gpu_e2e.engine import EngineError
+    from benchmarks.gpu_e2e import device
+    from benchmarks.gpu_e2e.engine import EngineError
 
     class Proc:
         def __init__(self, kind, base, fail_round=None):
@@ -404,7 +404,7 @@ def test_forward_profile_summarizes_one_armed_forward(monkeypatch):
     import torch
     from types import SimpleNamespace as NS
 
-    from vllm_npu_offload.bench.gpu_e2e import forward_profile as fp
+    from benchmarks.gpu_e2e import forward_profile as fp
 
     monkeypatch.setitem(fp._state, "installed", False)
     calls = []
@@ -434,7 +434,7 @@ def test_forward_profile_summarizes_one_armed_forward(monkeypatch):
 def test_forward_profile_summary_and_table():
     from types import SimpleNamespace as NS
 
-    from vllm_npu_offload.bench.gpu_e2e import forward_profile as fp
+    from benchmarks.gpu_e2e import forward_profile as fp
 
     dev = lambda name, a, b: NS(name=name, device_type="DeviceType.CUDA", time_range=NS(start=a, end=b))
     host = lambda name, us: NS(name=name, device_type="DeviceType.CPU", self_cpu_time_total=us,
@@ -453,7 +453,7 @@ def test_forward_profile_summary_and_table():
 
 
 def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
-    from vllm_npu_offload.bench.gpu_e2e import device, engine
+    from benchmarks.gpu_e2e import device, engine
 
     a = device.build_parser().parse_args(["ttft", "--cpus", "0,2-3"])
     assert a.cpus == [0, 2, 3] and device.build_parser().parse_args(["ttft"]).cpus == []
@@ -490,7 +490,7 @@ def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
 def test_multiturn_passes_pair_servers_that_stay_up(monkeypatch, tmp_path, reps):
     import contextlib
 
-    from vllm_npu_offload.bench.gpu_e2e import device
+    from benchmarks.gpu_e2e import device
     from vllm_npu_offload.bench.multiturn import compare, launcher, report
 
     started, runs = [], []
@@ -539,3 +539,13 @@ def test_multiturn_passes_pair_servers_that_stay_up(monkeypatch, tmp_path, reps)
     native = next(ln for ln in paired.splitlines() if ln.startswith("| native"))
     # passes 0/1/2: 10.8/11.0, 15.3/18.0, 18.0/19.0 req/s against off in the same pass
     assert "-5.3% (-15.0..-1.8%)" in native and "+0.0% (+0.0..+0.0%)" in native  # TPOT and TTFT unchanged
+
+
+def test_benchmarks_are_not_packaged():
+    """benchmarks/ runs from a checkout (the device copy, e2e_src): setup.py must not install it."""
+    code = ("import runpy, setuptools; seen = {}; setuptools.setup = lambda **kw: seen.update(kw); "
+            "runpy.run_path('setup.py'); print('\\n'.join(seen['packages']))")
+    pkgs = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert "vllm_npu_offload" in pkgs and "vllm_npu_offload.integration" in pkgs
+    assert not [p for p in pkgs if p.split(".")[0] == "benchmarks"] and "vllm_npu_offload.bench.gpu_e2e" not in pkgs
+    assert (ROOT / "benchmarks/gpu_e2e/device.py").exists()

@@ -6,7 +6,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_null_worker_finishes_stores_and_refuses_loads():
-    from vllm_npu_offload.bench.gpu_e2e.null_spec import NullCopyError, NullCopySpec, NullWorker
+    from benchmarks.gpu_e2e.null_spec import NullCopyError, NullCopySpec, NullWorker
     from vllm_npu_offload.integration import compat
 
     assert issubclass(NullCopySpec, compat.CPUOffloadingSpec)

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from harness import BLOCK, HEAD, HEADS, LAYERS, NB, PAGE, PROMPT, Engine, kv_cache_config, stacked_caches, vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 
-from vllm_npu_offload.bench.gpu_e2e.null_spec import NULL_MODULE, NullCopySpec  # noqa: E402
+from benchmarks.gpu_e2e.null_spec import NULL_MODULE, NullCopySpec  # noqa: E402
 from vllm_npu_offload.integration import compat  # noqa: E402
 
 EXTRA = {"cpu_bytes_to_use": 32 * PAGE * 2, "spec_name": "NullCopySpec", "spec_module_path": NULL_MODULE}

@@ -1,6 +1,6 @@
 """Device-side entry point: run the selected parts in real vLLM 0.23 on the GPU.
 
-  python -m vllm_npu_offload.bench.gpu_e2e.device correctness ttft miss multiturn --out $OUT
+  python -m benchmarks.gpu_e2e.device correctness ttft miss multiturn --out $OUT
 
 Each part writes ``<part>.json`` and ``<part>.txt`` into ``--out`` and prints its table.
 Engines run one per subprocess (engine.py). Exit 0, or 1 when a correctness check failed or a
@@ -37,7 +37,7 @@ def build_shape_model(out: Path, vocab_size: int) -> str:
         return str(out)
     from transformers import LlamaConfig
 
-    from ...demo.tiny_model import build_tiny_llama
+    from vllm_npu_offload.demo.tiny_model import build_tiny_llama
 
     tiny = build_tiny_llama(out.parent / "tiny-tok")
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, afte
 
 
 def part_correctness(work: Path, a) -> dict:
-    from ...demo.tiny_model import build_tiny_llama
+    from vllm_npu_offload.demo.tiny_model import build_tiny_llama
 
     model = str(build_tiny_llama(work / "tiny8", seed=0, num_layers=8))
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
@@ -265,7 +265,7 @@ def part_miss(procs: dict, a) -> dict:
 def _mt_conversations(a, seed: int) -> tuple[dict, list]:
     """The multi-turn workload; each ``seed`` gives new texts, so a later pass finds none of an
     earlier pass's prefixes cached."""
-    from ..multiturn.generate import Conversation, generate
+    from vllm_npu_offload.bench.multiturn.generate import Conversation, generate
 
     cfg = {"filetype": "generate_conversations", "num_conversations": a.mt_conversations, "text_files": [],
            "seed": seed, "num_system_prompts": 1, "max_context_tokens": 7000,
@@ -286,10 +286,10 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     from dataclasses import replace
     from functools import partial
 
-    from ..multiturn.compare import run_one
-    from ..multiturn.driver import DriverConfig
-    from ..multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
-    from ..multiturn.report import format_compare, run_payload, write_json
+    from vllm_npu_offload.bench.multiturn.compare import run_one
+    from vllm_npu_offload.bench.multiturn.driver import DriverConfig
+    from vllm_npu_offload.bench.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
+    from vllm_npu_offload.bench.multiturn.report import format_compare, run_payload, write_json
     from .engine import kv_transfer_config
 
     model = build_shape_model(work / "llama8b-v1000", 1000)  # server detokenizes: vocab = tokenizer's

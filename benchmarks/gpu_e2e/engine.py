@@ -19,7 +19,7 @@ from . import forward_profile, timeline
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
-NULL_MODULE = "vllm_npu_offload.bench.gpu_e2e.null_spec"
+NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
 KINDS = ("off", "native", "ours", "simple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -101,7 +101,7 @@ class _Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from ...stats import TOTALS
+        from vllm_npu_offload.stats import TOTALS
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         load0, store0 = TOTALS.snapshot()
@@ -149,7 +149,7 @@ class _Engine:
         worker with random bytes: a negative control that must change the tokens."""
         import torch
 
-        from ...offload_worker import live_workers
+        from vllm_npu_offload.offload_worker import live_workers
 
         cores = live_workers()
         if len(cores) != 1:
@@ -164,7 +164,7 @@ class _Engine:
 
     def worker_info(self) -> dict:
         """How our worker core moves KV here: copy paths, staging, the calibrated choice."""
-        from ...offload_worker import live_workers
+        from vllm_npu_offload.offload_worker import live_workers
 
         out = []
         for core in live_workers():

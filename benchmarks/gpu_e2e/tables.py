@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..multiturn.report import _fmt, _table
+from vllm_npu_offload.bench.multiturn.report import _fmt, _table
 
 PARTS = ("correctness", "ttft", "miss", "multiturn")
 
@@ -251,7 +251,7 @@ def cost_split_table(runs: dict[str, list[float]]) -> str:
                      f"{ci[0] * 100:+.2f}..{ci[1] * 100:+.2f}%" if ci else "-"])
     return (table(["compared", "cost of", "rounds", "paired median", "95% interval of the median"], rows)
             + ("\nnull = vLLM's own CPU offloading spec (same manager and sizing) whose stores finish at once "
-               "without moving a byte (bench/gpu_e2e/null_spec.py)" if null else ""))
+               "without moving a byte (benchmarks/gpu_e2e/null_spec.py)" if null else ""))
 
 
 def load_miss_runs(path: str | Path) -> dict[str, list[float]]:
