@@ -94,9 +94,10 @@ def test_script_run_on_cold_machine_exits_3(tmp_path):
 
 
 def test_parse_parts():
-    assert tables.parse_parts([]) == list(tables.PARTS)
-    assert tables.parse_parts(["all"]) == list(tables.PARTS)
+    assert tables.parse_parts([]) == ["correctness", "ttft", "miss", "serve"]
+    assert tables.parse_parts(["all"]) == tables.parse_parts([])
     assert tables.parse_parts(["miss", "correctness"]) == ["correctness", "miss"]
+    assert tables.parse_parts(["serve", "smoke"]) == ["smoke", "serve"]
     with pytest.raises(ValueError, match="unknown part"):
         tables.parse_parts(["speed"])
 
@@ -165,7 +166,7 @@ def test_kv_transfer_configs():
 def test_tables_from_recorded_results(tmp_path):
     """The tables render from the JSON recorded on the H200 (docs/results) and are written back."""
     res_dir = ROOT / "docs/results/gpu_e2e_2026-11-23"
-    for part in tables.PARTS:
+    for part in ("correctness", "ttft", "miss", "multiturn"):
         res = json.loads((res_dir / f"{part}.json").read_text())
         text = tables.write_part(tmp_path, part, res)
         assert text.startswith("|") and (tmp_path / f"{part}.json").exists()
@@ -259,14 +260,18 @@ def test_ttft_steps_table_pairs_native_and_ours():
     assert "ours - native" in text and "ours faster in 2/3" in text and "-5.0" in text
 
 
-def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path):
+def _fake_pool(monkeypatch, device, seen):
+    monkeypatch.setattr(device, "build_shape_model", lambda out, shape, vocab=None, layers=None: f"model-{shape}")
+    monkeypatch.setattr(device, "start_all", lambda specs, timeout=400, in_waves=False: seen.setdefault("specs", specs) and {})
+
+
+def test_start_pool_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path):
     from benchmarks.gpu_e2e import device
 
     seen = {}
-    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
-    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    _fake_pool(monkeypatch, device, seen)
     a = device.build_parser().parse_args(["miss", "--variant", "old:NPU_OFFLOAD_NATIVE_DIR=/tmp/x"])
-    device.start_8b(tmp_path, a)
+    device.start_pool(tmp_path, a, "uniform", ["miss"])
     specs = seen["specs"]
     assert [(s.label, s.kind, s.env) for s in specs] == [
         ("off", "off", {}), ("native", "native", {}), ("ours", "ours", {}),
@@ -274,14 +279,13 @@ def test_start_8b_adds_one_engine_of_our_spec_per_variant(monkeypatch, tmp_path)
     assert len({(s.model, s.kv_cache_bytes, s.max_model_len, s.cpu_bytes) for s in specs}) == 1  # same pool
 
 
-def test_start_8b_without_native(monkeypatch, tmp_path):
+def test_start_pool_without_native(monkeypatch, tmp_path):
     from benchmarks.gpu_e2e import device
 
     seen = {}
-    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
-    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
+    _fake_pool(monkeypatch, device, seen)
     a = device.build_parser().parse_args(["miss", "--no-native", "--variant", "d:NPU_OFFLOAD_STAGED=0"])
-    device.start_8b(tmp_path, a)
+    device.start_pool(tmp_path, a, "uniform", ["miss"])
     assert [s.label for s in seen["specs"]] == ["off", "ours", "d"]
     assert device.main(["ttft", "--no-native", "--out", str(tmp_path / "o")]) == 2  # nothing to compare with
 
@@ -322,9 +326,8 @@ def test_null_engine_splits_the_miss_cost(monkeypatch, tmp_path):
     null = kv_transfer_config("null", 1 << 30, 64)["kv_connector_extra_config"]
     assert null["spec_name"] == "NullCopySpec" and null["spec_module_path"].endswith("gpu_e2e.null_spec")
     seen = {}
-    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
-    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
-    device.start_8b(tmp_path, device.build_parser().parse_args(["miss", "--null"]))
+    _fake_pool(monkeypatch, device, seen)
+    device.start_pool(tmp_path, device.build_parser().parse_args(["miss", "--null"]), "uniform", ["miss"])
     assert [(s.label, s.kind) for s in seen["specs"]] == [("off", "off"), ("native", "native"), ("ours", "ours"),
                                                           ("null", "null")]
     assert device.main(["ttft", "--null", "--out", str(tmp_path / "o")]) == 2  # a reload would stop the null engine
@@ -462,9 +465,8 @@ def test_cpus_option_pins_every_engine(monkeypatch, tmp_path):
             device.build_parser().parse_args(["ttft", "--cpus", bad])
     assert device.main(["ttft", "--cpus", "100000", "--out", str(tmp_path)]) == 2  # not on this machine
     seen = {}
-    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
-    monkeypatch.setattr(device, "start_all", lambda specs: seen.setdefault("specs", specs) and {})
-    device.start_8b(tmp_path, device.build_parser().parse_args(["ttft", "--cpus", "0"]))
+    _fake_pool(monkeypatch, device, seen)
+    device.start_pool(tmp_path, device.build_parser().parse_args(["ttft", "--cpus", "0"]), "uniform", ["ttft"])
     assert [s.cpus for s in seen["specs"]] == [(0,), (0,), (0,)]
 
     class FakeEngine:  # the child pins itself before it builds the engine
@@ -513,7 +515,7 @@ def test_multiturn_passes_pair_servers_that_stay_up(monkeypatch, tmp_path, reps)
         return {"results": []}, {"label": label, "requests_per_s": rps, "ttft_ms": {"p50": 100.0}, "tpot_ms": {"p50": 20.0},
                     "completed": 4, "planned": 4, "server": {}}
 
-    monkeypatch.setattr(device, "build_shape_model", lambda out, vocab: "model-dir")
+    monkeypatch.setattr(device, "build_shape_model", lambda out, shape, vocab=None, layers=None: "model-dir")
     monkeypatch.setattr(device, "_mt_conversations", lambda a, seed: ({"seed": seed}, [f"conv-seed{seed}"]))
     monkeypatch.setattr(launcher, "vllm_server", fake_server)
     monkeypatch.setattr(compare, "run_one", fake_run_one)

@@ -1,52 +1,51 @@
 """Device-side entry point: run the selected parts in real vLLM 0.23 on the GPU.
 
-  python -m benchmarks.gpu_e2e.device correctness ttft miss multiturn --out $OUT
+  python -m benchmarks.gpu_e2e.device smoke --layouts all --out $OUT
+  python -m benchmarks.gpu_e2e.device correctness --layouts all
+  python -m benchmarks.gpu_e2e.device ttft miss --layouts uniform
+  python -m benchmarks.gpu_e2e.device serve --layouts uniform --loads 8 --servers off,native,ours,upper
 
-Each part writes ``<part>.json`` and ``<part>.txt`` into ``--out`` and prints its table.
-Engines run one per subprocess (engine.py). Exit 0, or 1 when a correctness check failed or a
-part could not run. See docs/gpu_e2e.md.
+Every part runs in vLLM's default execution mode (torch.compile + CUDA graphs) unless ``--eager``,
+for each layout of ``--layouts`` (kv_layouts.py). Each part writes ``<part>.json`` and
+``<part>.txt`` into ``--out`` (serve also after every run, so a call cut off by its time limit
+still returns what it did) and prints its table. ``--budget-s`` is the call's wall-clock budget:
+long steps that would not end inside it are skipped and reported. Engines run one per subprocess
+(engine.py); servers are ``vllm serve`` processes driven by vLLM's own multi-turn client (serve.py).
+Exit 0, or 1 when a check failed or a part could not run. See docs/gpu_e2e.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
+import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from .engine import ENV, EngineError, EngineSpec, start_all
-from .tables import kv_bytes_per_token, parse_parts, spread, unique_prompts, write_part
+from .engine import CACHE_ENV, ENV, EngineError, EngineSpec, start_all
+from .kv_layouts import LAYOUTS, parse_layouts
+from .models import SHAPES, build_shape_model, build_tiny
+from .serve import LOADS, Budget, Load, PlanError, parse_loads, run_serve
+from .tables import parse_parts, spread, unique_prompts, write_part
 
 os.environ.update(ENV)
 
-# Llama-3-8B shape (KV 128 KiB per token in bf16)
-L8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-           num_key_value_heads=8, max_position_embeddings=40960, rope_theta=500000.0, vocab_size=128256,
-           bos_token_id=1, eos_token_id=2, pad_token_id=3)
-L8B_KV_PER_TOKEN = kv_bytes_per_token(32, 8, 128, 2)
 GiB = 1 << 30
-
-
-def build_shape_model(out: Path, vocab_size: int) -> str:
-    """Config-only 8B-shaped Llama (for load_format=dummy) + the tiny model's word tokenizer."""
-    if (out / "config.json").exists():
-        return str(out)
-    from transformers import LlamaConfig
-
-    from vllm_npu_offload.demo.tiny_model import build_tiny_llama
-
-    tiny = build_tiny_llama(out.parent / "tiny-tok")
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(**{**L8B, "vocab_size": vocab_size}, architectures=["LlamaForCausalLM"])
-    cfg.save_pretrained(out)
-    for f in tiny.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return str(out)
+# Servers of the serve part when --servers is not given: what fits one H200 at 32 clients.
+DEFAULT_SERVERS = {"uniform": "off,native,ours,upper", "perlayer": "off,native,ours,uniform:native",
+                   "multigroup": "off,native,ours", "mla": "off,native,ours"}
+SMOKE_KINDS = {"uniform": ("off", "native", "ours", "simple", "vsimple"), "perlayer": ("native", "ours"),
+               "multigroup": ("off", "native", "ours"), "mla": ("off", "native", "ours")}
+SMOKE_SERVERS = "off,native,ours,simple,vsimple,upper,perlayer:native,perlayer:ours"
+SMOKE_LOAD = Load(clients=4, active=8, conversations=8, user_turns=2, device_tokens=8192, host_tokens=65536,
+                  prefix_avg=600, prefix_max=1200)
 
 
 def _close(procs) -> None:
@@ -54,91 +53,266 @@ def _close(procs) -> None:
         p.close()
 
 
+def gpu_meta(a) -> dict:
+    """Device, date, vLLM version and mode: the header of every table."""
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "mode": ("eager (enforce_eager)" if a.eager else "default (torch.compile + CUDA graphs)"),
+            "attention_backend": a.attention_backend, "command": " ".join(sys.argv)}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        name, mem, drv = [x.strip() for x in q.stdout.strip().splitlines()[0].split(",")]
+        meta.update(device=f"{name} ({mem}, driver {drv})", gpu_bytes=int(mem.split()[0]) * (1 << 20))
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        meta["device"] = "unknown (no nvidia-smi)"
+    try:
+        from importlib.metadata import version
+
+        meta["vllm"] = version("vllm")
+    except Exception:  # noqa: BLE001
+        meta["vllm"] = "?"
+    try:
+        meta["host_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        meta["host_bytes"] = 0
+    return meta
+
+
+def layout_meta(name: str, a) -> dict:
+    lay = LAYOUTS[name]
+    return {"name": name, "blocks": lay.blocks, "model": lay.model.what,
+            "attention_backend": lay.backend(a.attention_backend)}
+
+
+def _kind_connector(layout: str, kind: str):
+    return LAYOUTS[layout].connector if kind in ("native", "ours", "null") else None
+
+
+# ---------------------------------------------------------------------------- smoke
+def part_smoke(work: Path, a, budget: Budget, meta: dict) -> dict:
+    """Each layout's engines (fewer layers, small KV) start and generate, store, reset and reload a
+    few tokens; then one tiny serving pass with vLLM's client against every server config."""
+    specs = []
+    for name in a.layouts:
+        lay = LAYOUTS[name]
+        model = build_shape_model(work / f"{lay.shape}-smoke{a.smoke_layers}", lay.shape, None, a.smoke_layers)
+        for kind in SMOKE_KINDS[name]:
+            specs.append(EngineSpec(f"{name}/{kind}", kind, model, dtype="bfloat16", load_format="dummy",
+                                    max_model_len=4096, kv_cache_bytes=GiB, gpu_util=0.03, cpu_bytes=GiB, max_num_seqs=8,
+                                    eager=a.eager, attention_backend=lay.backend(a.attention_backend),
+                                    connector=_kind_connector(name, kind)))
+    t0 = time.perf_counter()
+    procs = start_all(specs, timeout=max(60.0, min(480.0, budget.left() - 150)), in_waves=a.start_waves)
+    res: dict = {"layers": a.smoke_layers, "engines": {}, "start_wall_s": time.perf_counter() - t0, "ok": True}
+    print(f"[smoke] {len(specs)} engines in {res['start_wall_s']:.0f}s", flush=True)
+    prompts = unique_prompts(2, 700, seed=77)
+    try:
+        for label, p in procs.items():
+            row: dict = {"start_s": p.start_s}
+            res["engines"][label] = row
+            if p.error:
+                row["error"], row["ok"] = p.error, False
+                res["ok"] = False
+                continue
+            try:
+                r1 = p.call("generate", prompts=prompts, max_tokens=4)
+                fr = p.call("flush_reset")
+                r2 = p.call("generate", prompts=prompts, max_tokens=4)
+                row.update(tokens=r1["rows"][0]["tokens"], tokens_after_reset=r2["rows"][0]["tokens"],
+                           host_tokens=sum(x["cached"] for x in r2["rows"]), reset=fr, load_bytes=r2["load_bytes"],
+                           kv=p.call("kv_info"))
+                if p.spec.kind == "ours":
+                    row["worker"] = p.call("worker_info")
+                offloads = p.spec.kind != "off"
+                row["ok"] = bool(row["tokens"]) and fr["ok"] and (row["host_tokens"] > 0 or not offloads)
+                if not row["ok"]:
+                    row["why"] = "no tokens" if not row["tokens"] else (
+                        "reset failed" if not fr["ok"] else "no host hits after reset")
+            except EngineError as e:
+                row["error"], row["ok"] = str(e), False
+            res["ok"] &= row["ok"]
+            print(f"[smoke] {label}: {json.dumps({k: v for k, v in row.items() if k not in ('worker', 'reset')})}",
+                  flush=True)
+    finally:
+        _close(procs)
+    if a.smoke_serve:
+        layout = next((n for n in a.layouts if n in ("uniform", "perlayer")), a.layouts[0])
+        names = (a.servers or (SMOKE_SERVERS if layout in ("uniform", "perlayer") else "off,native,ours")).split(",")
+        if layout == "perlayer":
+            names = [n.replace("perlayer:", "uniform:") if n.startswith("perlayer:") else n for n in names]
+        sa = copy.copy(a)
+        sa.passes, sa.smoke = 1, True
+        srv = run_serve(layout, SMOKE_LOAD, names, sa, work, Path(a.out), budget, meta.get("gpu_bytes", 0),
+                        meta.get("host_bytes", 0))
+        res["serve"] = srv
+        got = {r["label"] for r in srv["runs"] if r.get("summary", {}).get("requests") and not r.get("error")
+               and not r["summary"].get("empty_outputs")}
+        res["serve_ok"] = got == {s["label"] for s in srv.get("servers", [])} and bool(got)
+        res["ok"] &= res["serve_ok"]
+    return res
+
+
 # ---------------------------------------------------------------------------- correctness
 WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, after reset"}
 
 
-def part_correctness(work: Path, a) -> dict:
-    from vllm_npu_offload.demo.tiny_model import build_tiny_llama
+def correctness_plan(layouts: list[str]) -> list[tuple[str, str, str, str]]:
+    """(label, layout, kind, dtype) of the correctness engines: float32 where the layout's kernels
+    take it (off, native, ours, and the Simple connectors on the uniform model), bfloat16 native and
+    ours everywhere (MLA: bfloat16 only, with off). perlayer shares uniform's off-fp32 engine (same
+    tiny model) when both run."""
+    out = []
+    for name in layouts:
+        lay = LAYOUTS[name]
+        kinds32 = ["off", "native", "ours"] + (["simple", "vsimple"] if name == "uniform" else [])
+        if name == "perlayer" and "uniform" in layouts:
+            kinds32.remove("off")
+        if lay.fp32:
+            out += [(f"{name}/{k}-fp32", name, k, "float32") for k in kinds32]
+        out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] if lay.fp32 else
+                                                                     ["off", "native", "ours"])]
+    return out
 
-    model = str(build_tiny_llama(work / "tiny8", seed=0, num_layers=8))
+
+def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
+    """The checks of one layout over its engines' runs (label -> {"r1", "r2", ["r3"]} or {"error"})."""
+    lay = LAYOUTS[name]
+    off32 = "uniform/off-fp32" if name == "perlayer" and "uniform" in layouts else f"{name}/off-fp32"
+    checks: list[dict] = []
+    toks = lambda r: [row["tokens"] for row in r["rows"]]  # noqa: E731
+    host = lambda r: sum(row["cached"] for row in r["rows"])  # noqa: E731
+
+    def check(dtype, engine, key, ref_label, ref_key, expect_equal=True, need_host=True):
+        run, ref = runs.get(engine, {}), runs.get(ref_label, {})
+        c = {"dtype": dtype, "engine": f"{engine} ({WHEN[key]})", "against": f"{ref_label} ({WHEN[ref_key]})",
+             "expect_equal": expect_equal}
+        err = run.get("error") or ref.get("error") or (None if key in run and ref_key in ref else "not run")
+        if err:
+            c.update(error=err, equal=False, **{"pass": False})
+            return checks.append(c)
+        eq = toks(run[key]) == toks(ref[ref_key])
+        c["host_tokens"] = host(run[key])
+        c.update(equal=eq, **{"pass": eq == expect_equal and (not need_host or c["host_tokens"] > 0)})
+        checks.append(c)
+
+    if lay.fp32:
+        if off32.startswith(name):
+            check("float32", off32, "r2", off32, "r1", need_host=False)
+        for k in ["native", "ours"] + (["simple", "vsimple"] if name == "uniform" else []):
+            check("float32", f"{name}/{k}-fp32", "r1", off32, "r1", need_host=False)
+            check("float32", f"{name}/{k}-fp32", "r2", off32, "r1")
+        check("float32", f"{name}/ours-fp32", "r3", off32, "r1", expect_equal=False)
+    else:
+        for k in ("native", "ours"):  # no hit in the first run: the same computation as off
+            check("bfloat16", f"{name}/{k}-bf16", "r1", f"{name}/off-bf16", "r1", need_host=False)
+        check("bfloat16", f"{name}/ours-bf16", "r3", f"{name}/native-bf16", "r2", expect_equal=False)
+    check("bfloat16", f"{name}/ours-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
+    check("bfloat16", f"{name}/ours-bf16", "r2", f"{name}/native-bf16", "r2")
+    return checks
+
+
+def part_correctness(work: Path, a, budget: Budget) -> dict:
+    """Per layout, tiny random-weight models of its architecture: a first run, then (stores flushed,
+    device prefix cache reset) a run served from host; float32 tokens must equal offload off, bfloat16
+    ours must equal native; one host page of ours corrupted must change the tokens."""
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
-    mk = lambda label, kind, dtype: EngineSpec(label, kind, model, dtype=dtype, max_model_len=2048,
-                                               kv_cache_bytes=GiB, gpu_util=0.05, cpu_bytes=GiB, max_num_seqs=8)
-    specs = [mk("off-fp32", "off", "float32"), mk("native-fp32", "native", "float32"),
-             mk("ours-fp32", "ours", "float32"), mk("simple-fp32", "simple", "float32"),
-             mk("native-bf16", "native", "bfloat16"), mk("ours-bf16", "ours", "bfloat16")]
+    plan = correctness_plan(a.layouts)
+    models = {name: build_tiny(work / f"tiny-{LAYOUTS[name].shape}", LAYOUTS[name].shape) for name in a.layouts}
+    specs = [EngineSpec(label, kind, models[name], dtype=dtype, max_model_len=2048, kv_cache_bytes=GiB, gpu_util=0.03,
+                        cpu_bytes=GiB, max_num_seqs=8, eager=a.eager,
+                        attention_backend=LAYOUTS[name].backend(a.attention_backend),
+                        connector=_kind_connector(name, kind))
+             for label, name, kind, dtype in plan]
     t0 = time.perf_counter()
-    procs = start_all(specs)
-    res: dict = {"model": "random 8-layer Llama (tiny_model.py), saved weights", "prompt_tokens": [len(p) for p in prompts],
-                 "max_tokens": a.max_tokens, "start_s": {k: p.start_s for k, p in procs.items()},
-                 "start_wall_s": time.perf_counter() - t0, "runs": {}, "checks": []}
+    procs = start_all(specs, timeout=max(60.0, min(480.0, budget.left() - 60)), in_waves=a.start_waves)
+    res: dict = {"layouts": {}, "prompt_tokens": [len(p) for p in prompts], "max_tokens": a.max_tokens,
+                 "start_wall_s": time.perf_counter() - t0}
+    runs: dict[str, dict] = {}
+    kv: dict[str, dict] = {}
     try:
         for label, p in procs.items():
             if p.error:
-                res["runs"][label] = {"error": p.error}
+                runs[label] = {"error": p.error}
+                continue
+            if not budget.allows(30):
+                runs[label] = {"error": "cut by the call's time budget"}
                 continue
             try:
                 r1 = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
                 fr = p.call("flush_reset")
                 r2 = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
-                run = {"r1": r1, "reset": fr, "r2": r2}
-                if label == "ours-fp32":
+                run = {"r1": r1, "reset": fr, "r2": r2, "start_s": p.start_s}
+                kv[label] = p.call("kv_info")
+                name = label.split("/")[0]
+                negative = f"{name}/ours-fp32" if LAYOUTS[name].fp32 else f"{name}/ours-bf16"
+                if label == negative:
                     run["corrupt"] = p.call("corrupt_page")
                     run["reset3"] = p.call("flush_reset")
                     run["r3"] = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
-                res["runs"][label] = run
+                runs[label] = run
             except EngineError as e:
-                res["runs"][label] = {"error": str(e)}
+                runs[label] = {"error": str(e)}
     finally:
         _close(procs)
-    toks = lambda r: [row["tokens"] for row in r["rows"]]
-    host = lambda r: sum(row["cached"] for row in r["rows"])
-
-    def check(dtype, engine, against, key, ref_label, ref_key, expect_equal=True, need_host=True):
-        run, ref = res["runs"].get(engine, {}), res["runs"].get(ref_label, {})
-        c = {"dtype": dtype, "engine": f"{engine} ({WHEN[key]})", "against": f"{ref_label} ({WHEN[ref_key]})",
-             "expect_equal": expect_equal}
-        err = run.get("error") or ref.get("error")
-        if err:
-            c.update(error=err, equal=False, **{"pass": False})
-            return res["checks"].append(c)
-        eq = toks(run[key]) == toks(ref[ref_key])
-        c["host_tokens"] = host(run[key])
-        ok = eq == expect_equal and (not need_host or c["host_tokens"] > 0)
-        c.update(equal=eq, **{"pass": ok})
-        res["checks"].append(c)
-
-    check("float32", "off-fp32", "off-fp32", "r2", "off-fp32", "r1", need_host=False)
-    for e in ("native-fp32", "ours-fp32", "simple-fp32"):
-        check("float32", e, "off-fp32", "r1", "off-fp32", "r1", need_host=False)
-        check("float32", e, "off-fp32", "r2", "off-fp32", "r1")
-    check("float32", "ours-fp32", "off-fp32", "r3", "off-fp32", "r1", expect_equal=False)
-    check("bfloat16", "ours-bf16", "native-bf16", "r1", "native-bf16", "r1", need_host=False)
-    check("bfloat16", "ours-bf16", "native-bf16", "r2", "native-bf16", "r2")
-    res["ok"] = all(c["pass"] for c in res["checks"])
+    ok = True
+    for name in a.layouts:
+        mine = {k: v for k, v in runs.items() if k.startswith(name + "/") or (name == "perlayer" and k == "uniform/off-fp32")}
+        checks = correctness_checks(name, runs, a.layouts)
+        ok &= all(c["pass"] for c in checks)
+        res["layouts"][name] = {"layout": layout_meta(name, a), "model": f"tiny random {LAYOUTS[name].model.arch} "
+                                f"({SHAPES[LAYOUTS[name].shape].tiny})", "runs": mine, "checks": checks,
+                                "kv_info": {k: v for k, v in kv.items() if k.startswith(name + "/")},
+                                "ok": all(c["pass"] for c in checks)}
+    res["ok"] = ok
     return res
 
 
-# ---------------------------------------------------------------------------- 8B pool (ttft, miss)
-def start_8b(work: Path, a) -> dict:
-    model = build_shape_model(work / "llama8b", 128256)
-    mk = lambda kind, label=None, env=None: EngineSpec(
+# ---------------------------------------------------------------------------- pools (ttft, miss)
+def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
+    """(device KV bytes, host KV bytes) per engine of a layout's pool: --kv-gib/--cpu-gib, else enough
+    for the longest TTFT prompt (and the miss batch when miss runs)."""
+    per_tok = LAYOUTS[name].model.kv_bytes_per_token()
+    need = (max(a.ttft_lengths) + 2048) * per_tok * 1.15
+    if "miss" in parts:
+        need = max(need, a.miss_batch * (a.miss_tokens + a.miss_out) * per_tok * 1.5)
+    kv = a.kv_gib * GiB if a.kv_gib else int(math.ceil(need / GiB) + 1) * GiB
+    cpu = a.cpu_gib * GiB if a.cpu_gib else max(8, int(math.ceil(max(a.ttft_lengths) * per_tok * 1.5 / GiB))) * GiB
+    return kv, cpu
+
+
+def start_pool(work: Path, a, name: str, parts: list[str]) -> dict:
+    """off, native and ours (plus --null, --variant) of one layout's real shape, dummy weights."""
+    lay = LAYOUTS[name]
+    model = build_shape_model(work / lay.shape, lay.shape)
+    kv, cpu = pool_sizes(name, a, parts)
+    mk = lambda kind, label=None, env=None: EngineSpec(  # noqa: E731
         label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
-        kv_cache_bytes=a.kv_gib * GiB, gpu_util=0.2, cpu_bytes=a.cpu_gib * GiB, max_num_seqs=64, env=env or {},
-        cpus=tuple(a.cpus))
+        kv_cache_bytes=kv, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
+        eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind))
     # plus more engines of our spec, each with its own environment (an A/B in one run)
     base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
-    procs = start_all(specs)
+    procs = start_all(specs, in_waves=a.start_waves)
     errs = {k: p.error for k, p in procs.items() if p.error}
-    print(f"[8b] engines up in {time.perf_counter() - t0:.0f}s: "
-          + ", ".join(f"{k} {p.start_s or 0:.0f}s" for k, p in procs.items()) + (f"; errors {list(errs)}" if errs else ""),
-          flush=True)
+    print(f"[{name}] engines up in {time.perf_counter() - t0:.0f}s ({kv / GiB:.0f} GiB device KV, {cpu / GiB:.0f} GiB "
+          f"host KV each): " + ", ".join(f"{k} {p.start_s or 0:.0f}s" for k, p in procs.items())
+          + (f"; errors {list(errs)}" if errs else ""), flush=True)
     return procs
 
 
+def pool_kv_info(procs: dict) -> dict:
+    out = {}
+    for k, p in procs.items():
+        if not p.error:
+            try:
+                out[k] = p.call("kv_info")
+            except EngineError as e:
+                out[k] = {"error": str(e)[:300]}
+    return out
+
+
+# ---------------------------------------------------------------------------- ttft, miss
 def _reload(e, prompt, profile: bool = False) -> dict:
     """One timed reload: wait for stores, reset the device prefix cache, generate again."""
     fr = e.call("flush_reset")
@@ -154,12 +328,14 @@ def _keep_events(runs: list[dict]) -> dict:
     return {k: {"rep": i, "events": runs[i].get("events", [])} for k, i in pick.items()}
 
 
-def part_ttft(procs: dict, a) -> dict:
+
+def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = None) -> dict:
     """Reload TTFT: off (cold, device hit), then native and ours taking turns rep by rep (the
     one going first alternates), each rep with its step timeline (timeline.py)."""
     reps = a.reps
-    res: dict = {"model": "Llama-3-8B shape, dummy weights, bf16", "reps": reps, "rows": [],
-                 "kv_bytes_per_token": L8B_KV_PER_TOKEN, "errors": {}}
+    per_tok = LAYOUTS[name].model.kv_bytes_per_token()
+    res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
+                 "kv_bytes_per_token": per_tok, "errors": {}}
     ours = procs["ours"]
     try:
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
@@ -167,6 +343,9 @@ def part_ttft(procs: dict, a) -> dict:
         res["errors"]["bandwidth"] = str(e)
     kinds = ("native", "ours")
     for L in a.ttft_lengths:
+        if budget is not None and not budget.allows(60 + L / 1000 * 4):
+            res["errors"][f"cut-{L}"] = f"not run: {budget.left():.0f}s left in the call's time budget"
+            continue
         row: dict = {"prompt_tokens": L}
         seed = 1000 + L
         # offload off: cold prefill of a new prompt, then the same prompt again (device prefix hit)
@@ -212,9 +391,13 @@ def part_ttft(procs: dict, a) -> dict:
             row["ours_load_s"] = statistics.median(g["load_s"] for g in xs)
             row["ours_load_seen_s"] = statistics.median(g.get("load_wall_s", 0.0) for g in xs)  # submit -> poll saw it
             row["host_tokens"] = statistics.median(g["rows"][0]["cached"] for g in xs)
+            row["ours_load_bytes"] = statistics.median(g["load_bytes"] for g in xs)
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
-            row["ideal_s"] = row["host_tokens"] * L8B_KV_PER_TOKEN / (bw * 1e9) + row["device_hit_s"]["median"]
+            # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its
+            # window), else the host-hit tokens' KV over all layers
+            moved = row.get("ours_load_bytes") or row["host_tokens"] * per_tok
+            row["ideal_s"] = moved / (bw * 1e9) + row["device_hit_s"]["median"]
         res["rows"].append(row)
         print(f"[ttft] {L}: {json.dumps({k: v for k, v in row.items() if k.endswith('_s')}, default=str)}", flush=True)
     try:  # which copy paths and staging our worker used (after its calibration ran)
@@ -225,12 +408,19 @@ def part_ttft(procs: dict, a) -> dict:
     return res
 
 
-def part_miss(procs: dict, a) -> dict:
-    res: dict = {"model": "Llama-3-8B shape, dummy weights, bf16", "batch": a.miss_batch,
+
+def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = None) -> dict:
+    res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "batch": a.miss_batch,
                  "prompt_tokens": a.miss_tokens, "max_tokens": a.miss_out, "runs": {k: [] for k in procs},
                  "store_gbps": [], "errors": {}, "variants": {label: env for label, env in a.variant}}
     kinds = [k for k in procs if not procs[k].error]
+    walls: list[float] = []
     for r in range(a.miss_reps + 1):
+        t_round = time.perf_counter()
+        if budget is not None and walls and not budget.allows(1.3 * max(walls) + 20):
+            res["cut_rounds"] = a.miss_reps + 1 - r
+            print(f"[miss] {res['cut_rounds']} round(s) cut: {budget.left():.0f}s left in the call's budget", flush=True)
+            break
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
         got = {}
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
@@ -250,6 +440,7 @@ def part_miss(procs: dict, a) -> dict:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {got[k]['wall_s']:.3f}s" for k in kinds if r and k in got),
               flush=True)
+        walls.append(time.perf_counter() - t_round)
     for k in procs:
         if procs[k].error:
             res["errors"][k] = procs[k].error
@@ -261,7 +452,8 @@ def part_miss(procs: dict, a) -> dict:
     return res
 
 
-# ---------------------------------------------------------------------------- multi-turn
+
+# ---------------------------------------------------------------------------- multi-turn (the project's own client)
 def _mt_conversations(a, seed: int) -> tuple[dict, list]:
     """The multi-turn workload; each ``seed`` gives new texts, so a later pass finds none of an
     earlier pass's prefixes cached."""
@@ -292,17 +484,18 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     from vllm_npu_offload.bench.multiturn.report import format_compare, run_payload, write_json
     from .engine import kv_transfer_config
 
-    model = build_shape_model(work / "llama8b-v1000", 1000)  # server detokenizes: vocab = tokenizer's
+    model = build_shape_model(work / "llama8b-v1000", "llama8b", 1000)  # server detokenizes: vocab = tokenizer's
     tmpl = work / "plain_chat_template.jinja"
     tmpl.write_text(PLAIN_CHAT_TEMPLATE)
-    args = ["--dtype", "bfloat16", "--load-format", "dummy", "--enforce-eager", "--attention-backend", "TRITON_ATTN",
+    args = ["--dtype", "bfloat16", "--load-format", "dummy"] + (["--enforce-eager"] if a.eager else []) + [
+            "--attention-backend", a.attention_backend,
             "--block-size", "16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.3",
             "--kv-cache-memory-bytes", str(int(a.mt_device_kv_gib * GiB)), "--enable-prefix-caching",
             "--chat-template", str(tmpl), "--served-model-name", "llama8b", "--max-num-seqs", "32", "--seed", "0"]
     cfg, convs = _mt_conversations(a, 0)
     dcfg = DriverConfig(url="http://127.0.0.1", model=None, clients=a.mt_clients, max_active=a.mt_conversations,
                         warmup=2, timeout_s=120, temperature=0.0, ignore_eos=True, max_requests=None, progress=False)
-    env = {**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # a normal server: engine core in its own process
+    env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # a normal server: engine core in its own process
     logs = work / "mt_logs"
     res: dict = {"workload": cfg, "server_args": args, "cpu_bytes": a.cpu_gib * GiB, "summaries": [], "errors": [],
                  "reps": a.mt_reps}
@@ -358,6 +551,7 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     return res
 
 
+
 # ---------------------------------------------------------------------------- main
 def _variant(text: str) -> tuple[str, dict[str, str]]:
     label, _, rest = text.partition(":")
@@ -388,9 +582,21 @@ def _cpus(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpu_e2e.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", help="correctness ttft miss multiturn, or all (default)")
+    ap.add_argument("parts", nargs="*", help="smoke correctness ttft miss serve multiturn, or all "
+                                             "(= correctness ttft miss serve; the default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
+    ap.add_argument("--layouts", type=_layouts, default=["uniform"],
+                    help=f"KV layouts to run, comma-separated: {', '.join(LAYOUTS)} or all (kv_layouts.py)")
+    ap.add_argument("--eager", action="store_true",
+                    help="enforce_eager (diagnosis); default: vLLM's default mode, torch.compile + CUDA graphs")
+    ap.add_argument("--attention-backend", default="TRITON_ATTN",
+                    help="attention backend of the non-MLA layouts (MLA: TRITON_MLA)")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="wall-clock budget of this call: steps that would end after it are skipped (reported)")
+    ap.add_argument("--no-start-waves", dest="start_waves", action="store_false",
+                    help="start every engine/server at once (default: those sharing a compile key start after the "
+                         "first of them, which then loads its compiled graphs from the cache)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (>= 5)")
     ap.add_argument("--cpus", type=_cpus, default=[],
                     help="run every engine (ttft/miss) or server (multiturn) on these CPUs (e.g. 4-7). They take "
@@ -404,34 +610,79 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
     ap.add_argument("--ttft-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
     ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
-                    help="one more engine of our spec in the 8B pool, with these environment variables; the "
+                    help="one more engine of our spec in the pool, with these environment variables; the "
                          "miss part runs it beside the others (repeatable)")
     ap.add_argument("--no-native", action="store_true",
-                    help="8B pool without vLLM's native spec (room for one more variant; ttft needs native)")
+                    help="pool without vLLM's native spec (room for one more variant; ttft needs native)")
     ap.add_argument("--null", action="store_true",
-                    help="add vLLM's spec without copies (null_spec.py) to the 8B pool: the miss part then splits "
+                    help="add vLLM's spec without copies (null_spec.py) to the pool: the miss part then splits "
                          "the cost into vLLM's connector (null vs off) and the copies (native/ours vs null); "
-                         "four engines need --kv-gib 13; not with ttft (a reload would stop it). With multiturn: a "
+                         "not with ttft (a reload would stop it). With multiturn: a "
                          "fourth server, for workloads with no offload hits only (its first load stops it)")
-    ap.add_argument("--kv-gib", type=int, default=18, help="device KV per 8B engine (GiB)")
-    ap.add_argument("--cpu-gib", type=int, default=8, help="host KV per offload engine (GiB)")
+    ap.add_argument("--kv-gib", type=int, default=0,
+                    help="device KV per pool engine (GiB); 0: enough for the longest TTFT prompt and the miss batch")
+    ap.add_argument("--cpu-gib", type=int, default=0,
+                    help="host KV per offload engine of the pool (GiB); 0: 8, or 1.5x the longest prompt's KV")
     ap.add_argument("--miss-batch", type=int, default=48)
     ap.add_argument("--miss-tokens", type=int, default=2000)
     ap.add_argument("--miss-out", type=int, default=64)
+    # serve (vLLM's client)
+    ap.add_argument("--loads", default="8,32",
+                    help=f"serve: client counts, comma-separated (sizes in serve.LOADS: {sorted(LOADS)}; others scaled)")
+    ap.add_argument("--servers", default="",
+                    help="serve: servers, comma-separated, of off native ours simple vsimple upper null, or "
+                         "LAYOUT:KIND for native/ours through another layout of the same model; default per layout: "
+                         + "; ".join(f"{k}: {v}" for k, v in DEFAULT_SERVERS.items()))
+    ap.add_argument("--passes", type=int, default=3, help="serve: passes (servers take turns, new texts each)")
+    ap.add_argument("--seed", type=int, default=0, help="serve: seed of the corpora (new texts per pass)")
+    ap.add_argument("--client-dir", default=str(Path(__file__).resolve().parents[2] / "vllm_multi_turn"),
+                    help="serve: vLLM's benchmarks/multi_turn files (put there by `gpu_e2e.sh prepare`)")
+    ap.add_argument("--smoke-layers", type=int, default=4, help="smoke: layers of each model (same per-layer shapes)")
+    ap.add_argument("--no-smoke-serve", dest="smoke_serve", action="store_false",
+                    help="smoke: skip the tiny serving pass")
+    # the project's own multi-turn client (part multiturn)
     ap.add_argument("--mt-conversations", type=int, default=32)
     ap.add_argument("--mt-turns", type=int, default=4)
     ap.add_argument("--mt-reps", type=int, default=1,
                     help="multiturn passes; above 1 all servers stay up and take turns pass by pass, with new texts")
     ap.add_argument("--mt-clients", type=int, default=8)
     ap.add_argument("--mt-device-kv-gib", type=float, default=4.0, help="multiturn: device KV per server (GiB)")
+    ap.set_defaults(smoke=False)
     return ap
+
+
+def _layouts(text: str) -> list[str]:
+    try:
+        return parse_layouts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def part_serve(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
+    """vLLM's multi-turn client against the servers of each layout, at each load (serve.py)."""
+    res: dict = {"meta": meta, "runs": []}
+    loads = parse_loads(a.loads)
+    for name in a.layouts:
+        names = (a.servers or DEFAULT_SERVERS[name]).split(",")
+        for load in loads:
+            if not budget.allows(150):
+                res.setdefault("cut", []).append({"layout": name, "clients": load.clients, "left_s": budget.left()})
+                continue
+            write = lambda r, done=list(res["runs"]): write_part(out, "serve", {**res, "runs": done + [r]})  # noqa: E731
+            res["runs"].append(run_serve(name, load, names, a, work, out, budget, meta.get("gpu_bytes", 0),
+                                         meta.get("host_bytes", 0), write=write))
+    res["ok"] = bool(res["runs"]) and all(not r["errors"] and r["runs"] for r in res["runs"])
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    budget = Budget(a.budget_s)
     try:
         parts = parse_parts(a.parts)
-    except ValueError as e:
+        if "serve" in parts or "smoke" in parts:
+            parse_loads(a.loads)
+    except (ValueError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.null and "ttft" in parts:
@@ -448,40 +699,80 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --cpus {bad} not available here (allowed: {sorted(os.sched_getaffinity(0))})", file=sys.stderr)
         return 2
+    os.environ.update(CACHE_ENV)
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    rc, tables, procs = 0, {}, None
+    meta = gpu_meta(a)
+    print(f"[meta] {json.dumps(meta)}", flush=True)
+    rc, tables = 0, {}
+    pool_parts = [p for p in parts if p in ("ttft", "miss")]
+    for part in parts:
+        t0 = time.perf_counter()
+        if part in pool_parts:
+            if part != pool_parts[0]:
+                continue  # ran in the same pools
+            results = run_pools(work, a, pool_parts, budget, meta)
+        else:
+            try:
+                if part == "smoke":
+                    res = part_smoke(work, a, budget, meta)
+                elif part == "correctness":
+                    res = part_correctness(work, a, budget)
+                elif part == "serve":
+                    res = part_serve(work, a, out, budget, meta)
+                else:
+                    res = part_multiturn(work, a, out)
+            except Exception as e:  # noqa: BLE001 - the other parts still run
+                res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:], "ok": False}
+                print(res["traceback"], file=sys.stderr)
+            results = {part: res}
+        for name, res in results.items():
+            rc |= 0 if res.get("ok", "error" not in res) else 1
+            res["meta"], res["part_wall_s"] = meta, time.perf_counter() - t0
+            tables[name] = write_part(out, name, res)
+            print(f"\n== {name} ({res['part_wall_s']:.0f}s) ==\n{tables[name]}\n", flush=True)
+    print("\n".join(f"\n== {k} ==\n{v}" for k, v in tables.items()))
+    print(f"[budget] {budget.left():.0f}s of {a.budget_s:.0f}s left", flush=True)
+    return rc
+
+
+def run_pools(work: Path, a, pool_parts: list[str], budget: Budget, meta: dict) -> dict[str, dict]:
+    """ttft and/or miss for every layout, one pool per layout: {part: {"layouts": {name: result}}}."""
+    out: dict[str, dict] = {p: {"layouts": {}} for p in pool_parts}
+    for name in a.layouts:
+        lm = layout_meta(name, a)
+        if not budget.allows(180):
+            for p in pool_parts:
+                out[p]["layouts"][name] = {"layout": lm, "error": f"cut: {budget.left():.0f}s left in the call's budget"}
+            continue
+        try:
+            got = run_pool_parts(work, a, name, pool_parts, budget)
+            for p in pool_parts:
+                out[p]["layouts"][name] = {**got[p], "layout": lm, "kv_info": got["kv_info"]}
+        except Exception as e:  # noqa: BLE001 - the next layout still runs
+            print(traceback.format_exc()[-6000:], file=sys.stderr)
+            for p in pool_parts:
+                out[p]["layouts"][name] = {"layout": lm, "error": f"{type(e).__name__}: {e}"}
+                out[p]["ok"] = False
+    return out
+
+
+def run_pool_parts(work: Path, a, name: str, parts: list[str], budget: Budget) -> dict:
+    """Start one layout's pool, run ttft and/or miss in it, stop it."""
+    procs = start_pool(work, a, name, parts)
+    res: dict = {"kv_info": pool_kv_info(procs)}
     try:
         for part in parts:
             t0 = time.perf_counter()
-            try:
-                if part == "correctness":
-                    res = part_correctness(work, a)
-                    rc |= 0 if res["ok"] else 1
-                elif part in ("ttft", "miss"):
-                    if procs is None:
-                        procs = start_8b(work, a)
-                    res = part_ttft(procs, a) if part == "ttft" else part_miss(procs, a)
-                    res["engine_start_s"] = {k: p.start_s for k, p in procs.items()}
-                    res["engine_errors"] = {k: p.error for k, p in procs.items() if p.error}
-                else:
-                    if procs is not None:
-                        _close(procs)
-                        procs = None
-                    res = part_multiturn(work, a, out)
-            except Exception as e:  # noqa: BLE001 - the other parts still run
-                res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-6000:]}
-                rc = 1
-                print(res["traceback"], file=sys.stderr)
-            res["part_wall_s"] = time.perf_counter() - t0
-            tables[part] = write_part(out, part, res)
-            print(f"\n== {part} ({res['part_wall_s']:.0f}s) ==\n{tables[part]}\n", flush=True)
+            r = part_ttft(procs, a, name, budget) if part == "ttft" else part_miss(procs, a, name, budget)
+            r["engine_start_s"] = {k: p.start_s for k, p in procs.items()}
+            r["engine_errors"] = {k: p.error for k, p in procs.items() if p.error}
+            r["part_wall_s"] = time.perf_counter() - t0
+            res[part] = r
     finally:
-        if procs is not None:
-            _close(procs)
-    print("\n".join(f"\n== {k} ==\n{v}" for k, v in tables.items()))
-    return rc
+        _close(procs)
+    return res
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from . import forward_profile, timeline
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
 NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
-KINDS = ("off", "native", "ours", "simple", "null")
+KINDS = ("off", "native", "ours", "simple", "vsimple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -28,17 +28,31 @@ ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# Compile caches of the default mode (torch.compile, Triton, Inductor) under /tmp: the lent machine
+# keeps /tmp while it stays warm, so a later call reuses what an earlier one compiled.
+CACHE_ROOT = "/tmp/gpu_e2e/cache"
+CACHE_ENV = {
+    "VLLM_CACHE_ROOT": f"{CACHE_ROOT}/vllm",
+    "TRITON_CACHE_DIR": f"{CACHE_ROOT}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_ROOT}/inductor",
+}
 
 
-def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int) -> dict | None:
+def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
+                       connector: tuple[str, str] | None = None) -> dict | None:
     """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; simple: our
-    NPUSimpleCPUOffloadConnector; null: vLLM's spec without copies (null_spec.py, no-reuse runs
-    only). ``block_size`` is the offloaded block size in tokens."""
+    NPUSimpleCPUOffloadConnector; vsimple: vLLM's own SimpleCPUOffloadConnector; null: vLLM's spec
+    without copies (null_spec.py, no-reuse runs only). ``block_size`` is the offloaded block size
+    in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
+    native, ours and null (the per-layer layout: perlayer.py)."""
     if kind == "off":
         return None
     if kind == "simple":
         return {"kv_connector": "NPUSimpleCPUOffloadConnector", "kv_connector_module_path": SIMPLE_MODULE,
                 "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    if kind == "vsimple":
+        return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
     if kind == "ours":
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
@@ -46,7 +60,10 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int) -> dict | Non
         extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)
     elif kind != "native":
         raise ValueError(f"engine kind {kind!r}: one of {KINDS}")
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    out = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if connector is not None:
+        out["kv_connector"], out["kv_connector_module_path"] = connector
+    return out
 
 
 @dataclass
@@ -65,13 +82,16 @@ class EngineSpec:
     max_num_seqs: int = 64
     env: dict = field(default_factory=dict)
     cpus: tuple[int, ...] = ()  # CPU affinity of the engine's process (empty: the parent's)
+    eager: bool = False  # False: vLLM's default mode (torch.compile + CUDA graphs); True: enforce_eager
+    attention_backend: str = "TRITON_ATTN"
+    connector: tuple[str, str] | None = None  # replaces OffloadingConnector (kv_transfer_config)
 
     def llm_kwargs(self) -> dict:
         kw = dict(model=self.model, dtype=self.dtype, load_format=self.load_format, max_model_len=self.max_model_len,
                   kv_cache_memory_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_util,
-                  block_size=self.block_size, max_num_seqs=self.max_num_seqs, enforce_eager=True,
-                  attention_backend="TRITON_ATTN", enable_prefix_caching=True, seed=0)
-        kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block)
+                  block_size=self.block_size, max_num_seqs=self.max_num_seqs, enforce_eager=self.eager,
+                  attention_backend=self.attention_backend, enable_prefix_caching=True, seed=0)
+        kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block, self.connector)
         if kt is not None:
             kw["kv_transfer_config"] = kt
         return kw
@@ -175,9 +195,17 @@ class _Engine:
                 "staging": None if st is None else {"slots": st.geometry.slots, "slot_blocks": st.geometry.slot_blocks,
                                                      "local": st.local_path.name, "link": st.link_path.name},
                 "record_bytes": core.layout.record_bytes, "host_bytes": core.host.nbytes,
+                "device_tensors": len(core.device_tensors),
+                "page_bytes": sorted({t.page_bytes for t in core.device_tensors}),
+                "groups": [len(refs) for refs in core.group_refs],
                 "pinned": core.host.pinned, "numa": core.host.numa.describe(),
             })
         return {"cores": out}
+
+    def kv_info(self) -> dict:
+        """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,
+        and whether vLLM allocated cross-layer blocks (read from the in-process engine)."""
+        return engine_kv_info(self.llm)
 
     def bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
         """One contiguous pinned host <-> device copy of ``nbytes``, median GB/s of ``reps``."""
@@ -201,8 +229,47 @@ class _Engine:
         return out
 
 
+def engine_kv_info(llm) -> dict:
+    """``kv_info`` of an ``LLM`` (each field where this vLLM has it; unit-tested with fakes)."""
+    out: dict[str, Any] = {}
+    vc = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    cc = getattr(vc, "compilation_config", None)
+    if cc is not None:
+        out["compilation_mode"] = str(getattr(cc, "mode", getattr(cc, "level", None)))
+        out["cudagraph_mode"] = str(getattr(cc, "cudagraph_mode", None))
+    mc = getattr(vc, "model_config", None)
+    if mc is not None:
+        out["enforce_eager"] = bool(getattr(mc, "enforce_eager", False))
+        out["dtype"] = str(getattr(mc, "dtype", ""))
+        out["use_mla"] = bool(getattr(mc, "use_mla", False))
+    ac = getattr(vc, "attention_config", None)
+    if ac is not None:
+        out["attention_backend"] = str(getattr(ac, "backend", None))
+    runner = None
+    try:
+        core = timeline.engine_core(llm)
+        runner = core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        pass
+    if runner is not None:
+        out["cross_layer_blocks"] = getattr(runner, "cross_layers_kv_cache", None) is not None
+        kcc = getattr(runner, "kv_cache_config", None)
+        if kcc is not None:
+            out["num_blocks"] = int(getattr(kcc, "num_blocks", 0))
+            groups = []
+            for g in getattr(kcc, "kv_cache_groups", []):
+                spec = g.kv_cache_spec
+                groups.append({"layers": len(g.layer_names), "spec": type(spec).__name__,
+                               "block_size": getattr(spec, "block_size", None),
+                               "page_bytes": getattr(spec, "page_size_bytes", None),
+                               "sliding_window": getattr(spec, "sliding_window", None)})
+            out["kv_cache_groups"] = groups
+    return out
+
+
 def _child(conn, spec: EngineSpec) -> None:
     os.environ.update(ENV)
+    os.environ.update(CACHE_ENV)
     os.environ.update(spec.env)
     try:
         if spec.cpus:  # before the engine exists: its threads inherit the mask
@@ -288,9 +355,33 @@ class EngineProc:
             self._proc.join(10)
 
 
-def start_all(specs: list[EngineSpec], timeout: float = 400) -> dict[str, EngineProc]:
-    """Spawn every engine at once (fixed device KV makes that safe) and wait for all."""
-    procs = {s.label: EngineProc(s).start() for s in specs}
-    for p in procs.values():
-        p.wait_ready(timeout)
-    return procs
+def compile_key(s: EngineSpec) -> tuple:
+    """What vLLM's compile cache keys on, as far as these engines differ (VllmConfig.compute_hash):
+    the model, dtype, cache and scheduler sizes, the mode, and whether a KV connector is configured
+    (its config itself hashes to nothing)."""
+    return (s.model, s.dtype, s.load_format, s.max_model_len, s.kv_cache_bytes, s.max_num_seqs, s.block_size,
+            s.eager, s.attention_backend, s.kind == "off")
+
+
+def waves(items: list, key) -> list[list]:
+    """Two start waves: the first item of every compile key, then the rest (they load what the
+    first wave compiled instead of compiling the same graphs at the same time). One wave when
+    every key is distinct."""
+    first, rest, seen = [], [], set()
+    for it in items:
+        k = key(it)
+        (rest if k in seen else first).append(it)
+        seen.add(k)
+    return [w for w in (first, rest) if w]
+
+
+def start_all(specs: list[EngineSpec], timeout: float = 400, in_waves: bool = False) -> dict[str, EngineProc]:
+    """Spawn the engines (fixed device KV makes several on one GPU safe) and wait for all; with
+    ``in_waves``, engines that share a compile key start after the first of them is up."""
+    procs: dict[str, EngineProc] = {}
+    for wave in (waves(specs, compile_key) if in_waves else [specs]):
+        started = [EngineProc(s).start() for s in wave]
+        for p in started:
+            p.wait_ready(timeout)
+            procs[p.spec.label] = p
+    return {s.label: procs[s.label] for s in specs}

@@ -9,13 +9,15 @@ from typing import Any
 
 from vllm_npu_offload.bench.multiturn.report import _fmt, _table
 
-PARTS = ("correctness", "ttft", "miss", "multiturn")
+PARTS = ("smoke", "correctness", "ttft", "miss", "serve", "multiturn")
+ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the issue's tables need (not the smoke, not the
+# project's own multi-turn client)
 
 
 def parse_parts(names: list[str]) -> list[str]:
-    """``all`` or a subset of PARTS, in PARTS order; unknown names raise ValueError."""
+    """``all`` (ALL) or a subset of PARTS, in PARTS order; unknown names raise ValueError."""
     if not names or names == ["all"]:
-        return list(PARTS)
+        return list(ALL)
     bad = [n for n in names if n not in PARTS]
     if bad:
         raise ValueError(f"unknown part(s) {bad}: choose from {list(PARTS)} or 'all'")
@@ -93,6 +95,63 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     return _table(header, [[c if isinstance(c, str) else _fmt(c) for c in r] for r in rows])
 
 
+def meta_line(meta: dict | None, layout: dict | None = None) -> str:
+    """The header of every table: device, date, vLLM, execution mode, and the layout that ran."""
+    if not meta:
+        return ""
+    parts = [f"device: {meta.get('device', '?')}", f"date: {meta.get('date', '?')}", f"vLLM {meta.get('vllm', '?')}",
+             f"mode: {meta.get('mode', '?')}"]
+    if layout:
+        parts.append(f"layout: {layout.get('name', '?')} ({layout.get('blocks', '')})")
+        if layout.get("model"):
+            parts.append(f"model: {layout['model']}")
+        if layout.get("attention_backend"):
+            parts.append(f"attention: {layout['attention_backend']}")
+    return "; ".join(parts)
+
+
+def engine_report(kv: dict[str, dict]) -> str:
+    """One line from engines' ``kv_info``: the CUDA-graph mode and the KV layout vLLM allocated."""
+    if not kv:
+        return ""
+    bits = []
+    modes = {v.get("cudagraph_mode") for v in kv.values() if v.get("cudagraph_mode")}
+    if modes:
+        bits.append("cudagraph_mode " + "/".join(sorted(str(m) for m in modes)))
+    cl = {k: v.get("cross_layer_blocks") for k, v in kv.items() if "cross_layer_blocks" in v}
+    if cl:
+        bits.append("cross-layer blocks: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cl.items()))
+    groups = next((v["kv_cache_groups"] for v in kv.values() if v.get("kv_cache_groups")), None)
+    if groups:
+        bits.append(f"{len(groups)} KV-cache group(s): " + ", ".join(
+            f"{g['layers']} x {g['spec']}" + (f" (window {g['sliding_window']})" if g.get("sliding_window") else "")
+            for g in groups))
+    return "engines report: " + "; ".join(bits) if bits else ""
+
+
+def per_layout(fmt):
+    """A part's formatter for results of several layouts ({"meta", "layouts": {name: res}}): each
+    layout's table under its header line. Results of one layout (the older format) pass through."""
+
+    def render(res: dict) -> str:
+        if "layouts" not in res:
+            return fmt(res)
+        out = []
+        for name, r in res["layouts"].items():
+            head = meta_line(res.get("meta"), {"name": name, **(r.get("layout") or {})})
+            rep = engine_report(r.get("kv_info") or {})
+            try:
+                body = fmt(r) if not r.get("error") else f"(not run: {r['error']})"
+            except Exception as e:  # noqa: BLE001 - one layout's table must not hide the others
+                body = f"(no table: {type(e).__name__}: {e})"
+            out.append("\n".join(x for x in (f"### {name}", head, rep, body) if x))
+        return "\n\n".join(out)
+
+    render.__name__ = fmt.__name__
+    render.__doc__ = fmt.__doc__
+    return render
+
+
 def correctness_table(res: dict) -> str:
     rows = []
     for c in res["checks"]:
@@ -113,12 +172,14 @@ def ttft_table(res: dict) -> str:
                      ms(r.get("ours_load_s")), ms(r.get("ours_load_seen_s")), ms(r.get("ideal_s")),
                      r.get("host_tokens", "-"),
                      f"{r['ours_s']['median'] / r['ideal_s']:.2f}x" if r.get("ideal_s") and r["ours_s"].get("median")
-                     else "-"])
+                     else "-",
+                     f"{r['ours_s']['median'] / r['native_s']['median']:.2f}x"
+                     if r["ours_s"].get("median") and r["native_s"].get("median") else "-"])
     head = ["prompt tok", "cold ms", "device hit ms", "reload native ms", "reload ours ms", "ours transfer ms",
-            "ours load seen ms", "ideal ms", "from host tok", "ours/ideal"]
+            "ours load seen ms", "ideal ms", "from host tok", "ours/ideal", "ours/native"]
     bw = res.get("bandwidth", {})
     text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
-            f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = host KV bytes / H2D "
+            f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix); ours transfer = "
             f"device time of the loads, load seen = from their submit until a poll saw them done")
     steps, prof = ttft_steps_table(res), forward_profile_table(res)
@@ -368,7 +429,135 @@ def multiturn_paired_table(res: dict) -> str:
             + "\npaired by pass (all servers up, taking turns; new texts each pass): median change (min..max)")
 
 
-FORMATTERS = {"correctness": correctness_table, "ttft": ttft_table, "miss": miss_table, "multiturn": multiturn_table}
+def smoke_table(res: dict) -> str:
+    """Each engine of the smoke run: started (s), tokens, host hits after a reset; then the tiny serving run."""
+    rows = []
+    for label, e in res.get("engines", {}).items():
+        if e.get("error"):
+            rows.append([label, "FAIL", _f(e.get("start_s")), "-", "-", "-", "-", e["error"].splitlines()[0][:160]])
+            continue
+        kv = e.get("kv") or {}
+        rows.append([label, "ok" if e.get("ok") else "FAIL", _f(e.get("start_s")), len(e.get("tokens") or []),
+                     e.get("host_tokens", "-"), "yes" if kv.get("cross_layer_blocks") else "no",
+                     len(kv.get("kv_cache_groups") or []) or "-", e.get("why", "")])
+    text = table(["engine", "result", "start s", "tokens", "host-hit tok after reset", "cross-layer", "KV groups",
+                  "note"], rows) if rows else "(no engines)"
+    srv = res.get("serve")
+    if srv:
+        text += "\n\n" + serve_table({"meta": res.get("meta"), "runs": [srv]})
+    return text
+
+
+def _pct(ch: dict) -> str:
+    return f"{ch['median'] * 100:+.1f}% ({ch['min'] * 100:+.1f}..{ch['max'] * 100:+.1f}%)" if ch.get("n") else "-"
+
+
+SERVE_METRICS = (  # (column, pick from a run, better when lower)
+    ("req/s", lambda r: r["summary"].get("requests_per_s")),
+    ("later TTFT p50", lambda r: r["summary"].get("ttft_later_ms", {}).get("p50")),
+    ("later TTFT p90", lambda r: r["summary"].get("ttft_later_ms", {}).get("p90")),
+    ("later TTFT p99", lambda r: r["summary"].get("ttft_later_ms", {}).get("p99")),
+    ("TPOT p50", lambda r: r["summary"].get("tpot_ms", {}).get("p50")),
+    ("TPOT p99", lambda r: r["summary"].get("tpot_ms", {}).get("p99")),
+)
+
+
+def serve_runs_by(res: dict) -> dict[str, dict[int, dict]]:
+    """label -> pass -> run, runs without an error and with requests only."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in res.get("runs", []):
+        if r.get("error") or not r.get("summary", {}).get("requests"):
+            continue
+        by.setdefault(r["label"], {})[r.get("pass_", 0)] = r
+    return by
+
+
+def serve_base(label: str, labels: list[str]) -> str | None:
+    """What a server is paired against besides off: the native server of its own layout, else native."""
+    lay = label.rpartition(":")[0]
+    for cand in ((f"{lay}:native",) if lay else ()) + ("native",):
+        if cand in labels and cand != label:
+            return cand
+    return None
+
+
+def serve_one_table(res: dict) -> str:
+    """One (layout, load): per server, medians over passes; then each server against native and off,
+    paired by pass (the median and range of the per-pass change)."""
+    by = serve_runs_by(res)
+    load = res.get("load", {})
+    labels = [s["label"] for s in res.get("servers", [])] or list(by)
+    rows = []
+    for label in labels:
+        runs = list(by.get(label, {}).values())
+        if not runs:
+            err = next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
+            rows.append([label, 0] + ["-"] * 12 + [str(err).splitlines()[0][:120]])
+            continue
+        med = lambda f: _med([f(r) for r in runs])  # noqa: E731
+        m = lambda k: med(lambda r: r.get("metrics", {}).get(k))  # noqa: E731
+        gib = lambda x: "-" if x is None else f"{x / 2**30:.2f}"  # noqa: E731
+        rows.append([label, len(runs)] + [_f(med(f), "{:,.2f}" if name == "req/s" else "{:,.1f}")
+                                          for name, f in SERVE_METRICS]
+                    + [_f(m("external_hits"), "{:,.0f}"), _f(m("prefix_hits"), "{:,.0f}"),
+                       f"{gib(m('load_bytes'))} / {_f(m('load_s'), '{:.2f}')}",
+                       f"{gib(m('store_bytes'))} / {_f(m('store_s'), '{:.2f}')}",
+                       _f(m("preemptions"), "{:,.0f}"), _f(med(lambda r: r["summary"].get("empty_outputs")), "{:.0f}"),
+                       ""])
+    head = ["server", "passes", "req/s", "later TTFT p50 ms", "p90 ms", "p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+            "host-hit tok", "device-hit tok", "loaded GiB / s", "stored GiB / s", "preempted", "empty outputs",
+            "note"]
+    text = table(head, rows)
+    # paired
+    prow = []
+    for label in labels:
+        if label == "off" or label not in by:
+            continue
+        for base in [b for b in (serve_base(label, labels), "off") if b and b in by and b != label]:
+            passes = sorted(set(by[label]) & set(by[base]))
+            if not passes:
+                continue
+            row = [f"{label} vs {base}", len(passes)]
+            for _, f in SERVE_METRICS:
+                xs, bs = [f(by[label][p]) for p in passes], [f(by[base][p]) for p in passes]
+                ok = [(x, b) for x, b in zip(xs, bs) if x is not None and b]
+                row.append(_pct(paired_change([x for x, _ in ok], [b for _, b in ok])) if ok else "-")
+            prow.append(row)
+    if prow:
+        text += "\n\n" + table(["compared", "passes"] + [n for n, _ in SERVE_METRICS], prow)
+    logs = res.get("server_logs") or {}
+    cl = ", ".join(f"{k} {'yes' if v.get('cross_layer_blocks') else 'no'}" for k, v in logs.items())
+    times = ", ".join(f"{k} {v['compile_s']:.0f}+{v.get('graph_capture_s', 0):.0f}s" for k, v in logs.items()
+                      if v.get("compile_s") is not None)
+    cut = res.get("cut") or []
+    text += (f"\n{load.get('clients')} clients, {load.get('active')} active conversations, {load.get('conversations')} "
+             f"conversations x {load.get('user_turns')} turns per pass; device KV {load.get('device_tokens')} tokens "
+             f"per server (upper: all conversations), host KV {load.get('host_tokens')} tokens; vLLM's "
+             f"benchmark_serving_multi_turn.py, new texts each pass, the server going first alternates; later TTFT = "
+             f"turns with a history; host-hit tok = vLLM's external prefix-cache hits; loaded/stored = vLLM's "
+             f"kv_offload bytes / seconds; medians over passes; paired = median (min..max) of the per-pass change"
+             + (f"\ncross-layer KV (server logs): {cl}" if cl else "")
+             + (f"\ncompile + graph capture: {times}" if times else "")
+             + (f"\ncut by the call's time budget: {len(cut)} run(s) not done" if cut else ""))
+    errs = [e for e in res.get("errors", []) if e.get("pass", 0) >= 0 or e["label"] == "-"]
+    if errs:
+        text += "\n" + "\n".join(f"error {e['label']} pass {e.get('pass')}: {str(e['error'])[:300]}" for e in errs)
+    return text
+
+
+def serve_table(res: dict) -> str:
+    """Every (layout, load) of a serve part under its header line."""
+    out = []
+    for r in res.get("runs", []):
+        head = meta_line(res.get("meta"), {"name": r.get("layout"), "blocks": r.get("blocks"), "model": r.get("model"),
+                                           "attention_backend": r.get("attention_backend")})
+        out.append("\n".join(x for x in (f"### {r.get('layout')}, {r.get('load', {}).get('clients')} clients", head,
+                                          serve_one_table(r)) if x))
+    return "\n\n".join(out) if out else "(no serving runs)"
+
+
+FORMATTERS = {"smoke": smoke_table, "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
+              "miss": per_layout(miss_table), "serve": serve_table, "multiturn": multiturn_table}
 
 
 def write_part(out_dir: str | Path, part: str, res: dict) -> str:

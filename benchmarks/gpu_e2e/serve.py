@@ -1,0 +1,513 @@
+"""Serving with vLLM's own multi-turn client, as users measure KV offload.
+
+The client is vLLM 0.23.0's ``benchmarks/multi_turn/`` (``benchmark_serving_multi_turn.py``,
+``bench_dataset.py``, ``bench_utils.py``), taken out of the sdist by ``stage.py prepare`` (its
+sha256 is checked here before each run; vLLM's code is run, not committed). Workloads are in its
+``generate_multi_turn.json`` format over a corpus the serving tokenizer knows (models.py), new
+texts in every pass.
+
+One call serves one layout (its model) at one or more loads. For each load, the chosen servers
+(off, native, ours, simple = our Simple connector, vsimple = vLLM's SimpleCPUOffloadConnector, upper =
+offload off with device KV for every conversation, and ``LAYOUT:KIND`` for native/ours through
+another layout of the same model, e.g. ``perlayer:ours``) start together with device KV sized in
+tokens (``Load``), so that the active conversations do not fit, and stay up; then the passes: every
+server takes the same workload in turn, the one going first alternates, each pass with new texts.
+Per run: the client's per-request stats and vLLM's /metrics before and after (prefix-cache and
+external hits, kv_offload bytes and time per direction, preemptions). Pure Python except the runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .engine import CACHE_ENV, ENV, kv_transfer_config
+from .kv_layouts import LAYOUTS
+from .models import SERVE_VOCAB
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_utils.py")
+CLIENT_DIR = ROOT / "vllm_multi_turn"  # where prepare puts them (in the device's code copy)
+SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {name: sha256}}
+GiB = 1 << 30
+OFFLOADERS = ("native", "ours", "simple", "vsimple", "null")
+SERVER_KINDS = ("off", "upper") + OFFLOADERS
+# Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
+GPU_OVERHEAD = 3 * GiB
+HOST_PER_SERVER = 6 * GiB  # an API server + engine core process, besides pinned KV
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load: clients, active conversations, and the token budgets that size the servers."""
+
+    clients: int
+    active: int  # -k: conversations open at once over all clients
+    conversations: int  # per pass (each runs all its turns)
+    user_turns: int
+    device_tokens: int  # device KV of off and the offload servers
+    host_tokens: int  # host KV of the offload servers
+    common_prefix: int = 500
+    prefix_avg: int = 1000
+    prefix_max: int = 3000
+    user_tokens: tuple[int, int] = (120, 160)
+    answer_tokens: tuple[int, int] = (80, 120)
+
+    def final_context(self, prefix: int) -> int:
+        per_turn = (sum(self.user_tokens) + sum(self.answer_tokens)) / 2
+        return int(self.common_prefix + prefix + self.user_turns * per_turn)
+
+    @property
+    def active_tokens(self) -> int:
+        """KV of the open conversations at their end (average prefix)."""
+        return self.active * self.final_context(self.prefix_avg)
+
+    @property
+    def upper_tokens(self) -> int:
+        """Device KV of the upper bound: every conversation of a pass, with margin."""
+        return int(self.conversations * self.final_context(self.prefix_avg) * 1.3) + self.clients * 512
+
+    def check(self) -> None:
+        if self.active_tokens <= self.device_tokens:
+            raise PlanError(f"load {self.clients}: the {self.active} active conversations ({self.active_tokens} "
+                            f"tokens) fit the device KV ({self.device_tokens} tokens): nothing to offload")
+        if self.clients * self.final_context(self.prefix_avg) > self.device_tokens:
+            raise PlanError(f"load {self.clients}: the running requests alone ({self.clients} x "
+                            f"{self.final_context(self.prefix_avg)} tokens) do not fit {self.device_tokens} tokens")
+
+
+LOADS: dict[int, Load] = {
+    8: Load(clients=8, active=24, conversations=24, user_turns=4, device_tokens=32768, host_tokens=131072),
+    32: Load(clients=32, active=64, conversations=64, user_turns=4, device_tokens=98304, host_tokens=196608),
+}
+
+
+def load_for(clients: int) -> Load:
+    """The load for ``clients`` (LOADS, else scaled from the nearest: 2 active per client)."""
+    if clients in LOADS:
+        return LOADS[clients]
+    if clients < 1:
+        raise PlanError(f"load {clients}: needs >= 1 client")
+    active = max(3 * clients, 8) if clients < 16 else 2 * clients
+    base = Load(clients=clients, active=active, conversations=active, user_turns=4, device_tokens=0, host_tokens=0)
+    ctx = base.final_context(base.prefix_avg)
+    dev = max(int(clients * ctx * 1.3), 8192)
+    dev = min(dev, int(base.active_tokens * 0.7))
+    return replace(base, device_tokens=(dev + 1023) // 1024 * 1024,
+                   host_tokens=(int(base.active_tokens * 1.5) + 1023) // 1024 * 1024)
+
+
+def parse_loads(text: str) -> list[Load]:
+    try:
+        out = [load_for(int(x)) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise PlanError(f"--loads {text!r}: expected client counts like 8,32 ({e})") from None
+    if not out:
+        raise PlanError(f"--loads {text!r}: no load")
+    return out
+
+
+# ---------------------------------------------------------------------------- servers
+@dataclass(frozen=True)
+class ServerPlan:
+    label: str  # "ours", "perlayer:ours", "upper"
+    kind: str  # kv_transfer_config kind ("upper" serves as off)
+    layout: str
+    device_kv_bytes: int
+    cpu_bytes: int
+    gpu_bytes: int  # planned GPU memory: weights + KV + overhead
+
+    def kv_config(self, offload_block: int = 64) -> dict | None:
+        if self.kind in ("off", "upper"):
+            return None
+        return kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector)
+
+
+def parse_server(name: str, layout: str) -> tuple[str, str]:
+    """"ours" -> (layout, ours); "perlayer:ours" -> (perlayer, ours)."""
+    lay, _, kind = name.rpartition(":")
+    lay = lay or layout
+    if kind not in SERVER_KINDS:
+        raise PlanError(f"server {name!r}: kind must be one of {SERVER_KINDS} (optionally LAYOUT:KIND)")
+    if lay not in LAYOUTS:
+        raise PlanError(f"server {name!r}: unknown layout {lay!r} ({list(LAYOUTS)})")
+    if LAYOUTS[lay].shape != LAYOUTS[layout].shape:
+        raise PlanError(f"server {name!r}: layout {lay} serves {LAYOUTS[lay].shape}, this run serves "
+                        f"{LAYOUTS[layout].shape} ({layout}); one model per run")
+    if lay != layout and kind not in ("native", "ours", "null"):
+        raise PlanError(f"server {name!r}: only native/ours/null take another layout's connector")
+    return lay, kind
+
+
+def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host_bytes: int,
+                 headroom: float = 0.94, layers: int | None = None) -> list[ServerPlan]:
+    """The servers of one (layout, load) with their memory; PlanError when they do not fit together.
+    ``layers``: the model's layer count when it runs with fewer (smoke)."""
+    shape = LAYOUTS[layout].model
+    per_tok = shape.kv_bytes_per_token(layers=layers)
+    weights = shape.weight_bytes(SERVE_VOCAB, layers=layers)
+    plans, seen = [], set()
+    for name in names:
+        lay, kind = parse_server(name, layout)
+        label = kind if lay == layout else f"{lay}:{kind}"
+        if label in seen:
+            raise PlanError(f"server {label!r} given twice")
+        seen.add(label)
+        tokens = load.upper_tokens if kind == "upper" else load.device_tokens
+        kv = tokens * per_tok
+        cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
+        plans.append(ServerPlan(label, kind, lay, kv, cpu, weights + kv + GPU_OVERHEAD))
+    gpu = sum(p.gpu_bytes for p in plans)
+    if gpu_bytes and gpu > headroom * gpu_bytes:
+        raise PlanError(
+            f"{layout} at {load.clients} clients: {len(plans)} servers need {gpu / GiB:.1f} GiB of GPU memory "
+            f"({', '.join(f'{p.label} {p.gpu_bytes / GiB:.1f}' for p in plans)}), over {headroom:.0%} of "
+            f"{gpu_bytes / GiB:.1f} GiB: split --servers over two calls (keep off and native in both)")
+    host = sum(p.cpu_bytes for p in plans) + HOST_PER_SERVER * len(plans)
+    if host_bytes and host > 0.85 * host_bytes:
+        raise PlanError(
+            f"{layout} at {load.clients} clients: {len(plans)} servers need {host / GiB:.1f} GiB of host memory "
+            f"(pinned KV {sum(p.cpu_bytes for p in plans) / GiB:.1f} GiB), over 85% of {host_bytes / GiB:.1f} GiB: "
+            f"fewer offload servers per call")
+    return plans
+
+
+def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend: str, chat_template: str,
+                served_name: str, max_model_len: int = 8192, offload_block: int = 64) -> list[str]:
+    args = ["--dtype", "bfloat16", "--load-format", "dummy", "--attention-backend", attention_backend,
+            "--block-size", "16", "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.05",
+            "--kv-cache-memory-bytes", str(plan.device_kv_bytes), "--enable-prefix-caching",
+            "--chat-template", chat_template, "--served-model-name", served_name,
+            "--max-num-seqs", str(max(64, 2 * load.clients)), "--seed", "0"]
+    if eager:
+        args.append("--enforce-eager")
+    kt = plan.kv_config(offload_block)
+    if kt is not None:
+        args += ["--kv-transfer-config", json.dumps(kt)]
+    return args
+
+
+def server_log_info(text: str) -> dict:
+    """What a server's log says it ran: cross-layer KV, KV tokens, compile and graph-capture time."""
+    out: dict = {"cross_layer_blocks": "Allocating a cross layer KV cache" in text}
+    for key, pat, conv in (("kv_tokens", r"GPU KV cache size: ([\d,]+) tokens", lambda s: int(s.replace(",", ""))),
+                           ("compile_s", r"torch\.compile took ([\d.]+) s in total", float),
+                           ("graph_capture_s", r"Graph capturing finished in ([\d.]+) secs", float),
+                           ("graph_gib", r"Graph capturing finished in [\d.]+ secs, took ([\d.]+) GiB", float)):
+        m = re.findall(pat, text)
+        if m:
+            out[key] = conv(m[-1])
+    out["hma_off"] = "Turning off hybrid kv cache manager" in text
+    return out
+
+
+# ---------------------------------------------------------------------------- the client
+def client_sources(client_dir: Path = CLIENT_DIR) -> dict:
+    """The client's files and their sha256, checked against SOURCE.json (written by prepare)."""
+    src = client_dir / SOURCE_JSON
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: vLLM's multi-turn client is not there; run `scripts/gpu_e2e.sh prepare`")
+    man = json.loads(src.read_text())
+    for name in CLIENT_FILES:
+        digest = hashlib.sha256((client_dir / name).read_bytes()).hexdigest()
+        if digest != man["files"].get(name):
+            raise ValueError(f"{client_dir / name}: sha256 {digest} differs from {SOURCE_JSON} "
+                             f"({man['files'].get(name)})")
+    return man
+
+
+def workload(load: Load, text_file: str) -> dict:
+    """vLLM's generate_multi_turn.json format (``num_turns`` counts user and assistant messages)."""
+    return {
+        "filetype": "generate_conversations",
+        "num_conversations": load.conversations,
+        "text_files": [text_file],
+        "print_stats": False,
+        "prompt_input": {
+            "num_turns": {"distribution": "constant", "value": 2 * load.user_turns},
+            "common_prefix_num_tokens": {"distribution": "constant", "value": load.common_prefix},
+            "prefix_num_tokens": {"distribution": "lognormal", "average": load.prefix_avg, "max": load.prefix_max},
+            "num_tokens": {"distribution": "uniform", "min": load.user_tokens[0], "max": load.user_tokens[1]},
+        },
+        "prompt_output": {"num_tokens": {"distribution": "uniform", "min": load.answer_tokens[0],
+                                         "max": load.answer_tokens[1]}},
+    }
+
+
+def corpus_words_needed(load: Load) -> int:
+    """Words the client's generator reads from the corpus (bench_dataset.generate_conversations)."""
+    turns = 2 * load.user_turns
+    return (load.common_prefix + load.conversations * (load.prefix_max + turns)
+            + turns * load.user_tokens[1] + 10_000)
+
+
+def client_command(client_dir: Path, workload_path: Path, model_dir: str, served_name: str, url: str, load: Load,
+                   seed: int, stats_path: Path, python: str = sys.executable) -> list[str]:
+    return [python, str(client_dir / "benchmark_serving_multi_turn.py"), "--input-file", str(workload_path),
+            "--model", model_dir, "--served-model-name", served_name, "--url", url,
+            "--num-clients", str(load.clients), "--max-active-conversations", str(load.active),
+            "--seed", str(seed), "--no-early-stop", "--request-timeout-sec", "300",
+            "--stats-json-output", str(stats_path)]
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between order statistics (numpy's and pandas' default)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """A run from the client's per-request stats: req/s as the client computes it (requests / from the
+    first start to the end of the last-started request), TTFT of later turns (a history to reuse),
+    TPOT, and the output-token counts (a dummy model must still stream every token)."""
+    if not rows:
+        return {"requests": 0}
+    rows = sorted(rows, key=lambda r: r["start_time_ms"])
+    runtime_s = (rows[-1]["start_time_ms"] + rows[-1]["latency_ms"] - rows[0]["start_time_ms"]) / 1e3
+    later = [r["ttft_ms"] for r in rows if r["input_num_turns"] > 1]
+    first = [r["ttft_ms"] for r in rows if r["input_num_turns"] <= 1]
+    tpot = [r["tpot_ms"] for r in rows if r["tpot_ms"] > 0]
+    p = lambda xs, q: percentile(xs, q)  # noqa: E731
+    return {
+        "requests": len(rows), "runtime_s": runtime_s, "requests_per_s": len(rows) / runtime_s if runtime_s > 0 else 0.0,
+        "ttft_later_ms": {"n": len(later), "p50": p(later, 0.5), "p90": p(later, 0.9), "p99": p(later, 0.99)},
+        "ttft_first_ms": {"n": len(first), "p50": p(first, 0.5)},
+        "tpot_ms": {"n": len(tpot), "p50": p(tpot, 0.5), "p99": p(tpot, 0.99)},
+        "output_tokens": sum(r["output_num_tokens"] for r in rows),
+        "input_tokens": sum(r["input_num_tokens"] for r in rows),
+        "empty_outputs": sum(1 for r in rows if r["output_num_tokens"] == 0),
+    }
+
+
+# ---------------------------------------------------------------------------- /metrics
+PROM = {
+    "vllm:prefix_cache_queries": "prefix_queries", "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:external_prefix_cache_queries": "external_queries", "vllm:external_prefix_cache_hits": "external_hits",
+    "vllm:num_preemptions": "preemptions", "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    # 0.32 names: bytes and seconds per direction
+    "vllm:kv_offload_load_bytes": "load_bytes", "vllm:kv_offload_store_bytes": "store_bytes",
+    "vllm:kv_offload_load_time": "load_s", "vllm:kv_offload_store_time": "store_s",
+}
+# 0.23 names: one counter per kind, labelled transfer_type="CPU_to_GPU" (load) or "GPU_to_CPU" (store)
+PROM_LABELLED = {"vllm:kv_offload_total_bytes": "bytes", "vllm:kv_offload_total_time": "s"}
+DIRECTION = {"CPU_to_GPU": "load", "GPU_to_CPU": "store"}
+_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|\+Inf|-Inf)')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The counters above from a Prometheus text page, summed over engines."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, val = m.group(1), m.group(2) or "", m.group(3)
+        base = name[:-6] if name.endswith("_total") else name
+        try:
+            v = float(val)
+        except ValueError:
+            continue
+        if base in PROM:
+            key = PROM[base]
+        elif base in PROM_LABELLED:
+            t = re.search(r'transfer_type="([^"]+)"', labels)
+            direction = DIRECTION.get(t.group(1)) if t else None
+            if direction is None:
+                continue
+            key = f"{direction}_{PROM_LABELLED[base]}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
+            return parse_metrics(r.read().decode(errors="replace"))
+    except OSError:
+        return {}
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+# ---------------------------------------------------------------------------- the part
+def _warm(url: str, name: str, words: int = 600, timeout: float = 120.0) -> float:
+    """One completion through the server (prefill, decode, a store) before the passes."""
+    body = json.dumps({"model": name, "prompt": " ".join(f"w{i % 700}" for i in range(words)), "max_tokens": 8,
+                       "temperature": 0.0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+class Budget:
+    """Wall-clock budget of one device call: parts ask before they start something long."""
+
+    def __init__(self, seconds: float, t0: float | None = None):
+        self.seconds, self.t0 = seconds, time.monotonic() if t0 is None else t0
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def allows(self, need_s: float) -> bool:
+        return self.left() >= need_s
+
+
+def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Path, budget: Budget,
+              gpu_bytes: int, host_bytes: int, write=None) -> dict:
+    """Start the servers of one (layout, load), run the passes, stop them. ``write(res)`` is called
+    after every run (partial results survive a call cut off by its time limit)."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_npu_offload.bench.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
+
+    from .models import build_shape_model, write_corpus
+
+    lay = LAYOUTS[layout]
+    backend = lay.backend(a.attention_backend)
+    res: dict = {"layout": layout, "blocks": lay.blocks, "model": lay.model.what, "load": asdict(load),
+                 "servers": [], "runs": [], "errors": [], "passes": a.passes, "mode": "eager" if a.eager else "default",
+                 "attention_backend": backend, "offload_block": 64}
+    try:
+        src = client_sources(Path(a.client_dir))
+        res["client"] = {"sdist": src.get("sdist"), "sdist_sha256": src.get("sdist_sha256"), "files": src["files"]}
+        load.check()
+        layers = a.smoke_layers if a.smoke else None
+        plans = plan_servers(layout, names, load, gpu_bytes, host_bytes, layers=layers)
+    except (PlanError, OSError, ValueError) as e:
+        res["errors"].append({"label": "-", "pass": -1, "error": f"{type(e).__name__}: {e}"})
+        return res
+    res["servers"] = [asdict(p) for p in plans]
+    model = build_shape_model(work / f"{lay.shape}-serve{layers or ''}", lay.shape, SERVE_VOCAB, layers)
+    tmpl = work / "plain_chat_template.jinja"
+    tmpl.write_text(PLAIN_CHAT_TEMPLATE)
+    served = lay.shape
+    env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    logs = work / "serve_logs"
+    tag = f"{layout}-{load.clients}"
+    urls: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        cms = {p.label: vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
+                                                       chat_template=str(tmpl), served_name=served),
+                                    env=env, startup_timeout_s=max(60.0, min(600.0, budget.left() - 60)),
+                                    log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
+               for p in plans}
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(cms)) as pool:
+            futs = {label: pool.submit(cm.__enter__) for label, cm in cms.items()}
+        for label, fut in futs.items():
+            try:
+                urls[label] = fut.result()
+                stack.push(cms[label].__exit__)
+            except Exception as e:  # noqa: BLE001 - the others still run
+                res["errors"].append({"label": label, "pass": -1, "error": f"{type(e).__name__}: {e}"[-3000:]})
+        res["start_wall_s"] = time.perf_counter() - t0
+        res["server_logs"] = {}
+        for p in plans:
+            log = logs / f"{tag}-{p.label.replace(':', '-')}.log"
+            res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
+        live = [p.label for p in plans if p.label in urls]
+        for label in list(live):
+            try:
+                res.setdefault("warm_s", {})[label] = _warm(urls[label], served)
+            except OSError as e:
+                res["errors"].append({"label": label, "pass": -1, "error": f"warm-up: {e}"})
+                live.remove(label)
+        print(f"[serve] {tag}: {len(live)}/{len(plans)} servers up in {res['start_wall_s']:.0f}s: "
+              + json.dumps(res["server_logs"]), flush=True)
+        walls: list[float] = []  # the next run is expected to take the longest so far x 1.25 (90 s before any)
+        for r in range(a.passes):
+            corpus = write_corpus(work / "corpus" / f"{tag}-pass{r}.txt", corpus_words_needed(load),
+                                  seed=hash_seed(layout, load.clients, r, a.seed))
+            wl = work / "workloads" / f"{tag}-pass{r}.json"
+            wl.parent.mkdir(parents=True, exist_ok=True)
+            wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
+            order = live if r % 2 == 0 else live[::-1]
+            for label in order:
+                est = 1.25 * max(walls) if walls else 90.0
+                if not budget.allows(est + 45):
+                    res.setdefault("cut", []).append({"pass": r, "label": label, "left_s": budget.left()})
+                    continue
+                t1 = time.perf_counter()
+                run = run_one(label, urls[label], model, served, wl, load, a, work / "client" / f"{tag}-{label}-{r}",
+                              seed=r, timeout=max(30.0, budget.left() - 40))
+                run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1)
+                res["runs"].append(run)
+                walls.append(run["wall_s"])
+                s = run.get("summary", {})
+                print(f"[serve] {tag} pass {r} {label}: {s.get('requests_per_s', 0):.2f} req/s, later-turn TTFT "
+                      f"p50 {_f(s.get('ttft_later_ms', {}).get('p50'))} ms, TPOT p50 {_f(s.get('tpot_ms', {}).get('p50'))}"
+                      f" ms, host-hit tok {run.get('metrics', {}).get('external_hits', 0):.0f}, "
+                      f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}", flush=True)
+                if write:
+                    write(res)
+    return res
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def hash_seed(layout: str, clients: int, r: int, seed: int) -> int:
+    """A corpus seed per (layout, load, pass): new texts in every pass, the same for every server."""
+    return int(hashlib.sha256(f"{layout}/{clients}/{r}/{seed}".encode()).hexdigest()[:8], 16)
+
+
+def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load, a, run_dir: Path, seed: int,
+            timeout: float) -> dict:
+    """One client run against one server: its stats, summary and /metrics delta."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stats = run_dir / "stats.json"
+    cmd = client_command(Path(a.client_dir), wl, model, served, url, load, seed, stats)
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    before = scrape(url)
+    out: dict = {}
+    try:
+        p = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+        (run_dir / "client.log").write_text(p.stdout + p.stderr)
+        m = re.findall(r"requests_per_sec = ([\d.]+)", p.stdout + p.stderr)
+        if m:
+            out["client_requests_per_s"] = float(m[-1])
+        if p.returncode != 0:
+            out["error"] = f"client exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"
+    except subprocess.TimeoutExpired as e:
+        out["error"] = f"client timed out after {timeout:.0f}s"
+        (run_dir / "client.log").write_text(str(e.stdout or "") + str(e.stderr or ""))
+    after = scrape(url)
+    out["metrics"] = metrics_delta(before, after)
+    rows = json.loads(stats.read_text()) if stats.exists() else []
+    out["summary"] = summarize(rows)
+    out["rows"] = [[r["input_num_turns"], r["input_num_tokens"], r["output_num_tokens"], round(r["ttft_ms"], 2),
+                    round(r["tpot_ms"], 3), round(r["latency_ms"], 1)] for r in rows]
+    return out
+
+
+__all__ = ["Budget", "LOADS", "Load", "PlanError", "ServerPlan", "client_command", "client_sources",
+           "load_for", "metrics_delta", "parse_loads", "parse_metrics", "percentile", "plan_servers", "run_serve",
+           "server_args", "server_log_info", "summarize", "workload"]
