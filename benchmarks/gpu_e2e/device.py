@@ -91,7 +91,7 @@ def _kind_connector(layout: str, kind: str):
 # ---------------------------------------------------------------------------- smoke
 def part_smoke(work: Path, a, budget: Budget, meta: dict) -> dict:
     """Each layout's engines (fewer layers, small KV) start and generate, store, reset and reload a
-    few tokens; then one tiny serving pass with vLLM's client against every server config."""
+    few tokens (part smoke-serve: the servers)."""
     specs = []
     for name in a.layouts:
         lay = LAYOUTS[name]
@@ -135,21 +135,25 @@ def part_smoke(work: Path, a, budget: Budget, meta: dict) -> dict:
                   flush=True)
     finally:
         _close(procs)
-    if a.smoke_serve:
-        layout = next((n for n in a.layouts if n in ("uniform", "perlayer")), a.layouts[0])
-        names = (a.servers or (SMOKE_SERVERS if layout in ("uniform", "perlayer") else "off,native,ours")).split(",")
-        if layout == "perlayer":
-            names = [n.replace("perlayer:", "uniform:") if n.startswith("perlayer:") else n for n in names]
-        sa = copy.copy(a)
-        sa.passes, sa.smoke = 1, True
-        srv = run_serve(layout, SMOKE_LOAD, names, sa, work, Path(a.out), budget, meta.get("gpu_bytes", 0),
-                        meta.get("host_bytes", 0))
-        res["serve"] = srv
-        got = {r["label"] for r in srv["runs"] if r.get("summary", {}).get("requests") and not r.get("error")
-               and not r["summary"].get("empty_outputs")}
-        res["serve_ok"] = got == {s["label"] for s in srv.get("servers", [])} and bool(got)
-        res["ok"] &= res["serve_ok"]
     return res
+
+
+def part_smoke_serve(work: Path, a, budget: Budget, meta: dict) -> dict:
+    """One tiny serving pass (fewer layers, SMOKE_LOAD) with vLLM's client against every server config:
+    each server starts, streams tokens, and its /metrics are read. On uniform (or perlayer): off, native,
+    ours, simple, vsimple, upper and native/ours through the per-layer connector."""
+    layout = next((n for n in a.layouts if n in ("uniform", "perlayer")), a.layouts[0])
+    names = (a.servers or (SMOKE_SERVERS if layout in ("uniform", "perlayer") else "off,native,ours")).split(",")
+    if layout == "perlayer":
+        names = [n.replace("perlayer:", "uniform:") if n.startswith("perlayer:") else n for n in names]
+    sa = copy.copy(a)
+    sa.passes, sa.smoke = 1, True
+    srv = run_serve(layout, SMOKE_LOAD, names, sa, work, Path(a.out), budget, meta.get("gpu_bytes", 0),
+                    meta.get("host_bytes", 0))
+    got = {r["label"] for r in srv["runs"] if r.get("summary", {}).get("requests") and not r.get("error")
+           and not r["summary"].get("empty_outputs")}
+    ok = got == {s["label"] for s in srv.get("servers", [])} and bool(got)
+    return {"runs": [srv], "ok": ok, "layers": a.smoke_layers}
 
 
 # ---------------------------------------------------------------------------- correctness
@@ -582,7 +586,7 @@ def _cpus(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpu_e2e.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", help="smoke correctness ttft miss serve multiturn, or all "
+    ap.add_argument("parts", nargs="*", help="smoke smoke-serve correctness ttft miss serve multiturn, or all "
                                              "(= correctness ttft miss serve; the default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
@@ -638,8 +642,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--client-dir", default=str(Path(__file__).resolve().parents[2] / "vllm_multi_turn"),
                     help="serve: vLLM's benchmarks/multi_turn files (put there by `gpu_e2e.sh prepare`)")
     ap.add_argument("--smoke-layers", type=int, default=4, help="smoke: layers of each model (same per-layer shapes)")
-    ap.add_argument("--no-smoke-serve", dest="smoke_serve", action="store_false",
-                    help="smoke: skip the tiny serving pass")
     # the project's own multi-turn client (part multiturn)
     ap.add_argument("--mt-conversations", type=int, default=32)
     ap.add_argument("--mt-turns", type=int, default=4)
@@ -680,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(a.budget_s)
     try:
         parts = parse_parts(a.parts)
-        if "serve" in parts or "smoke" in parts:
+        if "serve" in parts:
             parse_loads(a.loads)
     except (ValueError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -717,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if part == "smoke":
                     res = part_smoke(work, a, budget, meta)
+                elif part == "smoke-serve":
+                    res = part_smoke_serve(work, a, budget, meta)
                 elif part == "correctness":
                     res = part_correctness(work, a, budget)
                 elif part == "serve":

@@ -90,7 +90,7 @@ class Load:
 
 
 LOADS: dict[int, Load] = {
-    8: Load(clients=8, active=24, conversations=24, user_turns=4, device_tokens=32768, host_tokens=131072),
+    8: Load(clients=8, active=24, conversations=24, user_turns=4, device_tokens=32768, host_tokens=98304),
     32: Load(clients=32, active=64, conversations=64, user_turns=4, device_tokens=98304, host_tokens=196608),
 }
 
@@ -170,18 +170,25 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         kv = tokens * per_tok
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
         plans.append(ServerPlan(label, kind, lay, kv, cpu, weights + kv + GPU_OVERHEAD))
+    offloaders = [p for p in plans if p.cpu_bytes]
+    if host_bytes and offloaders:
+        # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
+        # would for a user); a share below half the active conversations' KV would say little
+        share = (0.85 * host_bytes - HOST_PER_SERVER * len(plans)) / len(offloaders)
+        floor = load.active_tokens * per_tok / 2
+        if share < floor:
+            raise PlanError(
+                f"{layout} at {load.clients} clients: {len(offloaders)} offload servers get {max(share, 0) / GiB:.1f} "
+                f"GiB of host KV each, under half the active conversations' {2 * floor / GiB:.1f} GiB: fewer offload "
+                f"servers per call")
+        cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
+        plans = [replace(p, cpu_bytes=min(p.cpu_bytes, cap)) if p.cpu_bytes else p for p in plans]
     gpu = sum(p.gpu_bytes for p in plans)
     if gpu_bytes and gpu > headroom * gpu_bytes:
         raise PlanError(
             f"{layout} at {load.clients} clients: {len(plans)} servers need {gpu / GiB:.1f} GiB of GPU memory "
             f"({', '.join(f'{p.label} {p.gpu_bytes / GiB:.1f}' for p in plans)}), over {headroom:.0%} of "
             f"{gpu_bytes / GiB:.1f} GiB: split --servers over two calls (keep off and native in both)")
-    host = sum(p.cpu_bytes for p in plans) + HOST_PER_SERVER * len(plans)
-    if host_bytes and host > 0.85 * host_bytes:
-        raise PlanError(
-            f"{layout} at {load.clients} clients: {len(plans)} servers need {host / GiB:.1f} GiB of host memory "
-            f"(pinned KV {sum(p.cpu_bytes for p in plans) / GiB:.1f} GiB), over 85% of {host_bytes / GiB:.1f} GiB: "
-            f"fewer offload servers per call")
     return plans
 
 
@@ -217,6 +224,7 @@ def server_log_info(text: str) -> dict:
 # ---------------------------------------------------------------------------- the client
 def client_sources(client_dir: Path = CLIENT_DIR) -> dict:
     """The client's files and their sha256, checked against SOURCE.json (written by prepare)."""
+    client_dir = Path(client_dir)
     src = client_dir / SOURCE_JSON
     if not src.exists():
         raise FileNotFoundError(f"{src}: vLLM's multi-turn client is not there; run `scripts/gpu_e2e.sh prepare`")
@@ -381,9 +389,6 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
               gpu_bytes: int, host_bytes: int, write=None) -> dict:
     """Start the servers of one (layout, load), run the passes, stop them. ``write(res)`` is called
     after every run (partial results survive a call cut off by its time limit)."""
-    import contextlib
-    from concurrent.futures import ThreadPoolExecutor
-
     from vllm_npu_offload.bench.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
 
     from .models import build_shape_model, write_corpus
@@ -410,22 +415,15 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     logs = work / "serve_logs"
     tag = f"{layout}-{load.clients}"
-    urls: dict[str, str] = {}
-    with contextlib.ExitStack() as stack:
-        cms = {p.label: vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
-                                                       chat_template=str(tmpl), served_name=served),
-                                    env=env, startup_timeout_s=max(60.0, min(600.0, budget.left() - 60)),
-                                    log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
-               for p in plans}
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(cms)) as pool:
-            futs = {label: pool.submit(cm.__enter__) for label, cm in cms.items()}
-        for label, fut in futs.items():
-            try:
-                urls[label] = fut.result()
-                stack.push(cms[label].__exit__)
-            except Exception as e:  # noqa: BLE001 - the others still run
-                res["errors"].append({"label": label, "pass": -1, "error": f"{type(e).__name__}: {e}"[-3000:]})
+    cms = {p.label: vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
+                                                   chat_template=str(tmpl), served_name=served),
+                                env=env, startup_timeout_s=max(60.0, min(600.0, budget.left() - 60)),
+                                log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
+           for p in plans}
+    t0 = time.perf_counter()
+    urls, errors = start_servers(cms, plans, getattr(a, "start_waves", True))
+    try:
+        res["errors"] += [{"label": k, "pass": -1, "error": v} for k, v in errors.items()]
         res["start_wall_s"] = time.perf_counter() - t0
         res["server_logs"] = {}
         for p in plans:
@@ -466,7 +464,45 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                       f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}", flush=True)
                 if write:
                     write(res)
+    finally:
+        t2 = time.perf_counter()
+        stop_servers(cms, list(urls))
+        res["stop_wall_s"] = time.perf_counter() - t2
     return res
+
+
+def server_compile_key(p: ServerPlan) -> tuple:
+    """Servers whose compiled graphs are the same (VllmConfig.compute_hash): KV bytes and whether a
+    connector is configured; the connector's own config hashes to nothing."""
+    return (p.kind in ("off", "upper"), p.device_kv_bytes)
+
+
+def start_servers(cms: dict, plans: list[ServerPlan], in_waves: bool = True) -> tuple[dict[str, str], dict[str, str]]:
+    """Enter the servers' context managers (``vllm_server``) in parallel, in start waves (the first
+    server of each compile key, then the rest, which load its graphs from the cache): urls, errors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .engine import waves
+
+    urls, errors = {}, {}
+    for wave in (waves(plans, server_compile_key) if in_waves else [plans]):
+        with ThreadPoolExecutor(len(wave)) as pool:
+            futs = {p.label: pool.submit(cms[p.label].__enter__) for p in wave}
+        for label, fut in futs.items():
+            try:
+                urls[label] = fut.result()
+            except Exception as e:  # noqa: BLE001 - the others still run
+                errors[label] = f"{type(e).__name__}: {e}"[-3000:]
+    return urls, errors
+
+
+def stop_servers(cms: dict, labels: list[str]) -> None:
+    """Stop the started servers together (each waits up to its grace period)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if labels:
+        with ThreadPoolExecutor(len(labels)) as pool:
+            list(pool.map(lambda k: cms[k].__exit__(None, None, None), labels))
 
 
 def _f(x) -> str:

@@ -3,7 +3,8 @@
 Host side (needs registry access; stdlib + pip + xz only):
   prepare: download the vLLM 0.23.0 wheel and the wheels in ``deps.txt`` (cached), strip the
   wheel, apply the edits, ``tar | xz``, and split everything into parts that each fit one
-  device call (<= ``--part-bytes``), plus ``manifest.json`` in every part.
+  device call (<= ``--part-bytes``), plus ``manifest.json`` in every part. Then fetch the vLLM
+  0.23.0 sdist (pinned sha256, cached) and take vLLM's multi-turn client out of it.
 
 Device side (no registry; stdlib only):
   stage PART_DIR: copy one part into ``/tmp/gpu_e2e/stage`` (it survives while the machine stays warm).
@@ -28,23 +29,34 @@ from pathlib import Path
 
 VLLM_VERSION = "0.23.0"
 VLLM_WHEEL = "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
+# The sdist holds benchmarks/multi_turn/ (vLLM's multi-turn client), which the wheel does not.
+VLLM_SDIST = "vllm-0.23.0.tar.gz"
+VLLM_SDIST_SHA256 = "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5"  # as scripts/setup_v023.sh
+CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_utils.py")
+CLIENT_SOURCE = "SOURCE.json"
+INDEX_URL = "https://pypi.org/simple"
 # What a Llama on TRITON_ATTN never loads (gpu_vllm.md: 274 MB wheel -> 144 MB tree).
+FA3 = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 STRIP = (
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
-    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
     "vllm/third_party/deep_gemm",
     "vllm/vllm-rs",
     "vllm/_flashmla_C.abi3.so",
     "vllm/_moe_C.abi3.so",
 )
+# FlashAttention 3 (SM90) stays: MLA's prefill on Hopper runs only on it in 0.23 (its prefill
+# selector offers FLASH_ATTN alone below SM100). 153 MB in the tree, 7.9 MB after xz.
+# ``prepare --no-fa3`` strips it too (no MLA layout then).
 # Source edits of the staged copy: (file, old, new). Without the FA libraries,
 # vllm_flash_attn/__init__.py raises ImportError, and llama.py imports it indirectly.
 EDITS = (("vllm/vllm_flash_attn/__init__.py", "if not (FA2_AVAILABLE or FA3_AVAILABLE):", "if False:"),)
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + ["manylinux2014_x86_64", "any"]
 DEPS_FILE = Path(__file__).with_name("deps.txt")
 TAR_NAME = "vllm-stripped.tar.xz"
-# 64 MiB (67.1 MB) per call minus the repository tree (~0.8 MB) and the code copy (~0.6 MB).
-DEFAULT_PART_BYTES = 64_400_000
+# 64 MiB (67.1 MB) per call minus the repository's tracked tree (4.0 MB raw in 2026-11, most of it
+# docs/results) and the code copy (0.9 MB), with room for growth. The stripped vLLM with FA3 and the
+# wheels are 135.5 MB: three parts either way.
+DEFAULT_PART_BYTES = 60_000_000
 
 STAGE_DIR = Path(os.environ.get("GPU_E2E_STAGE", "/tmp/gpu_e2e/stage"))
 SITE_DIR = Path(os.environ.get("GPU_E2E_SITE", "/tmp/site"))
@@ -153,14 +165,81 @@ def download(cache: Path) -> tuple[Path, list[Path]]:
     return vllm, sorted(got[n] for n in names)
 
 
-def build_tree(wheel: Path, tree: Path) -> None:
+def _index_url() -> str:
+    """The package index pip uses here (PIP_INDEX_URL, pip's config), else PyPI."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        try:
+            url = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            url = ""
+    return (url or INDEX_URL).rstrip("/")
+
+
+def fetch_sdist(cache: Path, local: list[Path] | None = None) -> Path:
+    """vLLM 0.23.0's sdist in ``cache/dl``, its sha256 checked: an earlier download, a copy from
+    ``local`` (setup_v023.sh's download), else the file the index lists for it (PEP 691 JSON, the
+    simple API pip reads). pip itself cannot fetch it without building vLLM's metadata (torch)."""
+    dst = cache / "dl" / VLLM_SDIST
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists() and _sha256(dst) == VLLM_SDIST_SHA256:
+        return dst
+    for cand in local or []:
+        if cand.exists() and _sha256(cand) == VLLM_SDIST_SHA256:
+            shutil.copy2(cand, dst)
+            return dst
+    import urllib.request
+
+    index = _index_url()
+    print(f"[prepare] downloading {VLLM_SDIST} (37 MB) via {index}", file=sys.stderr, flush=True)
+    req = urllib.request.Request(f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    entry = next((f for f in files if f["filename"] == VLLM_SDIST), None)
+    if entry is None:
+        raise StageError(f"{index}/vllm/ lists no {VLLM_SDIST}")
+    if entry.get("hashes", {}).get("sha256", VLLM_SDIST_SHA256) != VLLM_SDIST_SHA256:
+        raise StageError(f"the index's sha256 of {VLLM_SDIST} is {entry['hashes']['sha256']}, pinned {VLLM_SDIST_SHA256}")
+    tmp = dst.with_suffix(".part")
+    with urllib.request.urlopen(entry["url"], timeout=300) as r, open(tmp, "wb") as f:
+        shutil.copyfileobj(r, f, 1 << 20)
+    if _sha256(tmp) != VLLM_SDIST_SHA256:
+        tmp.unlink()
+        raise StageError(f"{VLLM_SDIST}: sha256 mismatch after download (pinned {VLLM_SDIST_SHA256})")
+    tmp.rename(dst)
+    return dst
+
+
+def extract_client(sdist: Path, dest: Path) -> dict:
+    """vLLM's benchmarks/multi_turn client files out of the sdist into ``dest``, with ``SOURCE.json``
+    (the sdist's and each file's sha256): vLLM's code is run on the device, not committed here."""
+    prefix = f"vllm-{VLLM_VERSION}/benchmarks/multi_turn/"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    files = {}
+    with tarfile.open(sdist, "r:gz") as t:
+        for name in CLIENT_FILES:
+            try:
+                data = t.extractfile(prefix + name).read()
+            except KeyError:
+                raise StageError(f"{sdist.name} has no {prefix}{name}") from None
+            (dest / name).write_bytes(data)
+            files[name] = hashlib.sha256(data).hexdigest()
+    man = {"sdist": sdist.name, "sdist_sha256": _sha256(sdist), "path": prefix, "files": files}
+    (dest / CLIENT_SOURCE).write_text(json.dumps(man, indent=1))
+    return man
+
+
+def build_tree(wheel: Path, tree: Path, strip: tuple[str, ...] = STRIP) -> None:
     """Unzip the wheel into ``tree`` without the stripped paths, then apply EDITS."""
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
-            if any(info.filename == s or info.filename.startswith(s + "/") for s in STRIP):
+            if any(info.filename == s or info.filename.startswith(s + "/") for s in strip):
                 continue
             z.extract(info, tree)
             mode = info.external_attr >> 16
@@ -174,14 +253,15 @@ def build_tree(wheel: Path, tree: Path) -> None:
         p.write_text(text.replace(old, new, 1))
 
 
-def prepare(out: Path, cache: Path, part_bytes: int) -> dict:
+def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True) -> dict:
     vllm, wheels = download(cache)
-    # The tarball depends only on the wheel, STRIP and EDITS: cache it by that key.
-    key = hashlib.sha256(json.dumps([VLLM_WHEEL, STRIP, EDITS]).encode()).hexdigest()[:16]
+    strip = STRIP if fa3 else STRIP + (FA3,)
+    # The tarball depends only on the wheel, the stripped paths and EDITS: cache it by that key.
+    key = hashlib.sha256(json.dumps([VLLM_WHEEL, strip, EDITS]).encode()).hexdigest()[:16]
     tar = cache / f"vllm-{key}.tar.xz"
     if not tar.exists():
         tree = cache / "tree"
-        build_tree(vllm, tree)
+        build_tree(vllm, tree, strip)
         print("[prepare] tar | xz -9e (about 1.5 min on 2 cores)", file=sys.stderr, flush=True)
         tmp = tar.with_suffix(".tmp")
         with open(tmp, "wb") as f:
@@ -196,7 +276,7 @@ def prepare(out: Path, cache: Path, part_bytes: int) -> dict:
     parts = plan_parts(items, part_bytes)
     manifest = {
         "vllm": VLLM_VERSION, "tar": TAR_NAME, "tar_sha256": _sha256(tar), "tar_bytes": tar.stat().st_size,
-        "pieces": [], "wheels": [w.name for w in wheels], "parts": len(parts),
+        "pieces": [], "wheels": [w.name for w in wheels], "parts": len(parts), "fa3": fa3, "stripped": list(strip),
     }
     for i, part in enumerate(parts, 1):
         for name, off, n in part:
@@ -287,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("GPU_E2E_DIR", "/work/main/.gpu"))
     p.add_argument("--cache", default=os.environ.get("GPU_E2E_CACHE", str(Path.home() / ".cache/npu_offload_gpu_e2e")))
     p.add_argument("--part-bytes", type=int, default=DEFAULT_PART_BYTES)
+    p.add_argument("--no-fa3", dest="fa3", action="store_false",
+                   help="strip FlashAttention 3 too (one part less; no MLA layout on the device)")
+    p.add_argument("--client-dir", default=None,
+                   help="where to put vLLM's multi-turn client files (default: OUT/vllm_multi_turn)")
+    p.add_argument("--sdist", action="append", default=[],
+                   help="a local copy of vllm-0.23.0.tar.gz to use if its sha256 matches (repeatable)")
     s = sub.add_parser("stage", help="device: copy one part into the stage folder")
     s.add_argument("part_dir")
     sub.add_parser("install", help="device: unpack vLLM + install wheels into the site folder")
@@ -296,11 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "prepare":
             out = Path(a.out)
             out.mkdir(parents=True, exist_ok=True)
-            man = prepare(out, Path(a.cache), a.part_bytes)
+            man = prepare(out, Path(a.cache), a.part_bytes, a.fa3)
             sizes = part_sizes(out)
             for name, n in sizes.items():
                 print(f"{out / name}: {n / 1e6:.1f} MB")
-            print(f"{man['parts']} parts; vLLM tarball {man['tar_bytes'] / 1e6:.1f} MB, {len(man['wheels'])} wheels")
+            print(f"{man['parts']} parts; vLLM tarball {man['tar_bytes'] / 1e6:.1f} MB "
+                  f"({'with' if a.fa3 else 'without'} FlashAttention 3), {len(man['wheels'])} wheels")
+            sdist = fetch_sdist(Path(a.cache), [Path(x) for x in a.sdist])
+            client = extract_client(sdist, Path(a.client_dir) if a.client_dir else out / "vllm_multi_turn")
+            print(f"vLLM's multi-turn client: {', '.join(client['files'])} from {client['sdist']} "
+                  f"(sha256 {client['sdist_sha256'][:16]}...)")
             return 0
         if a.cmd == "stage":
             miss = stage(Path(a.part_dir))

@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm_npu_offload.bench.multiturn.report import _fmt, _table
 
-PARTS = ("smoke", "correctness", "ttft", "miss", "serve", "multiturn")
+PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the tables need (not the smoke, not the
 # project's own multi-turn client)
 
@@ -442,10 +442,8 @@ def smoke_table(res: dict) -> str:
                      len(kv.get("kv_cache_groups") or []) or "-", e.get("why", "")])
     text = table(["engine", "result", "start s", "tokens", "host-hit tok after reset", "cross-layer", "KV groups",
                   "note"], rows) if rows else "(no engines)"
-    srv = res.get("serve")
-    if srv:
-        text += "\n\n" + serve_table({"meta": res.get("meta"), "runs": [srv]})
-    return text
+    head = meta_line(res.get("meta"))
+    return (head + f"; {res.get('layers')} layers of each shape\n" if head else "") + text
 
 
 def _pct(ch: dict) -> str:
@@ -556,7 +554,7 @@ def serve_table(res: dict) -> str:
     return "\n\n".join(out) if out else "(no serving runs)"
 
 
-FORMATTERS = {"smoke": smoke_table, "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
+FORMATTERS = {"smoke": smoke_table, "smoke-serve": lambda res: serve_table(res), "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
               "miss": per_layout(miss_table), "serve": serve_table, "multiturn": multiturn_table}
 
 

@@ -1,0 +1,103 @@
+"""The device calls of a full GPU yardstick, in order, with their expected wall time and priority.
+
+``scripts/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
+docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
+an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
+ran is written to $OUT and comes back). Priorities: 1 = staging, both smokes, correctness of every
+layout and the serving table at 8 and 32 clients (about 30 minutes of device time), 2 = reload TTFT
+and the no-reuse cost, per-layer at 32 clients, the Gemma-2 and MLA layouts, 3 = the Simple connectors.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Call:
+    what: str
+    args: str  # gpu_e2e.sh run ARGS ("" for a stage-only call)
+    est_s: int  # expected wall time of the command (H200, default mode, warm compile cache where noted)
+    priority: int
+
+
+# After the stage calls. The smoke comes first: it finds GPU-only failures of every new config in
+# two short calls. est_s: engine/server starts in default mode ~60-120 s per wave (torch.compile +
+# CUDA-graph capture; the second wave loads the first's compiled graphs), passes ~15-20 s per server.
+RUNS = (
+    # --budget-s: this one runs after install in the same call
+    Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
+         240, 1),
+    Call("smoke-serve (vLLM's client, 1 tiny pass, 8 server configs) + correctness of all layouts",
+         "smoke-serve correctness --layouts all", 480, 1),
+    Call("serving, 8 clients: uniform and per-layer native/ours, off, upper bound",
+         "serve --layouts uniform --loads 8 --servers off,native,ours,perlayer:native,perlayer:ours,upper", 480, 1),
+    Call("serving, 32 clients: uniform", "serve --layouts uniform --loads 32 --servers off,native,ours,upper", 420, 1),
+    Call("uniform: reload TTFT 2k/8k/32k and the no-reuse cost (miss rounds)", "ttft miss --layouts uniform --miss-reps 10",
+         500, 2),
+    Call("serving, 32 clients: per-layer (Ascend's layout)",
+         "serve --layouts perlayer --loads 32 --servers off,native,ours,uniform:native", 420, 2),
+    Call("per-layer and MLA: reload TTFT", "ttft --layouts perlayer,mla", 450, 2),
+    Call("multigroup (Gemma-2 shape): reload TTFT", "ttft --layouts multigroup", 330, 2),
+    Call("serving, multigroup, 8 clients", "serve --layouts multigroup --loads 8", 380, 2),
+    # Gemma-2's KV is 2.6x the 8B's per token: at 32 clients three servers do not fit one H200
+    Call("serving, multigroup, 32 clients (native and ours only)",
+         "serve --layouts multigroup --loads 32 --servers native,ours", 330, 2),
+    Call("serving, MLA, 8 clients", "serve --layouts mla --loads 8", 330, 2),
+    Call("serving, MLA, 32 clients", "serve --layouts mla --loads 32", 360, 2),
+    Call("serving, 8 clients: Simple connectors (ours, vLLM's)",
+         "serve --layouts uniform --loads 8 --servers off,native,simple,vsimple", 400, 3),
+    Call("serving, 32 clients: Simple connectors", "serve --layouts uniform --loads 32 --servers off,native,simple,vsimple",
+         420, 3),
+)
+STAGE_S = 20  # copying one part into /tmp (the machine's start is extra)
+INSTALL_S = 90  # unpack ~100 MB xz, pip-install the wheels, build the CUDA copy library
+
+
+def calls(parts: int, rel: str = ".gpu", max_priority: int = 3) -> list[dict]:
+    """Every device call: the stage calls (the last also installs and runs the first smoke), then RUNS."""
+    s = f"bash {rel}/e2e_src/scripts/gpu_e2e.sh"
+    out = []
+    for i in range(1, parts + 1):
+        cmd, est, what = f"{s} stage {rel}/part{i}", STAGE_S, f"stage part {i} of {parts}"
+        if i == parts:
+            cmd += f" && {s} install && {s} run {RUNS[0].args}"
+            est += INSTALL_S + RUNS[0].est_s
+            what += f" + install + {RUNS[0].what}"
+        out.append({"what": what, "carry": [f"{rel}/part{i}", f"{rel}/e2e_src"], "command": cmd, "est_s": est,
+                    "priority": 1})
+    for c in RUNS[1:]:
+        if c.priority <= max_priority:
+            out.append({"what": c.what, "carry": [f"{rel}/e2e_src"], "command": f"{s} run {c.args}", "est_s": c.est_s,
+                        "priority": c.priority})
+    return out
+
+
+def render(cs: list[dict]) -> str:
+    lines, total = [], {1: 0, 2: 0, 3: 0}
+    for n, c in enumerate(cs, 1):
+        total[c["priority"]] += c["est_s"]
+        lines.append(f"  call {n} (priority {c['priority']}, ~{c['est_s'] / 60:.1f} min): {c['what']}\n"
+                     f"    carry {c['carry']}\n    command: {c['command']}")
+    cum = 0
+    sums = []
+    for p in (1, 2, 3):
+        cum += total[p]
+        sums.append(f"priority <= {p}: ~{cum / 60:.0f} min")
+    return "\n".join(lines) + "\n  expected device time (machine starts extra): " + ", ".join(sums)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_e2e.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", type=int, required=True)
+    ap.add_argument("--rel", default=".gpu")
+    ap.add_argument("--max-priority", type=int, default=3)
+    a = ap.parse_args(argv)
+    print(render(calls(a.parts, a.rel, a.max_priority)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
