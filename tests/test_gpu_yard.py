@@ -720,8 +720,10 @@ def test_device_call_plan():
     assert "call 1 (priority 1" in text and "priority <= 1: ~" in text
     from benchmarks.gpu_e2e.device import build_parser
 
-    for c in plan.RUNS:  # every planned command parses
+    doc = (ROOT / "docs" / "gpu_e2e.md").read_text()
+    for c in plan.RUNS:  # every planned command parses, and docs/gpu_e2e.md's table lists it
         build_parser().parse_args(c.args.split())
+        assert f"run {c.args}`" in doc, c.args
 
 
 def _fake_sdist(tmp_path: Path) -> Path:
