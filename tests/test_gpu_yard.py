@@ -196,11 +196,16 @@ def test_start_waves_put_one_engine_per_compile_key_first(monkeypatch):
 
         def wait_ready(self, timeout):
             started.append(("ready", self.spec.label))
+            timeouts.append(timeout)
+            clock[0] += 30.0  # each engine takes 30 s to come up
 
+    clock, timeouts = [0.0], []
     monkeypatch.setattr(engine, "EngineProc", FakeProc)
-    procs = engine.start_all(specs, in_waves=True)
+    monkeypatch.setattr(engine.time, "monotonic", lambda: clock[0])
+    procs = engine.start_all(specs, timeout=100, in_waves=True)
     assert list(procs) == [s.label for s in specs]  # in the order given
     assert started.index(("ready", "native")) < started.index(("start", "ours"))  # the second wave waits
+    assert timeouts == [100, 70, 40, 10, 1.0, 1.0]  # one deadline for every wave together
 
 
 def test_engine_kv_info_reads_the_running_engine():
@@ -298,6 +303,31 @@ def test_server_args_default_mode_and_connector():
     assert int(args[args.index("--max-num-seqs") + 1]) >= load.clients
     up = serve.server_args(p[1], load, eager=True, attention_backend="TRITON_ATTN", chat_template="t", served_name="x")
     assert "--enforce-eager" in up and "--kv-transfer-config" not in up
+
+
+def test_start_servers_in_waves_within_a_deadline(monkeypatch):
+    import contextlib
+
+    ps = serve.plan_servers("uniform", ["off", "native", "ours"], serve.LOADS[8], 0, 0)
+    clock, made = [0.0], []
+    monkeypatch.setattr(serve.time, "monotonic", lambda: clock[0])
+
+    def make_cm(p, timeout_s):
+        made.append((p.label, timeout_s))
+
+        @contextlib.contextmanager
+        def cm():
+            clock[0] += 50.0
+            if p.label == "native":
+                raise RuntimeError("vLLM exited")
+            yield f"http://{p.label}"
+        return cm()
+
+    cms: dict = {}
+    urls, errors = serve.start_servers(make_cm, ps, True, 110.0, cms)
+    assert urls == {"off": "http://off"} and set(cms) == {"off", "native"}
+    assert made == [("off", 110.0), ("native", 110.0)]  # wave 1 (two starts of 50 s); wave 2 (ours) had 10 s left
+    assert "vLLM exited" in errors["native"] and "budget ran out" in errors["ours"]
 
 
 def test_server_compile_keys_make_two_waves():
@@ -815,3 +845,33 @@ def test_prepare_keeps_fa3_unless_asked(tmp_path, monkeypatch):
 def test_gpu_e2e_sh_help_names_the_parts():
     out = subprocess.run(["bash", str(ROOT / "scripts/gpu_e2e.sh")], capture_output=True, text=True)
     assert out.returncode == 2 and "smoke" in out.stdout
+
+
+def test_device_main_serve_writes_the_tables(monkeypatch, tmp_path):
+    """``device.main serve`` end to end on CPU: fake servers, the stand-in client; serve.json/.txt
+    in --out with the header line, the per-server and the paired tables."""
+    import contextlib
+
+    from fake_openai import FakeVLLM
+
+    from benchmarks.gpu_e2e import device
+    from vllm_npu_offload.bench.multiturn import launcher
+
+    @contextlib.contextmanager
+    def fake_server(model, args, *, label, **kw):
+        with FakeVLLM(args[args.index("--served-model-name") + 1]) as url:
+            yield url
+
+    monkeypatch.setattr(launcher, "vllm_server", fake_server)
+    monkeypatch.setattr(device, "gpu_meta", lambda a: {"device": "NVIDIA H200 (143771 MiB)", "date": "2026-11-25",
+                                                       "vllm": "0.23.0", "mode": "default (torch.compile + CUDA graphs)",
+                                                       "gpu_bytes": H200, "host_bytes": HOST})
+    out = tmp_path / "out"
+    rc = device.main(["serve", "--layouts", "uniform", "--loads", "8", "--servers", "off,native,ours", "--passes", "2",
+                      "--client-dir", str(_fake_client(tmp_path)), "--out", str(out), "--work", str(tmp_path / "w")])
+    assert rc == 0
+    res = json.loads((out / "serve.json").read_text())
+    assert [r["label"] for r in res["runs"][0]["runs"]] == ["off", "native", "ours", "ours", "native", "off"]
+    text = (out / "serve.txt").read_text()
+    assert text.startswith("### uniform, 8 clients") and "device: NVIDIA H200" in text
+    assert "| ours vs native" in text and "| native vs off" in text

@@ -284,7 +284,7 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
     return kv, cpu
 
 
-def start_pool(work: Path, a, name: str, parts: list[str]) -> dict:
+def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None = None) -> dict:
     """off, native and ours (plus --null, --variant) of one layout's real shape, dummy weights."""
     lay = LAYOUTS[name]
     model = build_shape_model(work / lay.shape, lay.shape)
@@ -297,7 +297,8 @@ def start_pool(work: Path, a, name: str, parts: list[str]) -> dict:
     base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
-    procs = start_all(specs, in_waves=a.start_waves)
+    timeout = 480.0 if budget is None else max(60.0, min(480.0, budget.left() - 120))
+    procs = start_all(specs, timeout=timeout, in_waves=a.start_waves)
     errs = {k: p.error for k, p in procs.items() if p.error}
     print(f"[{name}] engines up in {time.perf_counter() - t0:.0f}s ({kv / GiB:.0f} GiB device KV, {cpu / GiB:.0f} GiB "
           f"host KV each): " + ", ".join(f"{k} {p.start_s or 0:.0f}s" for k, p in procs.items())
@@ -501,7 +502,7 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
                         warmup=2, timeout_s=120, temperature=0.0, ignore_eos=True, max_requests=None, progress=False)
     env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # a normal server: engine core in its own process
     logs = work / "mt_logs"
-    res: dict = {"workload": cfg, "server_args": args, "cpu_bytes": a.cpu_gib * GiB, "summaries": [], "errors": [],
+    res: dict = {"workload": cfg, "server_args": args, "cpu_bytes": (a.cpu_gib or 8) * GiB, "summaries": [], "errors": [],
                  "reps": a.mt_reps}
     payload = {}
     labels = ["off", "native", "ours"] + (["null"] if a.null else [])
@@ -509,8 +510,8 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     def server(label: str):
         extra = []
         if label in ("native", "null"):
-            extra = ["--kv-transfer-config", json.dumps(kv_transfer_config(label, a.cpu_gib * GiB, 64))]
-        return partial(vllm_server, model, args + extra, offload=label == "ours", cpu_bytes=a.cpu_gib * GiB,
+            extra = ["--kv-transfer-config", json.dumps(kv_transfer_config(label, (a.cpu_gib or 8) * GiB, 64))]
+        return partial(vllm_server, model, args + extra, offload=label == "ours", cpu_bytes=(a.cpu_gib or 8) * GiB,
                        block_size=64, env=env, startup_timeout_s=300, log_path=logs / f"server-{label}.log",
                        label=label, cpus=a.cpus)
 
@@ -764,7 +765,7 @@ def run_pools(work: Path, a, pool_parts: list[str], budget: Budget, meta: dict) 
 
 def run_pool_parts(work: Path, a, name: str, parts: list[str], budget: Budget) -> dict:
     """Start one layout's pool, run ttft and/or miss in it, stop it."""
-    procs = start_pool(work, a, name, parts)
+    procs = start_pool(work, a, name, parts, budget)
     res: dict = {"kv_info": pool_kv_info(procs)}
     try:
         for part in parts:

@@ -377,11 +377,13 @@ def waves(items: list, key) -> list[list]:
 
 def start_all(specs: list[EngineSpec], timeout: float = 400, in_waves: bool = False) -> dict[str, EngineProc]:
     """Spawn the engines (fixed device KV makes several on one GPU safe) and wait for all; with
-    ``in_waves``, engines that share a compile key start after the first of them is up."""
+    ``in_waves``, engines that share a compile key start after the first of them is up. ``timeout``
+    bounds the whole start, all waves together: an engine not up by then is an error."""
+    deadline = time.monotonic() + timeout
     procs: dict[str, EngineProc] = {}
     for wave in (waves(specs, compile_key) if in_waves else [specs]):
         started = [EngineProc(s).start() for s in wave]
         for p in started:
-            p.wait_ready(timeout)
+            p.wait_ready(max(1.0, deadline - time.monotonic()))
             procs[p.spec.label] = p
     return {s.label: procs[s.label] for s in specs}

@@ -415,13 +415,17 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     logs = work / "serve_logs"
     tag = f"{layout}-{load.clients}"
-    cms = {p.label: vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
-                                                   chat_template=str(tmpl), served_name=served),
-                                env=env, startup_timeout_s=max(60.0, min(600.0, budget.left() - 60)),
-                                log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
-           for p in plans}
+    def make_cm(p: ServerPlan, timeout_s: float):
+        return vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
+                                              chat_template=str(tmpl), served_name=served),
+                           env=env, startup_timeout_s=timeout_s,
+                           log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
+
     t0 = time.perf_counter()
-    urls, errors = start_servers(cms, plans, getattr(a, "start_waves", True))
+    # all start waves end by this: the passes need at least one run's time after it
+    deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 120))
+    cms: dict = {}
+    urls, errors = start_servers(make_cm, plans, getattr(a, "start_waves", True), deadline, cms)
     try:
         res["errors"] += [{"label": k, "pass": -1, "error": v} for k, v in errors.items()]
         res["start_wall_s"] = time.perf_counter() - t0
@@ -477,15 +481,24 @@ def server_compile_key(p: ServerPlan) -> tuple:
     return (p.kind in ("off", "upper"), p.device_kv_bytes)
 
 
-def start_servers(cms: dict, plans: list[ServerPlan], in_waves: bool = True) -> tuple[dict[str, str], dict[str, str]]:
-    """Enter the servers' context managers (``vllm_server``) in parallel, in start waves (the first
-    server of each compile key, then the rest, which load its graphs from the cache): urls, errors."""
+def start_servers(make_cm, plans: list[ServerPlan], in_waves: bool, deadline: float,
+                  cms: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """Start the servers in parallel, in start waves (the first server of each compile key, then
+    the rest, which load its graphs from the cache), every wave bounded by ``deadline``
+    (``time.monotonic()``): urls and errors by label. ``make_cm(plan, timeout_s)`` gives a server's
+    context manager (``vllm_server``); the entered ones are put in ``cms`` (for ``stop_servers``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .engine import waves
 
     urls, errors = {}, {}
     for wave in (waves(plans, server_compile_key) if in_waves else [plans]):
+        left = deadline - time.monotonic()
+        if left < 20:
+            errors.update({p.label: f"not started: the call's time budget ran out ({left:.0f}s left)" for p in wave})
+            continue
+        for p in wave:
+            cms[p.label] = make_cm(p, left)
         with ThreadPoolExecutor(len(wave)) as pool:
             futs = {p.label: pool.submit(cms[p.label].__enter__) for p in wave}
         for label, fut in futs.items():

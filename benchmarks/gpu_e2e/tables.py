@@ -530,7 +530,8 @@ def serve_one_table(res: dict) -> str:
     cut = res.get("cut") or []
     text += (f"\n{load.get('clients')} clients, {load.get('active')} active conversations, {load.get('conversations')} "
              f"conversations x {load.get('user_turns')} turns per pass; device KV {load.get('device_tokens')} tokens "
-             f"per server (upper: all conversations), host KV {load.get('host_tokens')} tokens; vLLM's "
+             f"per server (upper: all conversations), host KV per offload server "
+             f"{_host_gib(res)}; vLLM's "
              f"benchmark_serving_multi_turn.py, new texts each pass, the server going first alternates; later TTFT = "
              f"turns with a history; host-hit tok = vLLM's external prefix-cache hits; loaded/stored = vLLM's "
              f"kv_offload bytes / seconds; medians over passes; paired = median (min..max) of the per-pass change"
@@ -541,6 +542,11 @@ def serve_one_table(res: dict) -> str:
     if errs:
         text += "\n" + "\n".join(f"error {e['label']} pass {e.get('pass')}: {str(e['error'])[:300]}" for e in errs)
     return text
+
+
+def _host_gib(res: dict) -> str:
+    cpu = sorted({s["cpu_bytes"] for s in res.get("servers", []) if s.get("cpu_bytes")})
+    return " / ".join(f"{c / 2**30:.1f} GiB" for c in cpu) or "-"
 
 
 def serve_table(res: dict) -> str:
