@@ -875,3 +875,18 @@ def test_device_main_serve_writes_the_tables(monkeypatch, tmp_path):
     text = (out / "serve.txt").read_text()
     assert text.startswith("### uniform, 8 clients") and "device: NVIDIA H200" in text
     assert "| ours vs native" in text and "| native vs off" in text
+
+
+def test_warm_up_pushes_the_first_prompt_out_of_the_device_kv():
+    """An offload server's warm-up ends with its first prompt again after more tokens than its device
+    KV holds: the first load from host happens before the passes."""
+    from fake_openai import FakeVLLM
+
+    fake = FakeVLLM("m")
+    with fake as url:
+        serve._warm(url, "m", device_tokens=0)
+        assert len(fake.requests) == 1
+        serve._warm(url, "m", device_tokens=8192)
+    reqs = fake.requests[1:]
+    assert len(reqs) == 1 + 4 + 1 and reqs[0]["prompt"] == reqs[-1]["prompt"]
+    assert sum(len(r["prompt"].split()) for r in reqs[1:-1]) > 8192 and len({r["prompt"] for r in reqs[1:-1]}) == 4

@@ -361,14 +361,28 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 # ---------------------------------------------------------------------------- the part
-def _warm(url: str, name: str, words: int = 600, timeout: float = 120.0) -> float:
-    """One completion through the server (prefill, decode, a store) before the passes."""
-    body = json.dumps({"model": name, "prompt": " ".join(f"w{i % 700}" for i in range(words)), "max_tokens": 8,
-                       "temperature": 0.0}).encode()
+def _complete(url: str, name: str, prompt: str, max_tokens: int, timeout: float = 120.0) -> None:
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as r:
         r.read()
+
+
+def _warm(url: str, name: str, device_tokens: int = 0, words: int = 600, chunk: int = 4000) -> float:
+    """Before the passes: one completion (prefill, decode, a store); for an offload server then
+    enough other prompts to push it out of the device KV (``device_tokens``) and the first prompt
+    again, so that the first load from host (and any kernel it compiles on first use) happens here,
+    not in pass 0."""
+    import random
+
+    t0 = time.perf_counter()
+    first = " ".join(f"w{i % 700}" for i in range(words))
+    _complete(url, name, first, 8)
+    if device_tokens:
+        rng = random.Random(device_tokens)
+        for _ in range(device_tokens // chunk + 2):
+            _complete(url, name, " ".join(f"w{rng.randrange(700)}" for _ in range(chunk)), 1)
+        _complete(url, name, first, 8)
     return time.perf_counter() - t0
 
 
@@ -434,9 +448,12 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
             log = logs / f"{tag}-{p.label.replace(':', '-')}.log"
             res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
         live = [p.label for p in plans if p.label in urls]
+        plan_by = {p.label: p for p in plans}
         for label in list(live):
+            p = plan_by[label]
+            evict = load.device_tokens if p.cpu_bytes else 0  # offloaders: make the first reload happen here
             try:
-                res.setdefault("warm_s", {})[label] = _warm(urls[label], served)
+                res.setdefault("warm_s", {})[label] = _warm(urls[label], served, evict)
             except OSError as e:
                 res["errors"].append({"label": label, "pass": -1, "error": f"warm-up: {e}"})
                 live.remove(label)
