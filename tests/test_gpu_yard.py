@@ -694,6 +694,8 @@ def test_part_correctness_and_smoke_with_fake_engines(monkeypatch, tmp_path):
     res = device.part_smoke(tmp_path, a, serve.Budget(600), {})
     assert not res["ok"] and res["engines"]["mla/native"]["error"] == "start failed"
     assert res["engines"]["uniform/vsimple"]["ok"] and res["engines"]["uniform/off"]["host_tokens"] == 0
+    fa = [s for s in seen["specs"] if s.label == "uniform/ours@FLASH_ATTN"]
+    assert len(fa) == 1 and fa[0].attention_backend == "FLASH_ATTN" and res["engines"]["uniform/ours@FLASH_ATTN"]["ok"]
     assert specs and seen["specs"][0].model == "llama8b-4"  # 4 layers of the real shape
 
 

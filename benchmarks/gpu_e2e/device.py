@@ -96,11 +96,14 @@ def part_smoke(work: Path, a, budget: Budget, meta: dict) -> dict:
     for name in a.layouts:
         lay = LAYOUTS[name]
         model = build_shape_model(work / f"{lay.shape}-smoke{a.smoke_layers}", lay.shape, None, a.smoke_layers)
-        for kind in SMOKE_KINDS[name]:
-            specs.append(EngineSpec(f"{name}/{kind}", kind, model, dtype="bfloat16", load_format="dummy",
+        runs = [(kind, lay.backend(a.attention_backend)) for kind in SMOKE_KINDS[name]]
+        if name == "uniform" and a.attention_backend != "FLASH_ATTN":
+            runs.append(("ours", "FLASH_ATTN"))  # vLLM's default on Hopper: FA3 is staged (for MLA) anyway
+        for kind, backend in runs:
+            label = f"{name}/{kind}" + ("" if backend == lay.backend(a.attention_backend) else f"@{backend}")
+            specs.append(EngineSpec(label, kind, model, dtype="bfloat16", load_format="dummy",
                                     max_model_len=4096, kv_cache_bytes=GiB, gpu_util=0.03, cpu_bytes=GiB, max_num_seqs=8,
-                                    eager=a.eager, attention_backend=lay.backend(a.attention_backend),
-                                    connector=_kind_connector(name, kind)))
+                                    eager=a.eager, attention_backend=backend, connector=_kind_connector(name, kind)))
     t0 = time.perf_counter()
     procs = start_all(specs, timeout=max(60.0, min(480.0, budget.left() - 150)), in_waves=a.start_waves)
     res: dict = {"layers": a.smoke_layers, "engines": {}, "start_wall_s": time.perf_counter() - t0, "ok": True}
