@@ -349,7 +349,8 @@ class EngineProc:
                 self._conn.poll(20)
             except (OSError, EOFError):
                 pass
-        self._proc.join(20)
+        # an engine that failed (or never came up: still compiling) gets no grace period
+        self._proc.join(1 if self.error else 20)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(10)
