@@ -65,7 +65,7 @@ def test_padded_block_stride_is_kept():
 @pytest.mark.parametrize(
     "value, match",
     [
-        (torch.zeros(NB, BS, 4, 8).transpose(1, 2), "non-contiguous per-block payload"),
+        (torch.zeros(NB, BS, 8)[:, :, :4], "non-contiguous per-block payload"),
         (torch.zeros(BS, NB, 4, 8).transpose(0, 1), "non-contiguous"),
         (torch.zeros(NB + 1, BS), "leading dimension must be num_blocks=6"),
         ((), "non-empty tuple/list"),
@@ -146,3 +146,16 @@ def test_worker_core_groups_by_layer_name():
             build_worker_core(caches, NB, 1, 4, groups=[["nope"]])
     finally:
         core.shutdown()
+
+
+def test_a_permuted_dense_block_payload_is_one_page():
+    """vLLM 0.23's TRITON_ATTN on an H200 keeps a layer as (blocks, 2, heads, tokens, dim) in memory
+    and hands a (blocks, 2, tokens, heads, dim) view; Ascend-style K/V halves of it have per-block
+    payloads in (heads, tokens, dim) order: one gap-free run each, so one page per block."""
+    heads, dim = 4, 8
+    layer = torch.arange(NB * 2 * heads * BS * dim, dtype=torch.float32).view(NB, 2, heads, BS, dim)
+    view = layer.permute(0, 1, 3, 2, 4)  # (NB, 2, BS, heads, dim), not contiguous
+    lay = canonicalize({"l": (view[:, 0], view[:, 1])}, NB)
+    page = BS * heads * dim * 4
+    assert [(t.block_stride, t.page_bytes) for t in lay.tensors] == [(2 * page, page), (2 * page, page)]
+    assert lay.tensors[1].base - lay.tensors[0].base == page

@@ -85,6 +85,18 @@ def block_major_parts(t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     return [t[idx] for idx in itertools.product(*(range(n) for n in outer))]
 
 
+def dense(t: torch.Tensor) -> bool:
+    """The elements fill one gap-free run of memory starting at ``data_ptr()``, in any dimension
+    order: vLLM 0.23's TRITON_ATTN on Hopper keeps a block's K as (heads, tokens, dim) in memory and
+    hands it as a (tokens, heads, dim) view; its bytes are still one run a copy moves whole."""
+    expect = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
 def describe(name: str, t: torch.Tensor, num_blocks: int) -> DeviceKVTensor:
     """Base, block stride and page bytes of one block-major tensor (per-block payload must be contiguous).
 
@@ -99,7 +111,7 @@ def describe(name: str, t: torch.Tensor, num_blocks: int) -> DeviceKVTensor:
     es = t.element_size()
     page = t[0].numel() * es
     stride = t.stride(0) * es
-    if not t[0].is_contiguous():
+    if not dense(t[0]):
         raise OffloadConfigError(
             f"KV part of layer {name!r} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) has a non-contiguous "
             "per-block payload; a block must be one contiguous run of bytes to be copied as one descriptor"

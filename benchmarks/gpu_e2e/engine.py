@@ -165,8 +165,10 @@ class _Engine:
         return {"ok": False, "tries": tries}
 
     def corrupt_page(self, seed: int = 0) -> dict:
-        """Overwrite one host page (the first non-zero block of the first tensor's region) of our
-        worker with random bytes: a negative control that must change the tokens."""
+        """Overwrite with random bytes every stored host page (non-zero block) of the first tensor's
+        region of our worker: a negative control that must change the tokens. Every page, not the
+        first one only: with a sliding-window group the first stored block can lie outside the
+        window and is then never loaded (the multigroup layout's first run showed it)."""
         import torch
 
         from vllm_npu_offload.offload_worker import live_workers
@@ -175,12 +177,13 @@ class _Engine:
         if len(cores) != 1:
             return {"ok": False, "why": f"{len(cores)} live worker cores"}
         view = cores[0].host_view(0)
-        for b in range(view.shape[0]):
-            if bool(view[b].any()):
-                g = torch.Generator().manual_seed(seed)
-                view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
-                return {"ok": True, "region": 0, "block": b, "bytes": int(view.shape[1])}
-        return {"ok": False, "why": "host region 0 is all zeros"}
+        stored = [b for b in range(view.shape[0]) if bool(view[b].any())]
+        if not stored:
+            return {"ok": False, "why": "host region 0 is all zeros"}
+        g = torch.Generator().manual_seed(seed)
+        for b in stored:
+            view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
+        return {"ok": True, "region": 0, "blocks": len(stored), "bytes": len(stored) * int(view.shape[1])}
 
     def worker_info(self) -> dict:
         """How our worker core moves KV here: copy paths, staging, the calibrated choice."""
