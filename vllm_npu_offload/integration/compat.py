@@ -20,9 +20,19 @@ import inspect
 from typing import Any
 
 import vllm
-from vllm.v1.kv_offload import base as _base
+
+from .versions import SUPPORTED_RANGE, UnsupportedVLLMVersion, _release
 
 VLLM_VERSION = getattr(vllm, "__version__", "unknown")
+# (major, minor, micro) of the installed vLLM; None for a source checkout without a release number.
+VLLM_RELEASE = _release(str(VLLM_VERSION))
+
+try:
+    from vllm.v1.kv_offload import base as _base
+except ImportError as e:  # a vLLM newer or older than any tested one that moved the offloading API
+    raise UnsupportedVLLMVersion(
+        f"vllm-npu-offload cannot use the installed vLLM {VLLM_VERSION}: {e}. Supported is {SUPPORTED_RANGE}"
+    ) from e
 
 if importlib.util.find_spec("vllm.v1.kv_offload.config") is not None:
     API = "config"
@@ -49,6 +59,10 @@ else:
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
+# Bytes a host chunk is rounded up to when CPUOffloadingSpec sizes its blocks: the class attribute
+# from 0.23 on (1 there, the page size in later releases); 0.21-0.22 divide by the unrounded size.
+CPU_CHUNK_ALIGNMENT = getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1)
+
 
 # -- kv_connector_extra_config keys that vLLM itself reads -------------------------------
 # Our connectors reject every other key they do not read themselves (options.SPEC_KEYS,
@@ -58,25 +72,26 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 # distributed/kv_transfer/kv_connector/v1/{offloading_connector,offloading/*,
 # simple_cpu_offload_connector}.py, v1/simple_kv_offload/).
 
-# OffloadingConnector + OffloadingSpecFactory + OffloadingSpec + CPUOffloadingSpec.
-_OFFLOADING_KEYS_023 = (  # vLLM 0.23.0, the "handlers" generation (0.21-0.24)
-    "spec_name", "spec_module_path",  # factory.py
-    "offload_prompt_only", "block_size",  # base.py OffloadingSpec
-    "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size",  # cpu/spec.py
+# OffloadingConnector + OffloadingSpecFactory + OffloadingSpec + CPUOffloadingSpec, by the first
+# release that reads each key (scripts/version_matrix.sh's versions; docs/support.md).
+_OFFLOADING_KEYS_SINCE = (
+    ((0, 21), ("spec_name", "spec_module_path",  # factory.py
+               "block_size",  # base.py OffloadingSpec
+               "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size")),  # cpu/spec.py
+    ((0, 23), ("offload_prompt_only",)),  # base.py OffloadingSpec
+    ((0, 25), ("self_describing_kv_events",)),  # base.py OffloadingSpec
+    ((0, 26), ("blocks_per_chunk",)),  # offloading/config.py (OffloadingConfig)
+    ((0, 32), ("canonical_layout", "cache_policy_module_path")),  # offloading/config.py, cpu/spec.py
 )
-_OFFLOADING_KEYS_032 = (  # vLLM 0.32.0, the "config" generation (>= 0.26)
-    "spec_name", "spec_module_path",  # factory.py
-    "self_describing_kv_events", "offload_prompt_only",  # base.py OffloadingSpec
-    "block_size", "blocks_per_chunk", "canonical_layout",  # offloading/config.py
-    "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path", "store_threshold",
-    "max_tracker_size",  # cpu/spec.py (store_threshold also in its metric definitions)
-)
-OFFLOADING_KEYS = {
-    "handlers": _OFFLOADING_KEYS_023,
-    # vLLM 0.25 is not installed anywhere here: accept what either neighbour reads.
-    "worker": tuple(dict.fromkeys(_OFFLOADING_KEYS_023 + _OFFLOADING_KEYS_032)),
-    "config": _OFFLOADING_KEYS_032,
-}[API]
+
+
+def offloading_keys(release: tuple[int, ...] | None) -> tuple[str, ...]:
+    """The keys the OffloadingConnector family of vLLM ``release`` reads (the newest list for a
+    release number we cannot read: a source checkout is most likely newer than any release)."""
+    return tuple(k for since, keys in _OFFLOADING_KEYS_SINCE if release is None or release[:2] >= since for k in keys)
+
+
+OFFLOADING_KEYS = offloading_keys(VLLM_RELEASE)
 
 # SimpleCPUOffloadConnector.__init__ (nothing under v1/simple_kv_offload reads the extra config).
 _SIMPLE_KEYS_023 = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload")
@@ -208,9 +223,9 @@ def init_base(spec, args: tuple, kwargs: dict, extra: dict) -> None:
 
 def chunk_geometry(spec) -> tuple[int, int]:
     """``(engine blocks per host chunk, host chunks)`` of an initialised ``CPUOffloadingSpec``."""
-    if API == "config":
-        return spec.blocks_per_chunk, spec.num_chunks
-    return spec.block_size_factor, spec.num_blocks
+    # 0.21-0.25: block_size_factor / num_blocks; 0.26: blocks_per_chunk / num_blocks; later: num_chunks.
+    per_chunk = spec.blocks_per_chunk if hasattr(spec, "blocks_per_chunk") else spec.block_size_factor
+    return per_chunk, spec.num_chunks if hasattr(spec, "num_chunks") else spec.num_blocks
 
 
 # -- connector --------------------------------------------------------------------------

@@ -6,9 +6,7 @@ must keep vLLM's manager and sizing, finish stores without touching a byte, and 
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
-if not vllm.__version__.startswith("0.23"):
-    pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
+pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from harness import BLOCK, HEAD, HEADS, LAYERS, NB, PAGE, PROMPT, Engine, kv_cache_config, stacked_caches, vllm_config  # noqa: E402

@@ -7,9 +7,7 @@ Run in the venv built by scripts/setup_v023.sh.
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
-if not vllm.__version__.startswith("0.23"):
-    pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
+pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from simple_fakes import failing_copies  # noqa: E402
