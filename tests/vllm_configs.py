@@ -1,6 +1,6 @@
 """vLLM >= 0.26 configs for connector tests without a model run: a VllmConfig for one of our
 connectors, a one-group KVCacheConfig and a worker-role connector ready for register_kv_caches.
-(tests/v023/harness.py is the vLLM 0.23 counterpart.)"""
+(tests/vllm_api/harness.py drives any release's real Scheduler.)"""
 
 from __future__ import annotations
 

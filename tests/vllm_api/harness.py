@@ -17,6 +17,7 @@ model runner collects transfer results (``step``).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
@@ -79,7 +80,7 @@ def vllm_config(
     )
 
 
-# vLLM >= 0.27 describes each layer's place in one allocation (KVCacheTensor.layers / layer_stride /
+# vLLM >= 0.29 describes each layer's place in one allocation (KVCacheTensor.layers / layer_stride /
 # block_stride / offset) and its model runner hands out views into it; older releases give every
 # layer (KVCacheTensor.shared_by) its own tensor.
 placed_layers = "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}
@@ -245,7 +246,7 @@ class Engine:
         w.start_load_kv(None)
         w.wait_for_save()
         failed = {}
-        if hasattr(w, "get_transfer_results"):  # what the model runner calls where the base class has it
+        if hasattr(KVConnectorBase_V1, "get_transfer_results"):  # what the model runner calls (>= 0.30)
             res = w.get_transfer_results(so.finished_req_ids)
             sending, recving = res.finished_sending, res.finished_recving
             failed = {"failed_recving": res.failed_recving}
@@ -318,3 +319,31 @@ def block_bytes(parts: list[torch.Tensor], b: int) -> list[torch.Tensor]:
 def host_block(chunks: list[int], i: int, bpc: int) -> int:
     """Host block holding the ``i``-th device block of a job that starts at a chunk boundary."""
     return chunks[i // bpc] * bpc + i % bpc
+
+
+_EXTRA_READ = re.compile(r"""(?:extra_config|kv_connector_extra_config)\s*(?:\.get\(\s*|\[\s*)["']([a-z_]+)["']""")
+
+
+def extra_keys_read(*rel_paths: str) -> set[str]:
+    """kv_connector_extra_config keys the installed vLLM's sources under ``rel_paths`` (files or
+    folders, relative to the vllm package) read by name: ``extra_config.get("k"``, ``extra_config["k"]``."""
+    import pathlib
+
+    import vllm
+
+    root = pathlib.Path(vllm.__file__).parent
+    keys: set[str] = set()
+    for rel in rel_paths:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else []
+        for f in files:
+            keys |= set(_EXTRA_READ.findall(f.read_text()))
+    return keys
+
+
+# The OffloadingConnector family (tiering/ is TieringOffloadingSpec's, never ours) and the simple connector.
+OFFLOADING_SOURCES = ("v1/kv_offload/factory.py", "v1/kv_offload/base.py", "v1/kv_offload/config.py",
+                      "v1/kv_offload/cpu", "distributed/kv_transfer/kv_connector/v1/offloading_connector.py",
+                      "distributed/kv_transfer/kv_connector/v1/offloading")
+SIMPLE_SOURCES = ("distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py", "v1/simple_kv_offload")
+

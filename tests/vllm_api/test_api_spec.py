@@ -283,7 +283,7 @@ def test_upstream_connector_rejects_tuples(tiny_model):
     vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
     caches = ascend_caches(Arena(10 * ALIGN), "kv")
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, AttributeError)):  # asserts a tensor (< 0.32) / reads .shape (0.32)
         Engine.build(vc, kcc, caches, OffloadingConnector)
 
 
