@@ -49,24 +49,29 @@ def test_supported_and_newer_versions_pass(version, verdict):
 IMPORT_EACH = textwrap.dedent("""
     import json, sys, traceback
     import vllm
-    if FAKE:
-        vllm.__version__ = FAKE
     out = {}
-    for name in MODULES:
-        for m in [m for m in sys.modules if m.startswith("vllm_npu_offload.integration")]:
-            del sys.modules[m]
-        try:
-            __import__("vllm_npu_offload.integration." + name)
-            out[name] = None
-        except Exception as e:
-            frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-            out[name] = [type(e).__name__, str(e), [f for f in frames if "/site-packages/vllm/" in f]]
+    for fake in (None, FAKE):  # the installed version, then an old one faked on the same vllm
+        if fake:
+            vllm.__version__ = fake
+        res = out["fake" if fake else "real"] = {}
+        for name in MODULES:
+            for m in [m for m in sys.modules if m.startswith("vllm_npu_offload.integration")]:
+                del sys.modules[m]
+            try:
+                __import__("vllm_npu_offload.integration." + name)
+                res[name] = None
+            except Exception as e:
+                frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+                res[name] = [type(e).__name__, str(e), [f for f in frames if "/site-packages/vllm/" in f]]
     print("RESULT " + json.dumps(out))
 """)
+FAKE = "0.20.2"
 
 
-def import_each(fake: str | None) -> dict:
-    code = f"FAKE = {fake!r}\nMODULES = {MODULES!r}\n" + IMPORT_EACH
+@pytest.fixture(scope="module")
+def imported() -> dict:
+    """Each module imported in a fresh interpreter on the installed vLLM, then with FAKE as its version."""
+    code = f"FAKE = {FAKE!r}\nMODULES = {MODULES!r}\n" + IMPORT_EACH
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "VLLM_PLUGINS": ""}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -85,19 +90,18 @@ def assert_refused(result: dict, version: str) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_installed_vllm_is_checked_at_import():
+def test_installed_vllm_is_checked_at_import(imported):
     """On a supported vLLM all three modules import; on an older one (0.18.0 in the matrix) each
     one raises our error before anything inside vLLM runs."""
     import vllm
 
-    result = import_each(None)
     if _versions()._release(vllm.__version__) < (0, 21, 0):
-        assert_refused(result, vllm.__version__)
+        assert_refused(imported["real"], vllm.__version__)
     else:
-        assert result == {name: None for name in MODULES}
+        assert imported["real"] == {name: None for name in MODULES}
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_faked_old_vllm_is_refused_at_import():
-    assert_refused(import_each("0.20.2"), "0.20.2")
+def test_faked_old_vllm_is_refused_at_import(imported):
+    assert_refused(imported["fake"], FAKE)

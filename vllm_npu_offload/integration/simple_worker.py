@@ -90,7 +90,7 @@ def kv_segments(kv_caches: dict, kv_cache_config) -> list[DeviceKVTensor]:
     placements = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
     plain = all(isinstance(v, torch.Tensor) for v in kv_caches.values())
     segs: list[DeviceKVTensor] = []
-    # vLLM 0.32 places layers with layers/layer_stride/block_stride/offset; 0.26-0.27's KVCacheTensor
+    # vLLM >= 0.29 places layers with layers/layer_stride/block_stride/offset; 0.26-0.28's KVCacheTensor
     # has block_stride and offset but names layers in shared_by: those are analysed per tensor.
     if plain and placements and all(hasattr(p, "layer_stride") for p in placements):
         for p in placements:
