@@ -301,10 +301,11 @@ def stacked_caches(layers: list[str] = LAYERS, num_blocks: int = NB, heads: int 
 
 def spec_core(spec):
     """The ``OffloadWorkerCore`` behind our spec's worker side (handlers or one worker)."""
-    if spec._npu_handlers is not None:  # 0.21-0.24
+    if spec._npu_handlers is not None:  # 0.21-0.24: two handlers over one core (held directly or in a SharedCore)
         store, load = spec._npu_handlers
-        assert store.shared is load.shared
-        return store.shared.core
+        core_of = (lambda h: h.core) if hasattr(store, "core") else (lambda h: h.shared.core)
+        assert core_of(store) is core_of(load)
+        return core_of(store)
     return spec._npu_worker.core
 
 
