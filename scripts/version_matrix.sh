@@ -55,7 +55,7 @@ run() {
   log "$label: pytest $*"
   local rc=0
   "$py" -m pytest -q -p no:cacheprovider --junitxml="$OUT/$label.xml" "$@" >"$OUT/$label.log" 2>&1 || rc=$?
-  tail -1 "$OUT/$label.log" >&2
+  grep -E "[0-9]+ (passed|failed|skipped|error)" "$OUT/$label.log" | tail -1 >&2 || true  # pytest's summary
   if [[ $rc != 0 ]]; then
     FAILED=1
     log "$label FAILED (rc $rc; log: $OUT/$label.log)"
