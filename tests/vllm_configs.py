@@ -1,6 +1,6 @@
 """vLLM >= 0.26 configs for connector tests without a model run: a VllmConfig for one of our
 connectors, a one-group KVCacheConfig and a worker-role connector ready for register_kv_caches.
-(tests/v023/harness.py is the vLLM 0.23 counterpart.)"""
+(tests/vllm_api/harness.py drives any release's real Scheduler.)"""
 
 from __future__ import annotations
 
@@ -85,15 +85,23 @@ def offloading_config(extra: dict, bytes_per_block: int = 4096, tokens_per_block
         OffloadingParallelConfig,
     )
 
+    def make(cls, **kw):  # only the fields the installed release has (0.27 has fewer than 0.32)
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in kw.items() if k in names})
+
     extra = {"spec_name": "NPUOffloadingSpec", **extra}
     bpc = int(extra.get("blocks_per_chunk", 1))
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block, ("layer.0",), 0),),
+        groups=(make(OffloadingGroupConfig, tokens_per_block=tokens_per_block, layer_names=("layer.0",), group_id=0),),
         worker_kv_bytes_per_block=bytes_per_block,
         enable_kv_cache_events=False,
         extra_config=extra,
         engine_id="test",
         model=OffloadingModelConfig("tiny", "float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=bpc),
-        parallel=OffloadingParallelConfig(0, world_size, world_size, 1, 1, 1, 0, 1, None, True),
+        parallel=make(OffloadingParallelConfig, rank=0, world_size=world_size, tp_size=world_size, pp_size=1,
+                      pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                      data_parallel_rank_local=None, is_parallelism_agnostic=True),
     )

@@ -20,9 +20,19 @@ import inspect
 from typing import Any
 
 import vllm
-from vllm.v1.kv_offload import base as _base
+
+from .versions import SUPPORTED_RANGE, UnsupportedVLLMVersion, _release
 
 VLLM_VERSION = getattr(vllm, "__version__", "unknown")
+# (major, minor, micro) of the installed vLLM; None for a source checkout without a release number.
+VLLM_RELEASE = _release(str(VLLM_VERSION))
+
+try:
+    from vllm.v1.kv_offload import base as _base
+except ImportError as e:  # a vLLM newer or older than any tested one that moved the offloading API
+    raise UnsupportedVLLMVersion(
+        f"vllm-npu-offload cannot use the installed vLLM {VLLM_VERSION}: {e}. Supported is {SUPPORTED_RANGE}"
+    ) from e
 
 if importlib.util.find_spec("vllm.v1.kv_offload.config") is not None:
     API = "config"
@@ -49,6 +59,10 @@ else:
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402,F401  (used as compat.CPULoadStoreSpec)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
+# Bytes a host chunk is rounded up to when CPUOffloadingSpec sizes its blocks: the class attribute
+# from 0.23 on (1 there, the page size in later releases); 0.21-0.22 divide by the unrounded size.
+CPU_CHUNK_ALIGNMENT = getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1)
+
 
 # -- kv_connector_extra_config keys that vLLM itself reads -------------------------------
 # Our connectors reject every other key they do not read themselves (options.SPEC_KEYS,
@@ -58,27 +72,34 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 # distributed/kv_transfer/kv_connector/v1/{offloading_connector,offloading/*,
 # simple_cpu_offload_connector}.py, v1/simple_kv_offload/).
 
-# OffloadingConnector + OffloadingSpecFactory + OffloadingSpec + CPUOffloadingSpec.
-_OFFLOADING_KEYS_023 = (  # vLLM 0.23.0, the "handlers" generation (0.21-0.24)
-    "spec_name", "spec_module_path",  # factory.py
-    "offload_prompt_only", "block_size",  # base.py OffloadingSpec
-    "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size",  # cpu/spec.py
+# OffloadingConnector + OffloadingSpecFactory + OffloadingSpec + CPUOffloadingSpec, by the first
+# release that reads each key (read from every release's sdist, 0.21.0-0.33.0; tests/vllm_api's
+# test_key_lists_are_what_this_vllm_reads checks them against the installed sources).
+_OFFLOADING_KEYS_SINCE = (
+    ((0, 21), ("spec_name", "spec_module_path",  # factory.py
+               "block_size",  # base.py OffloadingSpec
+               "cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size")),  # cpu/spec.py
+    ((0, 23), ("offload_prompt_only",)),  # base.py OffloadingSpec
+    ((0, 24), ("self_describing_kv_events",)),  # base.py OffloadingSpec
+    ((0, 26), ("blocks_per_chunk",)),  # offloading/config.py (OffloadingConfig)
+    ((0, 27), ("cache_policy_module_path",)),  # cpu/spec.py (out-of-tree eviction policies)
+    ((0, 28), ("canonical_layout",)),  # offloading/config.py
+    ((0, 33), ("sync_load_budget_bytes",)),  # offloading/scheduler.py
 )
-_OFFLOADING_KEYS_032 = (  # vLLM 0.32.0, the "config" generation (>= 0.26)
-    "spec_name", "spec_module_path",  # factory.py
-    "self_describing_kv_events", "offload_prompt_only",  # base.py OffloadingSpec
-    "block_size", "blocks_per_chunk", "canonical_layout",  # offloading/config.py
-    "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path", "store_threshold",
-    "max_tracker_size",  # cpu/spec.py (store_threshold also in its metric definitions)
-)
-OFFLOADING_KEYS = {
-    "handlers": _OFFLOADING_KEYS_023,
-    # vLLM 0.25 is not installed anywhere here: accept what either neighbour reads.
-    "worker": tuple(dict.fromkeys(_OFFLOADING_KEYS_023 + _OFFLOADING_KEYS_032)),
-    "config": _OFFLOADING_KEYS_032,
-}[API]
 
-# SimpleCPUOffloadConnector.__init__ (nothing under v1/simple_kv_offload reads the extra config).
+
+def offloading_keys(release: tuple[int, ...] | None) -> tuple[str, ...]:
+    """The keys the OffloadingConnector family of vLLM ``release`` reads (the newest list for a
+    release number we cannot read: a source checkout is most likely newer than any release)."""
+    return tuple(k for since, keys in _OFFLOADING_KEYS_SINCE if release is None or release[:2] >= since for k in keys)
+
+
+OFFLOADING_KEYS = offloading_keys(VLLM_RELEASE)
+
+# SimpleCPUOffloadConnector.__init__ (nothing under v1/simple_kv_offload reads the extra config);
+# the disk backend's keys from 0.28.
+# vLLM 0.33 also reads 'num_cpu_blocks' there (a CPU pool size overriding the byte budget);
+# NPUSimpleCPUOffloadConnector sizes its host buffer from the byte budget, so it refuses that key.
 _SIMPLE_KEYS_023 = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "lazy_offload")
 _SIMPLE_DISK_KEYS = ("kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache")
 
@@ -88,7 +109,7 @@ ASCEND_KEYS = ("num_cpu_blocks",)
 
 
 def simple_connector_keys() -> tuple[str, ...]:
-    """Keys the installed vLLM's SimpleCPUOffloadConnector reads (0.32 adds the disk backend's)."""
+    """Keys the installed vLLM's SimpleCPUOffloadConnector reads (0.28 adds the disk backend's)."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as m
 
     return _SIMPLE_KEYS_023 + (_SIMPLE_DISK_KEYS if hasattr(m, "VALID_KV_OFFLOAD_BACKENDS") else ())
@@ -208,9 +229,9 @@ def init_base(spec, args: tuple, kwargs: dict, extra: dict) -> None:
 
 def chunk_geometry(spec) -> tuple[int, int]:
     """``(engine blocks per host chunk, host chunks)`` of an initialised ``CPUOffloadingSpec``."""
-    if API == "config":
-        return spec.blocks_per_chunk, spec.num_chunks
-    return spec.block_size_factor, spec.num_blocks
+    # 0.21-0.25: block_size_factor / num_blocks; 0.26-0.29: blocks_per_chunk / num_blocks; >= 0.30: num_chunks.
+    per_chunk = spec.blocks_per_chunk if hasattr(spec, "blocks_per_chunk") else spec.block_size_factor
+    return per_chunk, spec.num_chunks if hasattr(spec, "num_chunks") else spec.num_blocks
 
 
 # -- connector --------------------------------------------------------------------------
@@ -238,14 +259,14 @@ def hand_canonical_to_spec(connector_worker, kv_caches) -> None:
 
 
 # -- simple CPU offload (SimpleCPUOffloadConnector) ---------------------------------------
-# What differs between vLLM 0.23 and 0.32 for NPUSimpleCPUOffloadConnector (details in
-# docs/simple_connector.md, "vLLM 0.23"):
-# - results: 0.32 calls ``get_transfer_results()`` and its ``KVConnectorTransferResults`` /
-#   ``KVConnectorOutput`` carry ``failed_recving`` (failed loads per request); 0.23 calls
-#   ``get_finished()`` and has neither. Both call ``get_block_ids_with_load_errors()``, but
-#   0.23's scheduler maps flat block ids to requests for one KV-cache group only.
-# - failed stores: 0.32's scheduler manager keeps an "abandoned" store set (filled by its
-#   ``reset()``) whose events release their refs without caching; 0.23 has none, so the
+# What differs between releases for NPUSimpleCPUOffloadConnector (details in
+# docs/simple_connector.md, "vLLM 0.23"; all releases: docs/support.md):
+# - results: >= 0.30 calls ``get_transfer_results()`` and its ``KVConnectorTransferResults`` /
+#   ``KVConnectorOutput`` carry ``failed_recving`` (failed loads per request); 0.21-0.29 call
+#   ``get_finished()`` and have neither. All call ``get_block_ids_with_load_errors()``, but
+#   before 0.30 the scheduler maps flat block ids to requests for one KV-cache group only.
+# - failed stores: from 0.24 the scheduler manager keeps an "abandoned" store set (filled by its
+#   ``reset()``) whose events release their refs without caching; 0.21-0.23 have none, so the
 #   connector releases failed stores itself (``SIMPLE_RELEASE_ATTRS``).
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _kv_base  # noqa: E402
@@ -253,7 +274,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import base as _kv_base  # noq
 SIMPLE_HAS_FAILED_RECVING = hasattr(_kv_base, "KVConnectorTransferResults")
 
 # Scheduler-manager state (private) used to fail a store event, per mechanism.
-SIMPLE_ABANDON_ATTRS = (  # 0.32: hand the event to vLLM's abandoned set
+SIMPLE_ABANDON_ATTRS = (  # >= 0.24: hand the event to vLLM's abandoned set
     "_store_event_to_blocks",
     "_abandoned_store_event_to_blocks",
     "_in_flight_store_gpu_blocks",
@@ -261,11 +282,11 @@ SIMPLE_ABANDON_ATTRS = (  # 0.32: hand the event to vLLM's abandoned set
     "_reqs_to_store",
     "_cleanup_store_request",
 )
-SIMPLE_RELEASE_ATTRS = (  # 0.23: take the event over and release its refs ourselves
+SIMPLE_RELEASE_ATTRS = (  # 0.21-0.23: take the event over and release its refs ourselves
+    # (0.22-0.23 also track _in_flight_store_gpu_blocks, which the event then leaves; 0.21 has none)
     "_store_event_to_blocks",
     "_store_event_pending_counts",
     "_expected_worker_count",
-    "_in_flight_store_gpu_blocks",
     "_store_event_to_reqs",
     "_reqs_to_store",
     "_cleanup_store_request",
@@ -295,7 +316,7 @@ def simple_failed_recving(connector_output) -> set[str]:
 
 def simple_failed_store_mode(manager) -> str | None:
     """How a failed store is kept out of the CPU prefix cache with this scheduler manager:
-    ``"abandon"`` (vLLM's abandoned set), ``"release"`` (the connector's own, 0.23), or
+    ``"abandon"`` (vLLM's abandoned set), ``"release"`` (the connector's own, 0.21-0.23), or
     ``None`` (neither is possible: the event is never reported complete, its blocks stay pinned)."""
     if all(hasattr(manager, a) for a in SIMPLE_ABANDON_ATTRS):
         return "abandon"

@@ -29,7 +29,9 @@ def _take_store_event(manager, ev):
     transfer = manager._store_event_to_blocks.pop(ev, None)
     if transfer is None:
         return None
-    manager._in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+    in_flight = getattr(manager, "_in_flight_store_gpu_blocks", None)  # absent in vLLM 0.21
+    if in_flight is not None:
+        in_flight.difference_update(transfer.gpu_block_ids)
     for req_id in manager._store_event_to_reqs.pop(ev, []):
         state = manager._reqs_to_store.get(req_id)
         if state is None:

@@ -85,7 +85,9 @@ def kv_segments(kv_caches: dict, kv_cache_config) -> list[DeviceKVTensor]:
     placements = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
     plain = all(isinstance(v, torch.Tensor) for v in kv_caches.values())
     segs: list[DeviceKVTensor] = []
-    if plain and placements and all(hasattr(p, "block_stride") for p in placements):
+    # vLLM >= 0.29 places layers with layers/layer_stride/block_stride/offset; 0.26-0.28's KVCacheTensor
+    # has block_stride and offset but names layers in shared_by: those are analysed per tensor.
+    if plain and placements and all(hasattr(p, "layer_stride") for p in placements):
         for p in placements:
             name = next((n for n in p.layers if n in kv_caches), None)
             if name is None:

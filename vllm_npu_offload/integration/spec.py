@@ -54,7 +54,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         extra = compat.base_extra(inp.extra, inp.engine_block_size, bpc)
         per_chunk = inp.bytes_per_block * bpc
         if per_chunk > 0:
-            extra["cpu_bytes_to_use"] = resolve_cpu_bytes(opts, per_chunk, self.BLOCK_SIZE_ALIGNMENT)
+            extra["cpu_bytes_to_use"] = resolve_cpu_bytes(opts, per_chunk, compat.CPU_CHUNK_ALIGNMENT)
         elif opts.cpu_bytes_to_use is None:
             extra["cpu_bytes_to_use"] = 1  # placeholder until the KV size per block is known
         compat.init_base(self, args, kwargs, extra)
@@ -64,7 +64,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         size_key = "cpu_bytes_to_use" if opts.num_cpu_blocks is None else "num_cpu_blocks"
         self._npu_size_setting = (size_key, inp.extra[size_key])
         if per_chunk > 0 and self.geometry[1] <= 0:
-            need = round_up(per_chunk, self.BLOCK_SIZE_ALIGNMENT)
+            need = round_up(per_chunk, compat.CPU_CHUNK_ALIGNMENT)
             raise OffloadConfigError(
                 f"kv_connector_extra_config['cpu_bytes_to_use']={extra['cpu_bytes_to_use']} holds no offloaded "
                 f"block; one needs {need} bytes across all ranks"

@@ -1,4 +1,5 @@
-"""Drive vLLM 0.23's real Scheduler and worker-role connector without a model.
+"""Drive the installed vLLM's real Scheduler and worker-role connector without a model
+(any release from 0.21 on; scripts/setup_vllm.sh builds one venv per release).
 
 The scheduler-role connector (``OffloadingConnector`` with its ``CPUOffloadingManager``, or a
 ``SimpleCPUOffloadConnector`` with its ``SimpleCPUOffloadScheduler``) lives inside
@@ -7,10 +8,16 @@ The scheduler-role connector (``OffloadingConnector`` with its ``CPUOffloadingMa
 connector worker hooks, a fake model output, ``update_from_output``. For the offloading
 connector every job the spec's ``OffloadWorkerCore`` receives is recorded so tests can check
 bytes block by block.
+
+What differs between releases is kept to this file: how ``KVCacheTensor`` describes the
+device allocation (``placed_layers``), how a spec is constructed (``make_spec``) and how the
+model runner collects transfer results (``step``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +31,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
@@ -35,6 +42,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.integration import compat
 
 BLOCK = 16
 NB = 24  # device blocks
@@ -72,11 +80,27 @@ def vllm_config(
     )
 
 
+# vLLM >= 0.29 describes each layer's place in one allocation (KVCacheTensor.layers / layer_stride /
+# block_stride / offset) and its model runner hands out views into it; older releases give every
+# layer (KVCacheTensor.shared_by) its own tensor.
+placed_layers = "layers" in {f.name for f in dataclasses.fields(KVCacheTensor)}
+
+
 def kv_cache_config(num_blocks: int, layers: list[str], heads: int, head_size: int, page_bytes: int) -> KVCacheConfig:
-    """One full-attention group; each layer owns ``page_bytes`` per block (as vLLM sizes its tensors)."""
+    """One full-attention group; each layer owns ``page_bytes`` per block, placed as the installed
+    vLLM places it (see ``stacked_caches``)."""
+    if placed_layers:
+        region = num_blocks * page_bytes
+        tensors = [
+            KVCacheTensor(size=region * len(layers), layers=[n], layer_stride=region, block_stride=page_bytes,
+                          offset=i * region)
+            for i, n in enumerate(layers)
+        ]
+    else:
+        tensors = [KVCacheTensor(size=num_blocks * page_bytes, shared_by=[name]) for name in layers]
     return KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=num_blocks * page_bytes, shared_by=[name]) for name in layers],
+        kv_cache_tensors=tensors,
         kv_cache_groups=[
             KVCacheGroupSpec(
                 layers,
@@ -84,6 +108,51 @@ def kv_cache_config(num_blocks: int, layers: list[str], heads: int, head_size: i
             )
         ],
     )
+
+
+def _worker_reads_attn_backends() -> bool:
+    """vLLM 0.21-0.22's OffloadingConnectorWorker asks each layer's attention backend for its KV
+    shape (the model's layers, found in the static forward context); later releases do not."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+    return "get_attn_backend" in inspect.getsource(OffloadingConnectorWorker.register_kv_caches)
+
+
+class _BlocksFirstBackend:
+    """The KV shape of ``stacked_caches``: (num_blocks, 2, block, heads, head), blocks outermost."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def register_attention_layers(vc: VllmConfig, layers: list[str]) -> None:
+    """Stand in for the model's attention layers where the worker-side connector looks them up."""
+    if not _worker_reads_attn_backends():
+        return
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class FakeAttention(AttentionLayerBase):
+        def get_attn_backend(self):
+            return _BlocksFirstBackend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    ctx = vc.compilation_config.static_forward_context
+    for name in layers:
+        ctx.setdefault(name, FakeAttention())
+
+
+def make_spec(cls, vc: VllmConfig, kcc: KVCacheConfig):
+    """Construct an ``OffloadingSpec`` subclass as the installed vLLM's factory does."""
+    if compat.API == "config":  # >= 0.26: the spec takes an OffloadingConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import build_offloading_config
+
+        return cls(build_offloading_config(vc, kcc))
+    return cls(vc, kcc)
 
 
 @dataclass
@@ -99,6 +168,7 @@ class Engine:
     sched: Scheduler
     worker: object  # worker-role connector
     jobs: list[Job] = field(default_factory=list)
+    moved: dict = field(default_factory=lambda: {"store": 0, "load": 0})  # bytes vLLM's stats counted
     _next_req: int = 0
 
     @classmethod
@@ -115,6 +185,7 @@ class Engine:
             hash_block_size=hash_block_size,
         )
         worker = connector_cls(vc, KVConnectorRole.WORKER, kcc)
+        register_attention_layers(vc, [n for g in kcc.kv_cache_groups for n in g.layer_names])
         with set_current_vllm_config(vc):
             worker.register_kv_caches(kv_caches)
         eng = cls(sched, worker)
@@ -132,9 +203,7 @@ class Engine:
 
     @property
     def core(self):
-        store, load = self.spec._npu_handlers
-        assert store.core is load.core
-        return store.core
+        return spec_core(self.spec)
 
     def _record(self, core) -> None:
         submit = core.submit
@@ -176,9 +245,21 @@ class Engine:
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
+        failed = {}
+        if hasattr(KVConnectorBase_V1, "get_transfer_results"):  # what the model runner calls (>= 0.30)
+            res = w.get_transfer_results(so.finished_req_ids)
+            sending, recving = res.finished_sending, res.finished_recving
+            failed = {"failed_recving": res.failed_recving}
+        else:
+            sending, recving = w.get_finished(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
+        if hasattr(w, "connector_worker"):  # OffloadingConnector family: vLLM's transfer stats
+            self._count_stats(w)
         worker_meta = w.build_connector_worker_meta() or OffloadingWorkerMetadata()
+        ts = getattr(worker_meta, "transfer_stats", None)  # >= 0.26: stats travel in the worker metadata
+        if ts is not None:
+            self.moved["store"] += ts.store.bytes
+            self.moved["load"] += ts.load.bytes
         w.clear_connector_metadata()
         ids = [r.request_id for r in self.sched.running]
         out = ModelRunnerOutput(
@@ -190,10 +271,18 @@ class Engine:
             pooler_output=None,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, kv_connector_worker_meta=worker_meta,
-                invalid_block_ids=invalid,
+                invalid_block_ids=invalid, **failed,
             ),
         )
         self.sched.update_from_output(so, out)
+
+    def _count_stats(self, w) -> None:
+        """0.21-0.25: the worker-side connector's KVConnectorStats (one op per finished job)."""
+        stats = w.get_kv_connector_stats()
+        for key, ops in (getattr(stats, "data", None) or {}).items():
+            if key in ("GPU_to_CPU", "CPU_to_GPU"):
+                size = sum(op["op_size"] if isinstance(op, dict) else op.op_size for op in ops)
+                self.moved["store" if key == "GPU_to_CPU" else "load"] += size
 
     def reset_device_prefix_cache(self) -> None:
         assert self.sched.kv_cache_manager.reset_prefix_cache()
@@ -201,9 +290,23 @@ class Engine:
 
 def stacked_caches(layers: list[str] = LAYERS, num_blocks: int = NB, heads: int = HEADS, head_size: int = HEAD,
                    seed: int = 1) -> dict:
-    """Upstream layout: one random (num_blocks, 2, block, heads, head) tensor per layer."""
+    """Upstream layout: a random (num_blocks, 2, block, heads, head) tensor per layer; views into one
+    allocation where ``kv_cache_config`` places layers in one (``placed_layers``)."""
     g = torch.Generator().manual_seed(seed)
+    if placed_layers:
+        buf = torch.randn(len(layers), num_blocks, 2, BLOCK, heads, head_size, generator=g)
+        return {n: buf[i] for i, n in enumerate(layers)}
     return {n: torch.randn(num_blocks, 2, BLOCK, heads, head_size, generator=g) for n in layers}
+
+
+def spec_core(spec):
+    """The ``OffloadWorkerCore`` behind our spec's worker side (handlers or one worker)."""
+    if spec._npu_handlers is not None:  # 0.21-0.24: two handlers over one core (held directly or in a SharedCore)
+        store, load = spec._npu_handlers
+        core_of = (lambda h: h.core) if hasattr(store, "core") else (lambda h: h.shared.core)
+        assert core_of(store) is core_of(load)
+        return core_of(store)
+    return spec._npu_worker.core
 
 
 def parts_of(kv_caches: dict) -> list[torch.Tensor]:
@@ -217,3 +320,31 @@ def block_bytes(parts: list[torch.Tensor], b: int) -> list[torch.Tensor]:
 def host_block(chunks: list[int], i: int, bpc: int) -> int:
     """Host block holding the ``i``-th device block of a job that starts at a chunk boundary."""
     return chunks[i // bpc] * bpc + i % bpc
+
+
+_EXTRA_READ = re.compile(r"""(?:extra_config|kv_connector_extra_config)\s*(?:\.get\(\s*|\[\s*)["']([a-z_]+)["']""")
+
+
+def extra_keys_read(*rel_paths: str) -> set[str]:
+    """kv_connector_extra_config keys the installed vLLM's sources under ``rel_paths`` (files or
+    folders, relative to the vllm package) read by name: ``extra_config.get("k"``, ``extra_config["k"]``."""
+    import pathlib
+
+    import vllm
+
+    root = pathlib.Path(vllm.__file__).parent
+    keys: set[str] = set()
+    for rel in rel_paths:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else []
+        for f in files:
+            keys |= set(_EXTRA_READ.findall(f.read_text()))
+    return keys
+
+
+# The OffloadingConnector family (tiering/ is TieringOffloadingSpec's, never ours) and the simple connector.
+OFFLOADING_SOURCES = ("v1/kv_offload/factory.py", "v1/kv_offload/base.py", "v1/kv_offload/config.py",
+                      "v1/kv_offload/cpu", "distributed/kv_transfer/kv_connector/v1/offloading_connector.py",
+                      "distributed/kv_transfer/kv_connector/v1/offloading")
+SIMPLE_SOURCES = ("distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py", "v1/simple_kv_offload")
+

