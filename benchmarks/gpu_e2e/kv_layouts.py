@@ -45,7 +45,9 @@ class Layout:
 
 LAYOUTS: dict[str, Layout] = {
     "uniform": Layout("uniform", "llama8b", None, None, True,
-                      "cross-layer blocks: 1 page of 32 layers per engine block (2 MiB per 64 tokens)"),
+                      "vLLM's own placement (OffloadingConnector prefers cross-layer blocks; the engines' "
+                      "'cross-layer blocks' line says whether vLLM allocated them: on 0.23 + TRITON_ATTN it did "
+                      "not, so 32 pages of 64 KiB (a layer's K and V, HND) per engine block)"),
     "perlayer": Layout("perlayer", "llama8b", ("PerLayerOffloadingConnector", PERLAYER_MODULE), None, True,
                        "per layer, K and V apart (Ascend's layout): 64 pages of 32 KiB per engine block"),
     "multigroup": Layout("multigroup", "gemma2_9b", None, None, True,
