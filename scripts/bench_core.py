@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Whole-transfer benchmark through the worker core (direct vs staged vs one contiguous
-copy), and GEMM interference. See vllm_npu_offload/bench/core_bench.py."""
+copy), and GEMM interference. See benchmarks/core_bench.py."""
 
 import argparse
 import os
@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vllm_npu_offload.bench.core_bench import DEFAULT_SHAPES, run  # noqa: E402
+from benchmarks.core_bench import DEFAULT_SHAPES, run  # noqa: E402
 
 
 def _names(s: str) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vllm_npu_offload.bench.multiturn.cli import main  # noqa: E402
+from benchmarks.multiturn.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

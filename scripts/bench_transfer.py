@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Transfer benchmark: per-copy loop, batch DMA, SM copy, the chosen path and one
-contiguous copy, per model config and direction. See vllm_npu_offload/bench/transfer.py."""
+contiguous copy, per model config and direction. See benchmarks/transfer.py."""
 
 import argparse
 import os
@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vllm_npu_offload.bench.transfer import CONFIGS, run  # noqa: E402
+from benchmarks.transfer import CONFIGS, run  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:

@@ -14,5 +14,5 @@ fi
 # Other vLLM releases' real Python code, each in its own venv: one release per branch of the
 # version shim (docs/support.md, "What CI runs"). NPU_OFFLOAD_SKIP_MATRIX=1 skips it.
 if [ "${NPU_OFFLOAD_SKIP_MATRIX:-${NPU_OFFLOAD_SKIP_V023:-0}}" != "1" ]; then
-  bash scripts/version_matrix.sh --ci
+  bash scripts/dev/version_matrix.sh --ci
 fi

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_npu_offload.bench.transfer import ModelConfig, bench_config, format_config
+from benchmarks.transfer import ModelConfig, bench_config, format_config
 from vllm_npu_offload.platform import get_platform
 
 
@@ -18,7 +18,7 @@ def test_bench_config_cpu_smoke():
 
 
 def test_stall_probe_table_and_cpu_refusal():
-    from vllm_npu_offload.bench import stall
+    from benchmarks import stall
 
     rows = [{"compute": "default", "alone_ms": 3.0, "staged_ms": 3.2, "staged_xfer_ms": 20.0},
             {"compute": "pool0", "alone_ms": 3.0, "staged_ms": 22.0, "staged_xfer_ms": 20.0}]

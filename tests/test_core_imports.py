@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "vllm_npu_offload"
-ADAPTERS = ("integration", "demo", "bench", "__main__")
+ADAPTERS = ("integration", "demo", "__main__")
 
 
 def core_modules() -> list[str]:

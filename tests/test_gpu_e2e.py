@@ -1,4 +1,4 @@
-"""The CPU-side pieces of the GPU end-to-end script (scripts/gpu_e2e.sh): packing into parts,
+"""The CPU-side pieces of the GPU end-to-end script (scripts/dev/gpu_e2e.sh): packing into parts,
 staging/install/cold-machine detection, prompts, argument parsing and tables. No GPU, no vLLM."""
 
 import io
@@ -87,7 +87,7 @@ def test_install_on_fresh_machine_says_cold(tmp_path):
 
 def test_script_run_on_cold_machine_exits_3(tmp_path):
     env = {**os.environ, "GPU_E2E_SITE": str(tmp_path / "site"), "PYTHON": sys.executable}
-    r = subprocess.run(["bash", str(ROOT / "scripts/gpu_e2e.sh"), "run", "correctness"], env=env,
+    r = subprocess.run(["bash", str(ROOT / "scripts/dev/gpu_e2e.sh"), "run", "correctness"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3
     assert "machine is cold" in r.stderr
@@ -369,7 +369,7 @@ def test_pool_miss_runs_from_json_and_log(tmp_path):
     (tmp_path / "c.txt").write_text("nothing here\n")
     with pytest.raises(ValueError, match="neither a miss.json nor a log"):
         tables.load_miss_runs(tmp_path / "c.txt")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/pool_miss.py"), str(tmp_path / "a.json.gz"),
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/dev/pool_miss.py"), str(tmp_path / "a.json.gz"),
                           str(tmp_path / "b.log")], capture_output=True, text=True, check=True).stdout
     assert "| null vs off " in out and "|      4 |" in out
 
@@ -493,7 +493,7 @@ def test_multiturn_passes_pair_servers_that_stay_up(monkeypatch, tmp_path, reps)
     import contextlib
 
     from benchmarks.gpu_e2e import device
-    from vllm_npu_offload.bench.multiturn import compare, launcher, report
+    from benchmarks.multiturn import compare, launcher, report
 
     started, runs = [], []
 
@@ -549,5 +549,5 @@ def test_benchmarks_are_not_packaged():
             "runpy.run_path('setup.py'); print('\\n'.join(seen['packages']))")
     pkgs = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert "vllm_npu_offload" in pkgs and "vllm_npu_offload.integration" in pkgs
-    assert not [p for p in pkgs if p.split(".")[0] == "benchmarks"] and "vllm_npu_offload.bench.gpu_e2e" not in pkgs
+    assert not [p for p in pkgs if p.split(".")[0] == "benchmarks"] and "benchmarks.gpu_e2e" not in pkgs
     assert (ROOT / "benchmarks/gpu_e2e/device.py").exists()

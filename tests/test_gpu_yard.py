@@ -480,7 +480,7 @@ def test_vllms_own_client_against_a_fake_server(tmp_path):
 
     cdir = _client_dir(tmp_path)
     if cdir is None:
-        pytest.skip("vLLM 0.23.0's sdist is not here (scripts/gpu_e2e.sh prepare or setup_v023.sh fetch it)")
+        pytest.skip("vLLM 0.23.0's sdist is not here (scripts/dev/gpu_e2e.sh prepare or setup_v023.sh fetch it)")
     model = models.build_shape_model(tmp_path / "m", "llama8b", models.SERVE_VOCAB, layers=2)
     load = serve.Load(clients=2, active=4, conversations=4, user_turns=3, device_tokens=1024, host_tokens=4096,
                       prefix_avg=300, prefix_max=600, answer_tokens=(10, 14))
@@ -513,7 +513,7 @@ def test_run_serve_passes_alternate_and_respect_the_budget(tmp_path, monkeypatch
 
     from fake_openai import FakeVLLM
 
-    from vllm_npu_offload.bench.multiturn import launcher
+    from benchmarks.multiturn import launcher
 
     started, order = [], []
 
@@ -845,7 +845,7 @@ def test_prepare_keeps_fa3_unless_asked(tmp_path, monkeypatch):
 
 
 def test_gpu_e2e_sh_help_names_the_parts():
-    out = subprocess.run(["bash", str(ROOT / "scripts/gpu_e2e.sh")], capture_output=True, text=True)
+    out = subprocess.run(["bash", str(ROOT / "scripts/dev/gpu_e2e.sh")], capture_output=True, text=True)
     assert out.returncode == 2 and "smoke" in out.stdout
 
 
@@ -857,7 +857,7 @@ def test_device_main_serve_writes_the_tables(monkeypatch, tmp_path):
     from fake_openai import FakeVLLM
 
     from benchmarks.gpu_e2e import device
-    from vllm_npu_offload.bench.multiturn import launcher
+    from benchmarks.multiturn import launcher
 
     @contextlib.contextmanager
     def fake_server(model, args, *, label, **kw):

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_npu_offload.bench.multiturn import BenchError
-from vllm_npu_offload.bench.multiturn.dists import dist_from_spec, parse_dist
-from vllm_npu_offload.bench.multiturn.generate import generate, load_conversations
+from benchmarks.multiturn import BenchError
+from benchmarks.multiturn.dists import dist_from_spec, parse_dist
+from benchmarks.multiturn.generate import generate, load_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_multiturn.py")]
@@ -131,10 +131,10 @@ def test_cli_generate(tmp_path):
 
 
 def test_report_and_plot_from_fake_runs(tmp_path):
-    from vllm_npu_offload.bench.multiturn.client import RequestResult
-    from vllm_npu_offload.bench.multiturn.plot import plot_ttft_by_turn
-    from vllm_npu_offload.bench.multiturn.report import format_compare, format_summary, summarize
-    from vllm_npu_offload.bench.multiturn.server_metrics import delta
+    from benchmarks.multiturn.client import RequestResult
+    from benchmarks.multiturn.plot import plot_ttft_by_turn
+    from benchmarks.multiturn.report import format_compare, format_summary, summarize
+    from benchmarks.multiturn.server_metrics import delta
 
     def fake(label, scale):
         res = [RequestResult(f"c{c}", t, 0, 0.0, 10.0 * scale * (t + 1), 2.0, 50.0 * scale, 100 + 20 * t, 8, 8,
@@ -165,7 +165,7 @@ def test_launcher_failures_are_bounded_and_cleaned_up(tmp_path, body, timeout, m
     """A server that dies or never gets healthy: clear error with the log tail, process group gone."""
     import os
 
-    from vllm_npu_offload.bench.multiturn.launcher import vllm_server
+    from benchmarks.multiturn.launcher import vllm_server
 
     fake = tmp_path / "fakepython"
     fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\n{body}\n")
@@ -181,15 +181,15 @@ def test_launcher_failures_are_bounded_and_cleaned_up(tmp_path, body, timeout, m
 
 
 def test_client_side_imports_neither_vllm_nor_torch():
-    code = ("import sys; import vllm_npu_offload.bench.multiturn.cli, vllm_npu_offload.bench.multiturn.compare, "
-            "vllm_npu_offload.bench.multiturn.launcher; "
+    code = ("import sys; import benchmarks.multiturn.cli, benchmarks.multiturn.compare, "
+            "benchmarks.multiturn.launcher; "
             "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
 def test_launcher_pins_the_server_to_the_cpus_asked_for(tmp_path):
-    from vllm_npu_offload.bench.multiturn.launcher import vllm_server
+    from benchmarks.multiturn.launcher import vllm_server
 
     fake = tmp_path / "fakepython"
     fake.write_text(f"#!/bin/sh\ngrep Cpus_allowed_list /proc/$$/status > {tmp_path}/cpus\nexit 3\n")

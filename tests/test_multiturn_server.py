@@ -15,7 +15,7 @@ CONCURRENT = 32
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    from vllm_npu_offload.bench.multiturn.launcher import tiny_server_setup, vllm_server
+    from benchmarks.multiturn.launcher import tiny_server_setup, vllm_server
 
     work = tmp_path_factory.mktemp("mt-server")
     model, args, env = tiny_server_setup(work, max_model_len=1024)
@@ -27,8 +27,8 @@ def server_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(server_url):
-    from vllm_npu_offload.bench.multiturn.driver import DriverConfig, run_load
-    from vllm_npu_offload.bench.multiturn.generate import Conversation, generate
+    from benchmarks.multiturn.driver import DriverConfig, run_load
+    from benchmarks.multiturn.generate import Conversation, generate
 
     cfg = {"num_conversations": N_CONV, "num_system_prompts": 1,
            "prompt_input": {"num_turns": 2 * TURNS, "common_prefix_num_tokens": 40, "prefix_num_tokens": 20,
@@ -40,7 +40,7 @@ def run(server_url):
 
 
 def test_every_request_accounted_and_consistent(run):
-    from vllm_npu_offload.bench.multiturn.report import summarize
+    from benchmarks.multiturn.report import summarize
 
     res = run["results"]
     assert len(res) == N_CONV * TURNS == run["planned"] and run["skipped"] == 0
@@ -69,7 +69,7 @@ def test_cli_run_and_compare_against_urls(server_url, tmp_path):
     """The CLI end to end (run + compare via --url-off/--url-on), including JSON and PNG."""
     import json
 
-    from vllm_npu_offload.bench.multiturn.cli import main
+    from benchmarks.multiturn.cli import main
 
     common = ["-n", "2", "--turns", "2", "--system", "20", "--prefix", "0", "--user", "8", "--answer", "4",
               "--clients", "2", "--warmup", "0", "--no-progress", "--out", str(tmp_path)]
@@ -84,9 +84,9 @@ def test_cli_run_and_compare_against_urls(server_url, tmp_path):
 
 
 def test_bad_model_name_fails_clearly(server_url):
-    from vllm_npu_offload.bench.multiturn.driver import DriverConfig, run_load
-    from vllm_npu_offload.bench.multiturn import BenchError
-    from vllm_npu_offload.bench.multiturn.generate import Conversation
+    from benchmarks.multiturn.driver import DriverConfig, run_load
+    from benchmarks.multiturn import BenchError
+    from benchmarks.multiturn.generate import Conversation
 
     conv = [Conversation("c", [{"role": "user", "content": "w1 w2"}])]
     with pytest.raises(BenchError, match="warm-up request .* failed: .*404"):
@@ -100,7 +100,7 @@ def test_concurrent_completions_come_back_from_host(server_url):
     and seconds (they come from the TransferResults NPUOffloadingSpec reports)."""
     import httpx
 
-    from vllm_npu_offload.bench.multiturn.server_metrics import delta, scrape
+    from benchmarks.multiturn.server_metrics import delta, scrape
     from vllm_npu_offload.demo.tiny_model import random_words
 
     system = random_words(60, 100)  # shared by every prompt, plus 40 words of its own: 3 full blocks

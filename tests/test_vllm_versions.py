@@ -1,6 +1,6 @@
 """The start-up version check: a vLLM outside the supported range fails when any of our vLLM-facing
 modules is imported, with one error naming the installed version and the supported range, never a
-traceback from inside vLLM. scripts/version_matrix.sh runs this file in every release's venv
+traceback from inside vLLM. scripts/dev/version_matrix.sh runs this file in every release's venv
 (vLLM 0.18.0 included, which is refused for real); here an old version is also faked."""
 
 from __future__ import annotations

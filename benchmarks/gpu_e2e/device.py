@@ -465,7 +465,7 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
 def _mt_conversations(a, seed: int) -> tuple[dict, list]:
     """The multi-turn workload; each ``seed`` gives new texts, so a later pass finds none of an
     earlier pass's prefixes cached."""
-    from vllm_npu_offload.bench.multiturn.generate import Conversation, generate
+    from benchmarks.multiturn.generate import Conversation, generate
 
     cfg = {"filetype": "generate_conversations", "num_conversations": a.mt_conversations, "text_files": [],
            "seed": seed, "num_system_prompts": 1, "max_context_tokens": 7000,
@@ -486,10 +486,10 @@ def part_multiturn(work: Path, a, out: Path) -> dict:
     from dataclasses import replace
     from functools import partial
 
-    from vllm_npu_offload.bench.multiturn.compare import run_one
-    from vllm_npu_offload.bench.multiturn.driver import DriverConfig
-    from vllm_npu_offload.bench.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
-    from vllm_npu_offload.bench.multiturn.report import format_compare, run_payload, write_json
+    from benchmarks.multiturn.compare import run_one
+    from benchmarks.multiturn.driver import DriverConfig
+    from benchmarks.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
+    from benchmarks.multiturn.report import format_compare, run_payload, write_json
     from .engine import kv_transfer_config
 
     model = build_shape_model(work / "llama8b-v1000", "llama8b", 1000)  # server detokenizes: vocab = tokenizer's

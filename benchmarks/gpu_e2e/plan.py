@@ -1,6 +1,6 @@
 """The device calls of a full GPU yardstick, in order, with their expected wall time and priority.
 
-``scripts/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
+``scripts/dev/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
 ran is written to $OUT and comes back). Priorities: 1 = staging, both smokes, correctness of every
@@ -57,7 +57,7 @@ INSTALL_S = 90  # unpack ~100 MB xz, pip-install the wheels, build the CUDA copy
 
 def calls(parts: int, rel: str = ".gpu", max_priority: int = 3) -> list[dict]:
     """Every device call: the stage calls (the last also installs and runs the first smoke), then RUNS."""
-    s = f"bash {rel}/e2e_src/scripts/gpu_e2e.sh"
+    s = f"bash {rel}/e2e_src/scripts/dev/gpu_e2e.sh"
     out = []
     for i in range(1, parts + 1):
         cmd, est, what = f"{s} stage {rel}/part{i}", STAGE_S, f"stage part {i} of {parts}"

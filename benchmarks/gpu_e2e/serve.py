@@ -227,7 +227,7 @@ def client_sources(client_dir: Path = CLIENT_DIR) -> dict:
     client_dir = Path(client_dir)
     src = client_dir / SOURCE_JSON
     if not src.exists():
-        raise FileNotFoundError(f"{src}: vLLM's multi-turn client is not there; run `scripts/gpu_e2e.sh prepare`")
+        raise FileNotFoundError(f"{src}: vLLM's multi-turn client is not there; run `scripts/dev/gpu_e2e.sh prepare`")
     man = json.loads(src.read_text())
     for name in CLIENT_FILES:
         digest = hashlib.sha256((client_dir / name).read_bytes()).hexdigest()
@@ -403,7 +403,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
               gpu_bytes: int, host_bytes: int, write=None) -> dict:
     """Start the servers of one (layout, load), run the passes, stop them. ``write(res)`` is called
     after every run (partial results survive a call cut off by its time limit)."""
-    from vllm_npu_offload.bench.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
+    from benchmarks.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
 
     from .models import build_shape_model, write_corpus
 

@@ -31,7 +31,7 @@ VLLM_VERSION = "0.23.0"
 VLLM_WHEEL = "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
 # The sdist holds benchmarks/multi_turn/ (vLLM's multi-turn client), which the wheel does not.
 VLLM_SDIST = "vllm-0.23.0.tar.gz"
-VLLM_SDIST_SHA256 = "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5"  # as scripts/setup_v023.sh
+VLLM_SDIST_SHA256 = "760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5"  # as scripts/dev/setup_v023.sh
 CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_utils.py")
 CLIENT_SOURCE = "SOURCE.json"
 INDEX_URL = "https://pypi.org/simple"

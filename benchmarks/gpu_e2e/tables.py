@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from vllm_npu_offload.bench.multiturn.report import _fmt, _table
+from benchmarks.multiturn.report import _fmt, _table
 
 PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the tables need (not the smoke, not the

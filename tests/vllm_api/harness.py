@@ -1,5 +1,5 @@
 """Drive the installed vLLM's real Scheduler and worker-role connector without a model
-(any release from 0.21 on; scripts/setup_vllm.sh builds one venv per release).
+(any release from 0.21 on; scripts/dev/setup_vllm.sh builds one venv per release).
 
 The scheduler-role connector (``OffloadingConnector`` with its ``CPUOffloadingManager``, or a
 ``SimpleCPUOffloadConnector`` with its ``SimpleCPUOffloadScheduler``) lives inside
@@ -301,7 +301,7 @@ def stacked_caches(layers: list[str] = LAYERS, num_blocks: int = NB, heads: int 
 
 def spec_core(spec):
     """The ``OffloadWorkerCore`` behind our spec's worker side (handlers or one worker)."""
-    if spec._npu_handlers is not None:  # 0.21-0.24: two handlers over one core (held directly or in a SharedCore)
+    if spec._npu_handlers is not None:  # 0.21-0.24: two handlers over one core
         store, load = spec._npu_handlers
         core_of = (lambda h: h.core) if hasattr(store, "core") else (lambda h: h.shared.core)
         assert core_of(store) is core_of(load)

@@ -2,7 +2,7 @@
 
 That vLLM's Scheduler runs our connector's scheduler role (vLLM's SimpleCPUOffloadScheduler
 underneath); a worker-role connector runs our NPUSimpleCPUOffloadWorker on CPU "device" KV.
-Runs on every release from 0.21 (scripts/setup_vllm.sh VERSION; all: scripts/version_matrix.sh).
+Runs on every release from 0.21 (scripts/dev/setup_vllm.sh VERSION; all: scripts/dev/version_matrix.sh).
 """
 
 import pytest

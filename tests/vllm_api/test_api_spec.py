@@ -2,8 +2,8 @@
 
 Store and load jobs go through that vLLM's Scheduler (scheduler-role OffloadingConnector with
 the real CPUOffloadingManager) and a worker-role connector; bytes are checked block by block.
-Runs on every release from 0.21 (venvs from scripts/setup_vllm.sh VERSION; all of them:
-scripts/version_matrix.sh).
+Runs on every release from 0.21 (venvs from scripts/dev/setup_vllm.sh VERSION; all of them:
+scripts/dev/version_matrix.sh).
 """
 
 import pytest

@@ -14,7 +14,7 @@ import re
 logger = logging.getLogger(__name__)
 
 OLDEST = (0, 21, 0)  # first with kv_offload/base.py (and the first vLLM-Ascend with SimpleCPUOffload)
-NEWEST_TESTED = (0, 33, 0)  # the newest release scripts/version_matrix.sh ran (docs/support.md)
+NEWEST_TESTED = (0, 33, 0)  # the newest release scripts/dev/version_matrix.sh ran (docs/support.md)
 SUPPORTED_RANGE = "vLLM >= 0.21.0 (tested 0.21.0 to 0.33.0; vLLM-Ascend 0.21.0rc1 and later)"
 
 

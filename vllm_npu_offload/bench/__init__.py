@@ -1,1 +1,0 @@
-"""Benchmarks; ``scripts/`` wraps them. ``transfer``: torch/numpy/triton. ``multiturn``: HTTP client only."""
