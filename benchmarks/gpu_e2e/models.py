@@ -127,21 +127,11 @@ def _config(shape: Shape, overrides: dict, vocab_size: int, layers: int | None =
 
 def build_tokenizer(out: Path) -> Path:
     """The word-level serving tokenizer (``SERVE_VOCAB`` ids) into ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from vllm_npu_offload.demo.tiny_model import word_tokenizer
 
-    vocab: dict[str, int] = {}
-    for t in SPECIALS + CLIENT_WORDS + [str(i) for i in range(MAX_CONVERSATION_ID + 1)]:
-        vocab.setdefault(t, len(vocab))
-    i = 0
-    while len(vocab) < SERVE_VOCAB:
-        vocab[f"w{i}"] = len(vocab)
-        i += 1
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="unk"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
     # eos only: a special token is dropped from the streamed text, and a dummy model may sample any id
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="eos")
+    hf = word_tokenizer(SPECIALS + CLIENT_WORDS + [str(i) for i in range(MAX_CONVERSATION_ID + 1)], SERVE_VOCAB,
+                        "unk", eos_token="eos")
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
     return out

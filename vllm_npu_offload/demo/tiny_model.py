@@ -20,22 +20,10 @@ def build_tiny_llama(out_dir: str | os.PathLike, seed: int = 0, num_layers: int 
     if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, "layers": num_layers}:
         return out
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab: dict[str, int] = {}
-    for t in ["<unk>", "<s>", "</s>", "<pad>"] + WORDS:
-        vocab.setdefault(t, len(vocab))
-    i = 0
-    while len(vocab) < VOCAB_SIZE:
-        vocab[f"w{i}"] = len(vocab)
-        i += 1
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    hf_tok = word_tokenizer(["<unk>", "<s>", "</s>", "<pad>"] + WORDS, VOCAB_SIZE, "<unk>", unk_token="<unk>",
+                            bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
@@ -47,6 +35,25 @@ def build_tiny_llama(out_dir: str | os.PathLike, seed: int = 0, num_layers: int 
     hf_tok.save_pretrained(out)
     marker.write_text(json.dumps({"seed": seed, "layers": num_layers}))
     return out
+
+
+def word_tokenizer(words: list[str], vocab_size: int, unk: str, **specials):
+    """A word-level tokenizer (offline, no model hub): ``words`` first, then ``w0``, ``w1``, ... up to
+    ``vocab_size`` ids; ``specials`` are the Hugging Face wrapper's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for t in words:
+        vocab.setdefault(t, len(vocab))
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab[f"w{i}"] = len(vocab)
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
 
 
 def random_words(n: int, seed: int) -> str:
