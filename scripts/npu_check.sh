@@ -2,7 +2,7 @@
 # Verify the Ascend NPU backend on a machine with an NPU and CANN (A2/A3, CANN >= 8.5 for batch).
 # The NPU path was developed against torch-npu's ACL headers and an ACL emulation only;
 # this script is what proves it on hardware: H2D/D2H round trips, the device->device (D2D)
-# gather/scatter of staged copies (tests/test_npu_device.py::test_staged_d2d_gather_scatter),
+# gather/scatter of staged copies (tests/native/test_npu_device.py::test_staged_d2d_gather_scatter),
 # exact pinning and the Ascend K/V layouts. Usage (from the repo root, CANN env sourced):
 #   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # or your CANN's set_env.sh
 #   bash scripts/npu_check.sh [python]

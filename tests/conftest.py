@@ -1,7 +1,16 @@
+"""Tests mirror the package: core/ (worker core, engine, planning, device KV, env), native/ (the C
+libraries and their copy paths), integration/ (connectors and spec in a vLLM engine or config),
+vllm_api/ (each vLLM release's own scheduler and connectors), bench/ (benchmark code), demo/.
+Shared fakes and rigs live in support/, which is put on sys.path here."""
+
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

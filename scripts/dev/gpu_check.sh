@@ -34,8 +34,8 @@ step build 120 bash -c "$PY csrc_cuda/build.py --out vllm_npu_offload/_native &&
 if $PY -c 'import pytest' 2>/dev/null; then
   step tests 300 $PY -m pytest -m gpu tests/ -v -rs -p no:cacheprovider --continue-on-collection-errors
 else
-  echo "pytest not installed: running tests/test_cuda_gpu.py directly"
-  step tests 300 $PY tests/test_cuda_gpu.py
+  echo "pytest not installed: running tests/native/test_cuda_gpu.py directly"
+  step tests 300 $PY tests/native/test_cuda_gpu.py
 fi
 step core 240 $PY scripts/bench_core.py --reps 10 --json "$OUT/core.json"
 step core_triton 120 env NPU_OFFLOAD_STAGE_GATHER=triton $PY scripts/bench_core.py --reps 10 \

@@ -58,7 +58,7 @@ fi
 DEFAULT_VENV=$ROOT/.venvs/$NAME
 DEFAULT_DL=$ROOT/.cache/vllm
 if [[ $NAME == vllm-0.23.0 ]]; then  # where scripts/dev/setup_v023.sh put them (scripts/dev/gpu_e2e.sh and
-  DEFAULT_VENV=$ROOT/.venv023        # tests/test_gpu_yard.py look for the 0.23.0 sdist there)
+  DEFAULT_VENV=$ROOT/.venv023        # tests/bench/test_gpu_yard.py look for the 0.23.0 sdist there)
   DEFAULT_DL=$ROOT/.cache/v023
 fi
 VENV=${VLLM_VENV:-$DEFAULT_VENV}

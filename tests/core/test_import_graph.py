@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "vllm_npu_offload"
+PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 NAME = "vllm_npu_offload"
 
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = ("spec", "connector", "simple_connector")  # what vLLM imports from kv_connector(_extra)_config
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -2,7 +2,7 @@
 destinations, odd sizes and offsets, 1 and 100k descriptors, errors, and the
 TransferEngine end to end. Marked ``gpu``; skipped without a CUDA device.
 
-Runs without pytest too (``python tests/test_cuda_gpu.py``) for machines that lack it.
+Runs without pytest too (``python tests/native/test_cuda_gpu.py``) for machines that lack it.
 Set ``NPU_OFFLOAD_REQUIRE_NATIVE=1`` to fail, not skip, when the library is missing.
 """
 
@@ -22,7 +22,7 @@ try:
 except ImportError:  # the no-pytest runner at the bottom
     pytest = None
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NPU_OFFLOAD_CACHE_DIR", tempfile.mkdtemp(prefix="npo_cal_"))
 

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.gpu_e2e import stage, tables
 from benchmarks.gpu_e2e.engine import kv_transfer_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_parts_fills_budget_and_keeps_pieces_contiguous():

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.gpu_e2e import engine, kv_layouts, models, plan, serve, stage, tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 H200 = 143771 * (1 << 20)  # nvidia-smi's memory.total of the lent H200
 HOST = 128 * GiB
@@ -133,7 +133,7 @@ def test_perlayer_connector_registers_k_and_v_apart_and_round_trips(tiny_model):
     from vllm_npu_offload.integration import compat
 
     if compat.API == "handlers":
-        pytest.skip("vLLM 0.21-0.24 API: tests/v023")
+        pytest.skip("vLLM 0.21-0.24 API: tests/vllm_api")
     conn, register = worker_connector(tiny_model, PerLayerOffloadingConnector,
                                       {"cpu_bytes_to_use": 8 * PAGE * len(LAYERS), **SPEC_EXTRA},
                                       ("PerLayerOffloadingConnector", "benchmarks.gpu_e2e.perlayer"))

@@ -9,7 +9,7 @@ import pytest
 from vllm_npu_offload import env
 from vllm_npu_offload.info import format_info
 
-PKG = Path(__file__).resolve().parents[1] / "vllm_npu_offload"
+PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 
 
 @pytest.mark.parametrize("name, raw, value", [

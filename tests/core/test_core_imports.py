@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "vllm_npu_offload"
+PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 ADAPTERS = ("integration", "demo", "__main__")
 
 

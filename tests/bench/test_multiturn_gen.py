@@ -13,7 +13,7 @@ from benchmarks.multiturn import BenchError
 from benchmarks.multiturn.dists import dist_from_spec, parse_dist
 from benchmarks.multiturn.generate import generate, load_conversations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_multiturn.py")]
 
 CFG = {
