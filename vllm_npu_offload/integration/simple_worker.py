@@ -122,8 +122,8 @@ class HostSize:
 
 def host_size(kv_cache_config, cpu_capacity_bytes: int, page_bytes: Sequence[int]) -> HostSize:
     """Host blocks = the scheduler's CPU block count, derived by vLLM's own code for the
-    installed version (0.23 divides the capacity by the sum of its per-layer tensors, >= 0.26 by
-    the one shared allocation), so every block id it hands out exists here and no block is
+    installed version (0.21-0.28 divide the capacity by the sum of their per-layer tensors, >= 0.29
+    by the one shared allocation), so every block id it hands out exists here and no block is
     allocated that it never uses."""
     blocks = compat.simple_scheduler_cpu_blocks(kv_cache_config, cpu_capacity_bytes)
     size = HostSize(blocks, HostLayout.build(page_bytes, 1, blocks).record_bytes, cpu_capacity_bytes)
