@@ -12,9 +12,9 @@ three rules that the upstream and vLLM-Ascend ports broke:
 2. The load event -> request map is the worker's own, filled at ``bind`` and emptied
    only when that event's completion has been reported, so a load that finishes
    steps later is still reported even if the scheduler stops resending the mapping.
-3. Copy threads hand completions to the engine thread through ``CompletionQueue``
-   (locked deque, drained as a whole); no list is iterated by one thread while
-   another appends to it.
+3. Completions come from the transfer engine's ``poll`` (the one completion plumbing of
+   both connectors: locked, each job reported exactly once) and are applied on the engine
+   thread; no list is iterated by one thread while another appends to it.
 
 Every accepted event produces exactly one ``Completion``; a failed copy is a
 completion with ``success=False`` (loads: requests reported with their device
@@ -24,8 +24,6 @@ blocks as load errors; stores: reported as failed, never as completed).
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -65,38 +63,17 @@ class Completion:
     error: str | None = None
 
 
-class CompletionQueue:
-    """Many producers (copy threads), one consumer (the engine thread)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._items: deque[Completion] = deque()
-
-    def put(self, item: Completion) -> None:
-        with self._lock:
-            self._items.append(item)
-
-    def drain(self) -> list[Completion]:
-        """Everything put so far, each item exactly once (swap under the lock)."""
-        with self._lock:
-            items, self._items = self._items, deque()
-        return list(items)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-
 class Transport(Protocol):
-    """Moves blocks; every ``launch`` eventually yields one Completion in the queue."""
+    """Moves blocks; every ``launch`` eventually yields one Completion from ``poll`` or ``flush``."""
 
     def launch(self, direction: Direction, event_idx: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None: ...
 
-    def pump(self, queue: CompletionQueue) -> None:
-        """Non-blocking: put completions of finished transfers."""
+    def poll(self) -> list[Completion]:
+        """Non-blocking: completions of transfers finished since the last call, each once.
+        Thread-safe: copies may finish on any thread."""
 
-    def flush(self, queue: CompletionQueue) -> None:
-        """Block until every launched transfer has finished; put their completions."""
+    def flush(self) -> list[Completion]:
+        """Block until every launched transfer has finished; their completions not yet polled."""
 
     def shutdown(self) -> None: ...
 
@@ -124,12 +101,12 @@ class CoreStats:
 
 
 class SimpleOffloadCore:
-    """Event bookkeeping for one worker. All methods run on the engine thread,
-    except ``completions.put`` which any copy thread may call."""
+    """Event bookkeeping for one worker. All methods run on the engine thread; the transport
+    is the only thing copy threads touch."""
 
     def __init__(self, transport: Transport):
         self.transport = transport
-        self.completions = CompletionQueue()
+        self._ready: list[Completion] = []  # polled or failed at launch, not applied yet
         self.stats = CoreStats()
         self._max_seen = {Direction.H2D: NO_EVENT, Direction.D2H: NO_EVENT}
         self._pending: dict[Direction, _Pending] = {}
@@ -189,7 +166,7 @@ class SimpleOffloadCore:
             self.transport.launch(direction, p.event_idx, p.src, p.dst)
         except Exception as e:  # noqa: BLE001 - becomes a failed completion, never a hang
             logger.error("simple offload: %s event %d failed to launch: %s", direction.name, p.event_idx, e)
-            self.completions.put(Completion(direction, p.event_idx, False, f"{type(e).__name__}: {e}"))
+            self._ready.append(Completion(direction, p.event_idx, False, f"{type(e).__name__}: {e}"))
 
     def launch_all(self) -> None:
         for d in (Direction.H2D, Direction.D2H):
@@ -198,13 +175,13 @@ class SimpleOffloadCore:
     def flush(self) -> None:
         """Preemption: wait for all work, including bound work not submitted yet."""
         self.launch_all()
-        self.transport.flush(self.completions)
+        self._ready += self.transport.flush()
 
     # -- reporting ----------------------------------------------------------------------
     def collect(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call. Safe to call any number of times."""
-        self.transport.pump(self.completions)
-        for c in self.completions.drain():
+        ready, self._ready = self._ready + self.transport.poll(), []
+        for c in ready:
             self._apply(c)
         fin, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
@@ -250,7 +227,7 @@ class SimpleOffloadCore:
         return len(self._loads), len(self._stores)
 
     def is_idle(self) -> bool:
-        return not (self._loads or self._stores or self._pending or len(self.completions)
+        return not (self._loads or self._stores or self._pending or self._ready
                     or self._finished_recving or self._failed_recving or self._load_error_blocks
                     or self._completed_stores or self._failed_stores)
 
@@ -302,13 +279,12 @@ class CoreTransport:
         dev, host = (src, dst_ids) if direction is Direction.D2H else (dst_ids, src)
         self.core.submit(_job_id(direction, event_idx), direction, dev, [len(src)], [0], host)
 
-    def pump(self, queue: CompletionQueue) -> None:
-        for r in self.core.poll():
-            queue.put(Completion(r.direction, r.job_id // 2, r.success, r.error))
+    def poll(self) -> list[Completion]:
+        return [Completion(r.direction, r.job_id // 2, r.success, r.error) for r in self.core.poll()]
 
-    def flush(self, queue: CompletionQueue) -> None:
+    def flush(self) -> list[Completion]:
         self.core.engine.drain()
-        self.pump(queue)
+        return self.poll()
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -33,13 +33,14 @@ class NullTransport:
         from vllm_npu_offload.simple_core import Completion
 
         d, ev = self.outstanding.popleft()
-        core.completions.put(Completion(d, ev, True))
+        self.ready.append(Completion(d, ev, True))
 
-    def pump(self, q):
-        pass
+    def poll(self):
+        ready, self.ready = self.ready, []
+        return ready
 
-    def flush(self, q):
-        pass
+    def flush(self):
+        return self.poll()
 
     def shutdown(self):
         pass

@@ -20,7 +20,6 @@ from vllm_npu_offload.device_kv import DeviceKVTensor, dedupe_segments, placemen
 from vllm_npu_offload.platform import get_platform
 from vllm_npu_offload.simple_core import (
     Completion,
-    CompletionQueue,
     CoreTransport,
     SimpleOffloadCore,
     StepPlan,
@@ -98,7 +97,7 @@ def test_concurrent_append_during_flush_is_not_lost():
     thread iterates and then clear()s in flush; an append landing during the iteration is
     wiped by clear() and that load is never reported (hang). Reproduced deterministically
     by letting the copy thread append between flush's loop and its clear().
-    Ours: producers put into a locked queue that the consumer swaps out whole."""
+    Ours: finished copies are taken from the transport's locked poll, never from a shared list."""
     naive = NaiveWorker()
 
     class RacyList(list):  # schedules the copy thread exactly in the race window
@@ -113,21 +112,23 @@ def test_concurrent_append_during_flush_is_not_lost():
     flushed = naive.flush()
     assert flushed == {0} and naive.load_events == []  # the defect: event 1 is lost
 
-    q = CompletionQueue()
-    n, producers = 50_000, 4
-    got = []
-
-    def produce(k):
-        for i in range(k, n, producers):
-            q.put(Completion(H2D, i, True))
-
-    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
-    for th in threads:
-        th.start()
-    while any(th.is_alive() for th in threads):
-        got += [c.event_idx for c in q.drain()]
-    got += [c.event_idx for c in q.drain()]
-    assert sorted(got) == list(range(n))
+    # ours: copy threads finish events while the engine thread flushes; every one is reported
+    t = ThreadedTransport(producers=4, fail_rate=0.0, seed=3)
+    core = SimpleOffloadCore(t)
+    reported = Counter()
+    try:
+        for ev in range(5000):
+            core.bind(load_plan(ev, [f"r{ev}"]))
+            core.launch(H2D)
+            if ev % 97 == 0:
+                core.flush()
+            reported.update(core.collect()[0])
+        core.flush()
+        reported.update(core.collect()[0])
+    finally:
+        t.shutdown()
+    assert reported == Counter(f"r{ev}" for ev in range(5000))
+    assert core.is_idle()
 
 
 # -- stress ------------------------------------------------------------------------------
@@ -136,9 +137,8 @@ def test_stress_threads_random_order_exactly_once():
     steps; get_finished is called 0-3 times per step; some steps flush (preemption) and
     some resend stale mappings. Every request and store is reported exactly once."""
     rng = random.Random(1234)
-    core = SimpleOffloadCore(transport=None)  # transport needs the core's queue
-    t = ThreadedTransport(core.completions, producers=4, fail_rate=0.05, seed=7)
-    core.transport = t
+    t = ThreadedTransport(producers=4, fail_rate=0.05, seed=7)
+    core = SimpleOffloadCore(t)
     reqs_of: dict[int, list[str]] = {}
     reported, failed_reqs = Counter(), Counter()
     stores_ok, stores_bad = Counter(), Counter()
@@ -205,9 +205,7 @@ def test_duplicate_and_unknown_completions_are_ignored():
     core = SimpleOffloadCore(t)
     core.bind(load_plan(0, ["a"]))
     core.launch(H2D)
-    core.completions.put(Completion(H2D, 0, True))
-    core.completions.put(Completion(H2D, 0, True))
-    core.completions.put(Completion(D2H, 9, True))
+    t.ready += [Completion(H2D, 0, True), Completion(H2D, 0, True), Completion(D2H, 9, True)]
     assert core.collect() == ({"a"}, set())
     assert core.stats.ignored_completions == 2
 

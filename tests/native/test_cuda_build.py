@@ -294,3 +294,29 @@ def test_chooser_heuristic_and_missing_everything():
     assert heuristic_choice([1 << 20], False, True).store == "sm"
     with pytest.raises(RuntimeError, match="triton is not installed"):
         heuristic_choice([4096], False, False)
+
+
+def test_chooser_measures_only_the_directions_asked(monkeypatch, tmp_path):
+    """A core whose stores go staged asks only for the load's direct path: the store's
+    calibration (16 MiB timed per path) is not run just to be replaced."""
+    from types import SimpleNamespace
+
+    from vllm_npu_offload import calibration
+    from vllm_npu_offload.copy import cuda_paths
+    from vllm_npu_offload.copy.base import Direction
+
+    monkeypatch.setenv("NPU_OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "1")
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    monkeypatch.setattr(cuda_paths, "dma_available", lambda: None)
+    monkeypatch.setattr(cuda_paths.sm_triton, "HAS_TRITON", True)
+    monkeypatch.setattr(cuda_paths, "native_gather_built", lambda: False)
+    measured = []
+    monkeypatch.setattr(cuda_paths, "calibrate",
+                        lambda platform, pages, d, names: measured.append(d) or {"choice": "dma", "gbps": {}})
+    plat = SimpleNamespace(device_name=lambda: "fake-gpu")
+    choice = cuda_paths.choose_cuda(plat, [4096], (Direction.H2D,))
+    assert measured == [Direction.H2D]
+    assert (choice.load, choice.store) == ("dma", "sm")  # the store keeps the heuristic's pick
+    choice = cuda_paths.choose_cuda(plat, [8192], tuple(Direction))
+    assert measured[1:] == [Direction.H2D, Direction.D2H] and (choice.load, choice.store) == ("dma", "dma")

@@ -16,7 +16,7 @@ from collections import Counter
 
 from vllm_npu_offload.copy.base import CopyPath, Direction
 from vllm_npu_offload.errors import CopyError
-from vllm_npu_offload.simple_core import NO_EVENT, Completion, CompletionQueue, StepPlan
+from vllm_npu_offload.simple_core import NO_EVENT, Completion, StepPlan
 
 
 class ManualTransport:
@@ -35,26 +35,25 @@ class ManualTransport:
         self.outstanding.remove((direction, event_idx))
         self.ready.append(Completion(direction, event_idx, success, None if success else "injected"))
 
-    def pump(self, queue: CompletionQueue):
+    def poll(self):
         ready, self.ready = self.ready, []
-        for c in ready:
-            queue.put(c)
+        return ready
 
-    def flush(self, queue: CompletionQueue):
+    def flush(self):
         for d, e in list(self.outstanding):
             self.finish(d, e)
-        self.pump(queue)
+        return self.poll()
 
     def shutdown(self):
         pass
 
 
 class ThreadedTransport:
-    """Producer threads complete launched events in random order at random times and
-    put the completions straight into the core's queue (as a copy thread would)."""
+    """Producer threads complete launched events in random order at random times; ``poll`` (on
+    the engine thread) takes what they finished, as the transfer engine's locked poll does."""
 
-    def __init__(self, queue: CompletionQueue, producers: int = 4, fail_rate: float = 0.05, seed: int = 0):
-        self.queue = queue
+    def __init__(self, producers: int = 4, fail_rate: float = 0.05, seed: int = 0):
+        self._done: list[Completion] = []
         self.fail_rate = fail_rate
         self.launches: Counter = Counter()
         self.failed: set[tuple[Direction, int]] = set()
@@ -89,8 +88,8 @@ class ThreadedTransport:
     def _complete(self, item, ok):
         if not ok:
             self.failed.add(item)
-        self.queue.put(Completion(item[0], item[1], ok, None if ok else "injected"))
         with self._cv:
+            self._done.append(Completion(item[0], item[1], ok, None if ok else "injected"))
             self._in_progress -= 1
             self._cv.notify_all()
 
@@ -103,10 +102,12 @@ class ThreadedTransport:
                 threading.Event().wait(rng.random() * 1e-4)  # finish "later", at a random step
             self._complete(item, rng.random() >= self.fail_rate)
 
-    def pump(self, queue):
-        pass  # producers put directly
+    def poll(self):
+        with self._cv:
+            done, self._done = self._done, []
+        return done
 
-    def flush(self, queue):
+    def flush(self):
         with self._cv:
             items, self._outstanding = self._outstanding, []
             self._in_progress += len(items)
@@ -115,6 +116,7 @@ class ThreadedTransport:
         with self._cv:
             while self._in_progress:
                 self._cv.wait(0.01)
+        return self.poll()
 
     def shutdown(self):
         with self._cv:

@@ -53,13 +53,16 @@ def available_paths(kind: str = "cpu") -> tuple[str, ...]:
     return tuple(path_factories(kind))
 
 
-def default_choice(platform: Platform, page_sizes: "list[int] | None" = None) -> BackendChoice:
+def default_choice(platform: Platform, page_sizes: "list[int] | None" = None,
+                   measure: "tuple[Direction, ...]" = tuple(Direction)) -> BackendChoice:
+    """The platform's pick per direction; only ``measure``'s directions are calibrated (a core
+    whose stores go staged never uses a measured direct store path)."""
     if platform.kind == "cpu":
         return BackendChoice("host", "host")
     found = platform_paths(platform.kind)
     if found is None:
         raise RuntimeError(f"no copy path is available for device kind {platform.kind!r}; build the native library")
-    return found.choose(platform, list(page_sizes or []))
+    return found.choose(platform, list(page_sizes or []), tuple(measure))
 
 
 def staged_paths(platform: Platform, page_sizes: "list[int]") -> "tuple[CopyPath, CopyPath] | None":
@@ -83,7 +86,8 @@ class NPUDmaCopyBackend:
 
     ENV_FORCE = "NPU_OFFLOAD_COPY_PATH"
 
-    def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None):
+    def __init__(self, platform: Platform, page_sizes: list[int] | None = None, choice: BackendChoice | None = None,
+                 measure: tuple[Direction, ...] = tuple(Direction)):
         self.platform = platform
         factories = path_factories(platform.kind)
         forced = env.get(self.ENV_FORCE)
@@ -92,7 +96,7 @@ class NPUDmaCopyBackend:
                 raise ValueError(f"{self.ENV_FORCE}={forced!r} is not one of {tuple(factories)}")
             choice = BackendChoice(forced, forced)
         pages = list(page_sizes or [])
-        self.choice = choice or default_choice(platform, pages)
+        self.choice = choice or default_choice(platform, pages, measure)
         self._paths: dict[Direction, CopyPath] = {}
         for d, name in ((Direction.H2D, self.choice.load), (Direction.D2H, self.choice.store)):
             if name not in factories:

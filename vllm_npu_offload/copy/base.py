@@ -84,11 +84,12 @@ PathFactory = Callable[["Platform", "list[int]"], CopyPath]  # (platform, page s
 @dataclass(frozen=True)
 class PlatformPaths:
     """What one device kind's copy module offers (``cuda_paths.PATHS``, ``npu_paths.PATHS``):
-    its named paths, how to choose one per direction (it may measure), and the (local, link)
-    pair for staged transfers (raises ImportError / RuntimeError when staging is unavailable)."""
+    its named paths, how to choose one per direction (it may measure, only the directions it is
+    given: the others get its unmeasured default), and the (local, link) pair for staged
+    transfers (raises ImportError / RuntimeError when staging is unavailable)."""
 
     paths: dict[str, PathFactory]
-    choose: Callable[["Platform", "list[int]"], BackendChoice]
+    choose: Callable[["Platform", "list[int]", "tuple[Direction, ...]"], BackendChoice]
     staged: Callable[["Platform", "list[int]"], "tuple[CopyPath, CopyPath]"]
 
 

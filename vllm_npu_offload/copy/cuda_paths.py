@@ -139,8 +139,10 @@ def calibrate(platform: Platform, page_sizes: list[int], direction: Direction, n
     return {"choice": max(gbps, key=gbps.get), "gbps": gbps, "descriptors": len(sizes), "time": time.time()}
 
 
-def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
-    """The faster of ``dma`` and ``sm`` per direction, measured once per GPU and page sizes."""
+def choose_cuda(platform: Platform, page_sizes: list[int], measure: tuple[Direction, ...] = tuple(Direction)
+                ) -> BackendChoice:
+    """The faster of ``dma`` and ``sm`` per direction in ``measure``, measured once per GPU and
+    page sizes; the other directions take the heuristic's path."""
     why_no_dma = dma_available()
     have_dma, have_sm = why_no_dma is None, sm_triton.HAS_TRITON
     if not have_dma:
@@ -150,8 +152,8 @@ def choose_cuda(platform: Platform, page_sizes: list[int]) -> BackendChoice:
         return fallback
     pages = sorted(set(int(p) for p in page_sizes))
     names = ["dma", "sm"] + (["gather_native"] if native_gather_built() else [])
-    picks = {}
-    for d in Direction:
+    picks = {Direction.H2D: fallback.load, Direction.D2H: fallback.store}
+    for d in measure:
         key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
                f"|sm{env.get('NPU_OFFLOAD_SM_PROGRAMS') or sm_triton.DEFAULT_PROGRAMS}|{'+'.join(names)}")
         try:

@@ -32,8 +32,8 @@ def _loop_path(platform: Platform, page_sizes: list[int]) -> acl_copy.AclCopyPat
     return acl_copy.AclCopyPath(platform, batch=False)
 
 
-def choose(platform: Platform, page_sizes: list[int]) -> BackendChoice:
-    """Batch when built and resolvable at run time, else loop."""
+def choose(platform: Platform, page_sizes: list[int], measure: tuple = ()) -> BackendChoice:
+    """Batch when built and resolvable at run time, else loop (nothing is measured)."""
     acl.load_library()  # ImportError with build instructions when it is missing
     if acl.build_mode() == "batch":
         form, why = acl.batch_form()

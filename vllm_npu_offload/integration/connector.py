@@ -5,7 +5,7 @@ two parts of different widths), carved at 2 MiB-aligned offsets out of bigger al
 Upstream ``OffloadingConnectorWorker.register_kv_caches`` (0.23) asserts one tensor per layer
 with ``storage_offset() == 0``, so it rejects them; vLLM-Ascend main swaps in its own
 connector for that, vLLM-Ascend 0.23.0.post1 does not. This subclass canonicalises such caches
-with ``layouts.canonicalize`` into ``CanonicalKVCaches`` and hands them to the spec exactly where
+with ``device_kv.canonicalize`` into ``CanonicalKVCaches`` and hands them to the spec exactly where
 upstream would; caches upstream can read (plain tensors, Mamba state lists) take the upstream
 path unchanged. Everything else is inherited.
 
