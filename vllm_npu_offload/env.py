@@ -71,6 +71,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGED", "flag", None,
          "1: every transfer staged, 0: every transfer direct (unset: by size, from the start-up measurement; "
          "CPU-only machines stay direct)", user=True),
+    Knob("NPU_OFFLOAD_STAGED_STORES", "flag", None,
+         "0: stores always direct on the copy engines (no device gather beside the model's steps); "
+         "loads as NPU_OFFLOAD_STAGED says", user=True),
     Knob("NPU_OFFLOAD_CALIBRATE", "flag", True,
          "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics", user=True),
     Knob("NPU_OFFLOAD_CACHE_DIR", "path", None,

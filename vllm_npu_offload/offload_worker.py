@@ -46,6 +46,7 @@ def live_workers() -> list["OffloadWorkerCore"]:
 
 
 ENV_STAGED = "NPU_OFFLOAD_STAGED"  # 1: every transfer staged, 0: never, unset: calibrated
+ENV_STAGED_STORES = "NPU_OFFLOAD_STAGED_STORES"  # 0: stores direct whatever their size
 
 
 class OffloadWorkerCore:
@@ -144,6 +145,8 @@ class OffloadWorkerCore:
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
             self.staged_min_blocks = staged_thresholds(self.calibration_target())
+        if env.get(ENV_STAGED_STORES) is False:  # stores direct on the copy engines, no SM gather
+            self.staged_min_blocks[Direction.D2H] = NEVER
 
     def calibration_target(self) -> CalibrationTarget:
         """This core as the staged/direct crossover measurement sees it (the first KV group's

@@ -639,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"serve: client counts, comma-separated (sizes in serve.LOADS: {sorted(LOADS)}; others scaled)")
     ap.add_argument("--servers", default="",
                     help="serve: servers, comma-separated, of off native ours simple vsimple upper null, or "
-                         "LAYOUT:KIND for native/ours through another layout of the same model; default per layout: "
+                         "LAYOUT:KIND for native/ours through another layout of the same model, or ours/VARIANT "
+                         "(ours with run-time variables: serve.VARIANTS); default per layout: "
                          + "; ".join(f"{k}: {v}" for k, v in DEFAULT_SERVERS.items()))
     ap.add_argument("--passes", type=int, default=3, help="serve: passes (servers take turns, new texts each)")
     ap.add_argument("--seed", type=int, default=0, help="serve: seed of the corpora (new texts per pass)")

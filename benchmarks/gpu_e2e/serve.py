@@ -41,9 +41,18 @@ SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {na
 GiB = 1 << 30
 OFFLOADERS = ("native", "ours", "simple", "vsimple", "null")
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
+# "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call)
+VARIANTS: dict[str, dict[str, str]] = {
+    "dstore": {"NPU_OFFLOAD_STAGED_STORES": "0"},  # stores direct on the copy engines, no SM gather
+    "sm4": {"NPU_OFFLOAD_STAGE_PROGRAMS": "4"},  # the staged gather/scatter on 4 SMs instead of 16
+}
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB
 HOST_PER_SERVER = 6 * GiB  # an API server + engine core process, besides pinned KV
+HOST_SHARE = 0.85  # of the machine's memory: processes and pinned KV of one call's servers
+# ... of which pinned KV at most: two Gemma-2 servers at 47.5 GiB each on a 126 GiB H200 host did not
+# both start (the second's start-up check refused it); the 8B at 32 clients (3 x 24 GiB) stays below
+PIN_SHARE = 0.6
 
 
 class PlanError(ValueError):
@@ -129,6 +138,7 @@ class ServerPlan:
     device_kv_bytes: int
     cpu_bytes: int
     gpu_bytes: int  # planned GPU memory: weights + KV + overhead
+    env: tuple[tuple[str, str], ...] = ()  # run-time variables of a variant ("ours/dstore")
 
     def kv_config(self, offload_block: int = 64) -> dict | None:
         if self.kind in ("off", "upper"):
@@ -137,9 +147,13 @@ class ServerPlan:
 
 
 def parse_server(name: str, layout: str) -> tuple[str, str]:
-    """"ours" -> (layout, ours); "perlayer:ours" -> (perlayer, ours)."""
+    """"ours" -> (layout, ours); "perlayer:ours" -> (perlayer, ours); "ours/dstore" -> (layout, ours)
+    (the variant's variables: ``variant_env``)."""
     lay, _, kind = name.rpartition(":")
     lay = lay or layout
+    kind, _, variant = kind.partition("/")
+    if variant and (kind != "ours" or variant not in VARIANTS):
+        raise PlanError(f"server {name!r}: variants are ours/{{{','.join(VARIANTS)}}}")
     if kind not in SERVER_KINDS:
         raise PlanError(f"server {name!r}: kind must be one of {SERVER_KINDS} (optionally LAYOUT:KIND)")
     if lay not in LAYOUTS:
@@ -162,19 +176,21 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
     plans, seen = [], set()
     for name in names:
         lay, kind = parse_server(name, layout)
-        label = kind if lay == layout else f"{lay}:{kind}"
+        variant = name.rpartition(":")[2].partition("/")[2]
+        label = (kind if lay == layout else f"{lay}:{kind}") + (f"/{variant}" if variant else "")
         if label in seen:
             raise PlanError(f"server {label!r} given twice")
         seen.add(label)
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
-        plans.append(ServerPlan(label, kind, lay, kv, cpu, weights + kv + GPU_OVERHEAD))
+        plans.append(ServerPlan(label, kind, lay, kv, cpu, weights + kv + GPU_OVERHEAD,
+                                tuple(VARIANTS.get(variant, {}).items())))
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
         # would for a user); a share below half the active conversations' KV would say little
-        share = (0.85 * host_bytes - HOST_PER_SERVER * len(plans)) / len(offloaders)
+        share = min(HOST_SHARE * host_bytes - HOST_PER_SERVER * len(plans), PIN_SHARE * host_bytes) / len(offloaders)
         floor = load.active_tokens * per_tok / 2
         if share < floor:
             raise PlanError(
@@ -432,8 +448,8 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     def make_cm(p: ServerPlan, timeout_s: float):
         return vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
                                               chat_template=str(tmpl), served_name=served),
-                           env=env, startup_timeout_s=timeout_s,
-                           log_path=logs / f"{tag}-{p.label.replace(':', '-')}.log", label=p.label)
+                           env={**env, **dict(p.env)}, startup_timeout_s=timeout_s,
+                           log_path=logs / f"{tag}-{p.label.replace(':', '-').replace('/', '-')}.log", label=p.label)
 
     t0 = time.perf_counter()
     # all start waves end by this: the passes need at least one run's time after it
@@ -445,7 +461,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         res["start_wall_s"] = time.perf_counter() - t0
         res["server_logs"] = {}
         for p in plans:
-            log = logs / f"{tag}-{p.label.replace(':', '-')}.log"
+            log = logs / f"{tag}-{p.label.replace(':', '-').replace('/', '-')}.log"
             res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
         live = [p.label for p in plans if p.label in urls]
         plan_by = {p.label: p for p in plans}

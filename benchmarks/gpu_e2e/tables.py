@@ -511,7 +511,8 @@ def serve_one_table(res: dict) -> str:
     for label in labels:
         if label == "off" or label not in by:
             continue
-        for base in [b for b in (serve_base(label, labels), "off") if b and b in by and b != label]:
+        default = label.partition("/")[0] if "/" in label else None  # a variant: also against its default
+        for base in [b for b in (default, serve_base(label, labels), "off") if b and b in by and b != label]:
             passes = sorted(set(by[label]) & set(by[base]))
             if not passes:
                 continue

@@ -47,10 +47,15 @@ def free_port() -> int:
 
 
 def _tail(path: Path, n: int = 25) -> str:
+    """The log's error lines (the engine core's cause is often far above the API server's
+    traceback), then its last ``n`` lines."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    errors = list(dict.fromkeys(ln for ln in lines if "Error:" in ln or "ERROR" in ln))[-6:]
+    head = ["error lines:", *errors, "last lines:"] if errors else []
+    return "\n".join(head + lines[-n:])
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

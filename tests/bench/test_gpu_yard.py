@@ -277,11 +277,25 @@ def test_plan_servers_memory_and_labels():
         serve.plan_servers("uniform", ["off", "native", "ours", "simple", "vsimple", "upper"], serve.LOADS[32], H200, HOST)
     # host KV: an equal share of what the machine can pin, in whole 64-token blocks; refused when too small
     capped = serve.plan_servers("uniform", ["native", "ours", "simple"], serve.LOADS[32], 0, 96 * GiB)
-    share = (0.85 * 96 * GiB - 3 * serve.HOST_PER_SERVER) / 3
+    share = min(0.85 * 96 * GiB - 3 * serve.HOST_PER_SERVER, 0.6 * 96 * GiB) / 3
     assert all(share - 64 * 131072 < p.cpu_bytes <= share and p.cpu_bytes % (64 * 131072) == 0 for p in capped)
+    # pinned KV of all offload servers together stays within 60% of the machine (Gemma-2 at 32 clients)
+    h200_host = 135148564480
+    two = serve.plan_servers("multigroup", ["native", "ours"], serve.LOADS[32], 0, h200_host)
+    assert 0.55 * h200_host < sum(p.cpu_bytes for p in two) <= 0.6 * h200_host
+    three = serve.plan_servers("uniform", ["native", "ours", "simple"], serve.LOADS[32], 0, h200_host)
+    assert all(p.cpu_bytes == 196608 * 131072 for p in three)  # the 8B's 24 GiB each: not capped
     assert serve.plan_servers("uniform", ["native"], serve.LOADS[32], 0, HOST)[0].cpu_bytes == 196608 * 131072
     with pytest.raises(serve.PlanError, match="host KV each"):
         serve.plan_servers("uniform", ["native", "ours", "simple", "vsimple"], serve.LOADS[32], 0, 48 * GiB)
+    # a variant of ours: its own label and run-time variables, paired against native
+    v = serve.plan_servers("uniform", ["native", "ours", "ours/dstore"], serve.LOADS[8], 0, 0)
+    assert [p.label for p in v] == ["native", "ours", "ours/dstore"] and v[2].kind == "ours"
+    assert dict(v[2].env) == {"NPU_OFFLOAD_STAGED_STORES": "0"} and v[1].env == ()
+    assert v[2].kv_config() == v[1].kv_config()
+    for bad in ("native/dstore", "ours/nope"):
+        with pytest.raises(serve.PlanError, match="variants are ours/"):
+            serve.plan_servers("uniform", [bad], serve.LOADS[8], 0, 0)
     with pytest.raises(serve.PlanError, match="one model per run"):
         serve.plan_servers("uniform", ["off", "mla:ours"], serve.LOADS[8], 0, 0)
     with pytest.raises(serve.PlanError, match="only native/ours/null"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_npu_offload import staging
+from vllm_npu_offload import staging, staging_choice
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
 from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
@@ -220,6 +220,31 @@ def test_cpu_default_is_direct(monkeypatch):
     assert core.stager is None and not core.uses_staging(Direction.D2H, 1000)
     with pytest.raises(ValueError, match="no staging"):
         core.submit(1, Direction.D2H, np.array([0]), [1], [0], np.array([0]), staged=True)
+    core.shutdown()
+
+
+def test_direct_stores_keep_loads_staged(monkeypatch):
+    """NPU_OFFLOAD_STAGED_STORES=0: every store direct (no device gather beside the model),
+    loads still staged; what a direct store wrote loads back staged, byte-exact."""
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED_STORES", "0")
+    core, tensors, refs, rng = random_core(3, 2, staging_chunks=2)
+    assert core.staged_min_blocks == {Direction.H2D: 1, Direction.D2H: staging_choice.NEVER}
+    assert core.uses_staging(Direction.H2D, 8) and not core.uses_staging(Direction.D2H, 10_000)
+    n = 16
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 2)
+    want = expected_host(core, refs, tensors, dev_ids, core._host_blocks(chunks, 0, n))
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks)
+    settle(core, [1])
+    back = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    for t in tensors:
+        t[back] = 0xCD
+    core.submit(2, Direction.H2D, back, [n], [0], chunks)
+    settle(core, [2])
+    for group in refs:
+        for ref in group:
+            exp = torch.stack([want[(ref.tensor_idx, int(h))] for h in core._host_blocks(chunks, 0, n)])
+            assert torch.equal(tensors[ref.tensor_idx][back][:, : ref.page_bytes], exp)
     core.shutdown()
 
 
