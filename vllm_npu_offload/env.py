@@ -91,6 +91,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
          "who enqueues a CUDA staged transfer's slices: one native call, or a Python loop", ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
+    Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
+         "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),
     Knob("NPU_OFFLOAD_SM_PROGRAMS", "int", None,
          "SMs of a direct SM copy (unset: 2 for the native kernel, 8 for Triton)", lo=1, hi=16),
     Knob("NPU_OFFLOAD_SM_TILE_BYTES", "int", 32 * 1024, "bytes a Triton SM-copy program moves per iteration",

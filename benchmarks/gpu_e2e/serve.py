@@ -45,6 +45,9 @@ SERVER_KINDS = ("off", "upper") + OFFLOADERS
 VARIANTS: dict[str, dict[str, str]] = {
     "dstore": {"NPU_OFFLOAD_STAGED_STORES": "0"},  # stores direct on the copy engines, no SM gather
     "sm4": {"NPU_OFFLOAD_STAGE_PROGRAMS": "4"},  # the staged gather/scatter on 4 SMs instead of 16
+    "sm2": {"NPU_OFFLOAD_STAGE_PROGRAMS": "2"},
+    "sm16": {"NPU_OFFLOAD_STAGE_PROGRAMS": "16"},
+    "st2": {"NPU_OFFLOAD_STAGE_STORE_PROGRAMS": "2"},  # stores' gather on 2 SMs, loads' scatter on 16
 }
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB

@@ -30,6 +30,7 @@ from vllm_npu_offload.copy.backend import NPUDmaCopyBackend, path_factories  # n
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
 from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorBuffers, TensorPair  # noqa: E402
+from vllm_npu_offload.transfer import DirectTransfer  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 PATHS = ("dma", "dma_loop", "sm", "gather_native", "chosen")
@@ -260,16 +261,16 @@ def test_engine_end_to_end(force):
             backend = NPUDmaCopyBackend(p, [page] * tensors)
         except ImportError as e:
             _skip(f"{force} unavailable: {e}")
-        eng = TransferEngine(p, backend)
+        eng = TransferEngine(p)
         rng = np.random.default_rng(3)
         dev_ids, host_ids = rng.choice(blocks, 20, replace=False), rng.choice(blocks, 20, replace=False)
         before = dev.cpu()
         p.synchronize()
-        eng.submit(1, Direction.D2H, store.plan(dev_ids, host_ids, eng.pool))
+        eng.submit(1, DirectTransfer(Direction.D2H, store.plan(dev_ids, host_ids, eng.pool), backend))
         eng.drain()
         new_ids = np.setdiff1d(np.arange(blocks), dev_ids)[:20]
         dev[:, new_ids] = POISON
-        eng.submit(2, Direction.H2D, load.plan(host_ids, new_ids, eng.pool))
+        eng.submit(2, DirectTransfer(Direction.H2D, load.plan(host_ids, new_ids, eng.pool), backend))
         eng.drain()
         res = {r.job_id: r for r in eng.poll()}
         assert res[1].success and res[2].success, res
@@ -298,13 +299,14 @@ def test_transfer_streams_are_not_torch_pool_streams():
         _skip(f"native library unavailable: {e}")
     pool = {torch.cuda.Stream().cuda_stream for _ in range(64)} | {
         torch.cuda.Stream(priority=-1).cuda_stream for _ in range(64)}
-    eng = TransferEngine(p, NPUDmaCopyBackend(p, [4096]))
+    backend = NPUDmaCopyBackend(p, [4096])
+    eng = TransferEngine(p)
     dev = torch.randint(0, 256, (4, 4096), dtype=torch.uint8, device=p.device)
     host = p.empty_pinned(4 * 4096, torch.uint8).view(4, 4096)
     planner = CopyPlanner([TensorPair(BlockLayout(dev.data_ptr(), 4096, 4), BlockLayout(host.data_ptr(), 4096, 4),
                                       4096)])
     for job in range(8):  # many jobs in flight: still one stream per direction
-        eng.submit(job, Direction.D2H, planner.plan([job % 4], [job % 4], eng.pool))
+        eng.submit(job, DirectTransfer(Direction.D2H, planner.plan([job % 4], [job % 4], eng.pool), backend))
     eng.drain()
     assert all(r.success for r in eng.poll())
     streams = list(eng._streams.values())

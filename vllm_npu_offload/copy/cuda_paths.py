@@ -175,13 +175,14 @@ def staged_cuda(platform: Platform, page_sizes: list[int]):
     if why is not None:
         raise RuntimeError(f"the copy-engine library is unavailable: {why}")
     programs = env.get("NPU_OFFLOAD_STAGE_PROGRAMS")
+    store_programs = env.get("NPU_OFFLOAD_STAGE_STORE_PROGRAMS")
     kind = env.get("NPU_OFFLOAD_STAGE_GATHER")
     if kind is None:
         kind = "native" if native_gather_built() else "triton"
     if kind == "native":
         from .cuda_gather import NativeGatherPath
 
-        local = NativeGatherPath(platform, page_sizes, programs=programs)
+        local = NativeGatherPath(platform, page_sizes, programs=programs, store_programs=store_programs)
     else:
         if not sm_triton.HAS_TRITON:
             raise ImportError("staged copies on CUDA need the native gather kernel (build csrc_cuda with nvcc) "

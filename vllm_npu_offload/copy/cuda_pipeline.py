@@ -50,7 +50,7 @@ class CudaStagedPipeline:
 
     table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
 
-    def __init__(self, lib, platform: Platform, slots: int, programs: int, min_page: int):
+    def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
         self.lib, self.platform, self.slots = lib, platform, slots
         self.programs, self.min_page = programs, min_page
         self.events = {d: lib.create_events(1 + 2 * slots) for d in Direction}
@@ -78,7 +78,8 @@ class CudaStagedPipeline:
         if ids.device_cols is None:  # the set's device mirror: allocated once, reused with the set
             ids.device_cols = torch.empty(ids.packed.numel(), dtype=torch.int64, device=self.platform.device)
         job = StagedJob(
-            int(Direction(direction) is Direction.D2H), self.programs, self.platform.raw_stream_handle(stream),
+            int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
+            self.platform.raw_stream_handle(stream),
             self.platform.raw_stream_handle(aux), ctypes.cast(ids.packed.data_ptr(), _u64p), ids.device_cols.data_ptr(),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
             _ptr(bounds), self.events[direction], int(not link))
