@@ -2,7 +2,10 @@
 scheduler and worker-role connector (CPU tensors, no model): K and V of every layer become device
 tensors of their own, and a prefix stored, dropped from the device and loaded back is byte-exact."""
 
+import pytest
 import torch
+
+pytest.importorskip("vllm")
 from harness import LAYERS, NB, PAGE, PROMPT, HEAD, HEADS, Engine, kv_cache_config, stacked_caches, vllm_config
 
 from benchmarks.gpu_e2e.perlayer import PerLayerOffloadingConnector
