@@ -20,7 +20,7 @@
  *   are recording no-ops: copies are synchronous, so there is nothing to order. "events_live" counts
  *   created minus destroyed; recording or waiting on an event that is not live fails.
  * - An ordered op log (acl_emu_log, since acl_emu_reset) names every copy call and event
- *   operation with its stream, so tests can check the order a staged pipeline enqueues.
+ *   operation with its stream and event handles (%p), so tests can check the order a staged pipeline enqueues.
  * It is compiled against the same ACL headers, so its signatures are checked by the compiler.
  */
 #include <stdarg.h>
@@ -73,6 +73,12 @@ static void log_op(const char *fmt, ...) {
 static const char *kind_name(aclrtMemcpyKind kind) {
     return kind == ACL_MEMCPY_HOST_TO_DEVICE ? "H2D" : kind == ACL_MEMCPY_DEVICE_TO_HOST ? "D2H"
          : kind == ACL_MEMCPY_DEVICE_TO_DEVICE ? "D2D" : "?";
+}
+
+static const char *batch_kind(const aclrtMemcpyBatchAttr *attrs) {
+    if (!attrs) return "?";
+    return attrs->srcLoc.type == ACL_MEM_LOCATION_TYPE_HOST ? "H2D"
+         : attrs->dstLoc.type == ACL_MEM_LOCATION_TYPE_HOST ? "D2H" : "D2D";
 }
 
 static aclError fail(aclError code, const char *fmt, const char *what, long long i) {
@@ -210,7 +216,7 @@ aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_
                                size_t *failIndex, aclrtStream stream) {
     g_counts[1]++;
     g_last_stream = stream;
-    log_op("aclrtMemcpyBatchAsync n=%zu s=%p", numBatches, stream);
+    log_op("aclrtMemcpyBatchAsync %s n=%zu s=%p", batch_kind(attrs), numBatches, stream);
     if (!failIndex) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "failIndex is NULL", 0);
     return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, failIndex);
 }
@@ -220,7 +226,7 @@ aclError aclrtMemcpyBatchAsyncV2(void **dsts, size_t *destMaxs, void **srcs, siz
                                  aclrtStream stream) {
     g_counts[2]++;
     g_last_stream = stream;
-    log_op("aclrtMemcpyBatchAsyncV2 n=%zu s=%p", numBatches, stream);
+    log_op("aclrtMemcpyBatchAsyncV2 %s n=%zu s=%p", batch_kind(attrs), numBatches, stream);
     return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, NULL);
 }
 
@@ -255,7 +261,7 @@ static aclError create(aclrtEvent *event, const char *how) {
         if (!g_events[i]) {
             g_events[i] = 1, g_counts[C_LIVE]++;
             *event = &g_events[i];
-            log_op("%s e%d", how, i);
+            log_op("%s e=%p", how, *event);
             return ACL_SUCCESS;
         }
     return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "too many events", 0);
@@ -274,22 +280,22 @@ aclError aclrtDestroyEvent(aclrtEvent event) {
     long long i = event_index(event);
     if (i < 0) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "destroying an event that is not live", 0);
     g_events[i] = 0, g_counts[C_LIVE]--;
-    log_op("aclrtDestroyEvent e%lld", i);
+    log_op("aclrtDestroyEvent e=%p", event);
     return ACL_SUCCESS;
 }
 
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
     g_counts[C_RECORD]++;
-    long long i = event_index(event);
-    if (i < 0) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "recording an event that is not live", 0);
-    log_op("aclrtRecordEvent e%lld s=%p", i, stream);
+    if (event_index(event) < 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "recording an event that is not live", 0);
+    log_op("aclrtRecordEvent e=%p s=%p", event, stream);
     return ACL_SUCCESS;
 }
 
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
     g_counts[C_WAIT]++;
-    long long i = event_index(event);
-    if (i < 0) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "waiting on an event that is not live", 0);
-    log_op("aclrtStreamWaitEvent s=%p e%lld", stream, i);
+    if (event_index(event) < 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "waiting on an event that is not live", 0);
+    log_op("aclrtStreamWaitEvent s=%p e=%p", stream, event);
     return ACL_SUCCESS;
 }
