@@ -89,7 +89,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_GATHER", "choice", None,
          "CUDA staged gather/scatter kernel (unset: native when compiled in, else triton)", ("native", "triton")),
     Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
-         "who enqueues a CUDA staged transfer's slices: one native call, or a Python loop", ("native", "python")),
+         "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop", ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
     Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
          "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),
