@@ -32,7 +32,8 @@ def slice_indices(local_ranges) -> tuple[np.ndarray, np.ndarray]:
     """(descriptor indices of every slice back to back, slice bounds into them), vectorised.
 
     Each ``DescriptorRange`` is ``rows`` runs of ``width`` consecutive descriptors; one list
-    comprehension reads the ranges (a few per transfer: slices x groups), numpy does the rest.
+    comprehension reads the ranges (a few per transfer: slices x groups; measured 0.8 us for 5
+    ranges on a slow 2-core host, against ~40-60 us for the numpy calls), numpy does the rest.
     """
     per = np.fromiter((len(r) for r in local_ranges), np.int64, len(local_ranges))
     rg = np.array([(r.first, r.width, r.rows, r.stride) for rs in local_ranges for r in rs], np.int64).reshape(-1, 4)
