@@ -16,8 +16,14 @@
  *   (default ACL_ERROR_RT_INTERNAL_ERROR).
  * - Counters (acl_emu_count) and the last stream seen let tests check which path ran;
  *   "d2d_copies" counts descriptors copied as device->device by either entry point.
+ * - Events (aclrtCreateEvent[ExWithFlag], aclrtDestroyEvent, aclrtRecordEvent, aclrtStreamWaitEvent)
+ *   are recording no-ops: copies are synchronous, so there is nothing to order. "events_live" counts
+ *   created minus destroyed; recording or waiting on an event that is not live fails.
+ * - An ordered op log (acl_emu_log, since acl_emu_reset) names every copy call and event
+ *   operation with its stream and event handles (%p), so tests can check the order a staged pipeline enqueues.
  * It is compiled against the same ACL headers, so its signatures are checked by the compiler.
  */
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,14 +38,48 @@ static int32_t g_device;
 static long long g_fail_at = -1;
 static int g_fail_set;
 static long long g_seen; /* descriptors submitted since reset (loop calls + batch entries) */
-static long long g_counts[6]; /* memcpy_async, batch_v1, batch_v2, host_register, host_unregister, d2d */
+static long long g_counts[11]; /* see COUNT_NAMES */
 static void *g_last_stream;
 static __thread char g_msg[256];
 static void *g_registered[64];
 
 static const char *const COUNT_NAMES[] = {"aclrtMemcpyAsync", "aclrtMemcpyBatchAsync", "aclrtMemcpyBatchAsyncV2",
-                                          "aclrtHostRegisterV2", "aclrtHostUnregister", "d2d_copies"};
+                                          "aclrtHostRegisterV2", "aclrtHostUnregister", "d2d_copies",
+                                          "aclrtCreateEvent", "aclrtDestroyEvent", "aclrtRecordEvent",
+                                          "aclrtStreamWaitEvent", "events_live"};
+enum { C_CREATE = 6, C_DESTROY, C_RECORD, C_WAIT, C_LIVE };
+#define N_EVENTS 256
+static unsigned char g_events[N_EVENTS]; /* an event handle is &g_events[i]; 1 = live */
+static char g_log[1 << 16];
+static size_t g_log_len;
 #define N_COUNTS (int)(sizeof(COUNT_NAMES) / sizeof(COUNT_NAMES[0]))
+
+/* One line per operation; the log stops (ending in "...") when full. */
+static void log_op(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void log_op(const char *fmt, ...) {
+    if (g_log_len + 128 >= sizeof(g_log)) {
+        if (g_log_len + 4 < sizeof(g_log)) g_log_len += (size_t)snprintf(g_log + g_log_len, 5, "...\n");
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(g_log + g_log_len, 120, fmt, ap);
+    va_end(ap);
+    if (n > 0) g_log_len += (size_t)(n < 119 ? n : 119);
+    g_log[g_log_len++] = '\n';
+    g_log[g_log_len] = 0;
+}
+
+static const char *kind_name(aclrtMemcpyKind kind) {
+    return kind == ACL_MEMCPY_HOST_TO_DEVICE ? "H2D" : kind == ACL_MEMCPY_DEVICE_TO_HOST ? "D2H"
+         : kind == ACL_MEMCPY_DEVICE_TO_DEVICE ? "D2D" : "?";
+}
+
+static const char *batch_kind(const aclrtMemcpyBatchAttr *attrs) {
+    if (!attrs) return "?";
+    return attrs->srcLoc.type == ACL_MEM_LOCATION_TYPE_HOST ? "H2D"
+         : attrs->dstLoc.type == ACL_MEM_LOCATION_TYPE_HOST ? "D2H" : "D2D";
+}
 
 static aclError fail(aclError code, const char *fmt, const char *what, long long i) {
     snprintf(g_msg, sizeof(g_msg), fmt, what, i);
@@ -69,8 +109,11 @@ EMU_API void *acl_emu_last_stream(void) { return g_last_stream; }
 EMU_API void acl_emu_reset(void) {
     g_fail_at = -1, g_fail_set = 0, g_seen = 0, g_last_stream = NULL, g_device = 0;
     memset(g_counts, 0, sizeof(g_counts));
+    for (int i = 0; i < N_EVENTS; i++) g_counts[C_LIVE] += g_events[i];  /* events outlive a reset */
     g_msg[0] = 0;
+    g_log_len = 0, g_log[0] = 0;
 }
+EMU_API const char *acl_emu_log(void) { return g_log; }
 EMU_API long long acl_emu_count(const char *name) {
     for (int i = 0; i < N_COUNTS; i++)
         if (!strcmp(name, COUNT_NAMES[i])) return g_counts[i];
@@ -101,6 +144,7 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "D2D addresses not 64-byte aligned", call);
     if (overlaps(dst, src, count))
         return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s (call %lld)", "overlapping src/dst", call);
+    log_op("aclrtMemcpyAsync %s s=%p", kind_name(kind), stream);
     if (call == fail_at()) return fail(injected_code(), "emulation: %s at call %lld", "injected failure", call);
     memcpy(dst, src, count);
     g_counts[5] += d2d;
@@ -172,6 +216,7 @@ aclError aclrtMemcpyBatchAsync(void **dsts, size_t *destMaxs, void **srcs, size_
                                size_t *failIndex, aclrtStream stream) {
     g_counts[1]++;
     g_last_stream = stream;
+    log_op("aclrtMemcpyBatchAsync %s n=%zu s=%p", batch_kind(attrs), numBatches, stream);
     if (!failIndex) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "failIndex is NULL", 0);
     return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, failIndex);
 }
@@ -181,6 +226,7 @@ aclError aclrtMemcpyBatchAsyncV2(void **dsts, size_t *destMaxs, void **srcs, siz
                                  aclrtStream stream) {
     g_counts[2]++;
     g_last_stream = stream;
+    log_op("aclrtMemcpyBatchAsyncV2 %s n=%zu s=%p", batch_kind(attrs), numBatches, stream);
     return batch(dsts, destMaxs, srcs, sizes, numBatches, attrs, attrsIndexes, numAttrs, NULL);
 }
 
@@ -200,4 +246,56 @@ aclError aclrtHostUnregister(void *ptr) {
     for (int i = 0; i < 64; i++)
         if (ptr && g_registered[i] == ptr) return g_registered[i] = NULL, ACL_SUCCESS;
     return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "pointer was not registered:", (long long)(uintptr_t)ptr);
+}
+
+/* ---- events: no-ops that log (copies are synchronous) -------------------------------- */
+static long long event_index(aclrtEvent event) {
+    unsigned char *e = (unsigned char *)event;
+    return (e >= g_events && e < g_events + N_EVENTS && *e) ? (long long)(e - g_events) : -1;
+}
+
+static aclError create(aclrtEvent *event, const char *how) {
+    g_counts[C_CREATE]++;
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "event is NULL", 0);
+    for (int i = 0; i < N_EVENTS; i++)
+        if (!g_events[i]) {
+            g_events[i] = 1, g_counts[C_LIVE]++;
+            *event = &g_events[i];
+            log_op("%s e=%p", how, *event);
+            return ACL_SUCCESS;
+        }
+    return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "too many events", 0);
+}
+
+aclError aclrtCreateEvent(aclrtEvent *event) { return create(event, "aclrtCreateEvent"); }
+
+aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag) {
+    if (flag != ACL_EVENT_SYNC)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s %lld", "unexpected event flag", (long long)flag);
+    return create(event, "aclrtCreateEventExWithFlag");
+}
+
+aclError aclrtDestroyEvent(aclrtEvent event) {
+    g_counts[C_DESTROY]++;
+    long long i = event_index(event);
+    if (i < 0) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "destroying an event that is not live", 0);
+    g_events[i] = 0, g_counts[C_LIVE]--;
+    log_op("aclrtDestroyEvent e=%p", event);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
+    g_counts[C_RECORD]++;
+    if (event_index(event) < 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "recording an event that is not live", 0);
+    log_op("aclrtRecordEvent e=%p s=%p", event, stream);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
+    g_counts[C_WAIT]++;
+    if (event_index(event) < 0)
+        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "waiting on an event that is not live", 0);
+    log_op("aclrtStreamWaitEvent s=%p e=%p", stream, event);
+    return ACL_SUCCESS;
 }

@@ -22,6 +22,13 @@ NPU_SAME_TYPE(aclrtMemcpyBatchAsync, acl_batch_v1_fn);
 #ifdef NPU_OFFLOAD_DECLARED_BATCH_V2
 NPU_SAME_TYPE(aclrtMemcpyBatchAsyncV2, acl_batch_v2_fn);
 #endif
+NPU_SAME_TYPE(aclrtCreateEvent, acl_create_event_fn);
+NPU_SAME_TYPE(aclrtDestroyEvent, acl_destroy_event_fn);
+NPU_SAME_TYPE(aclrtRecordEvent, acl_record_event_fn);
+NPU_SAME_TYPE(aclrtStreamWaitEvent, acl_stream_wait_event_fn);
+#ifdef NPU_OFFLOAD_DECLARED_EVENT_EX
+NPU_SAME_TYPE(aclrtCreateEventExWithFlag, acl_create_event_ex_fn);
+#endif
 #ifdef NPU_OFFLOAD_DECLARED_HOST_REGISTER_V2
 NPU_SAME_TYPE(aclrtHostRegisterV2, acl_host_register_fn);
 NPU_SAME_TYPE(aclrtHostUnregister, acl_host_unregister_fn);
@@ -52,6 +59,13 @@ static void resolve(void *h, npu_acl_symbols *s) {
     *(void **)&s->host_unregister = dlsym(h, "aclrtHostUnregister");
 #endif
     *(void **)&s->recent_err = dlsym(h, "aclGetRecentErrMsg");
+    *(void **)&s->create_event = dlsym(h, "aclrtCreateEvent");
+#ifdef NPU_OFFLOAD_DECLARED_EVENT_EX
+    *(void **)&s->create_event_ex = dlsym(h, "aclrtCreateEventExWithFlag");
+#endif
+    *(void **)&s->destroy_event = dlsym(h, "aclrtDestroyEvent");
+    *(void **)&s->record_event = dlsym(h, "aclrtRecordEvent");
+    *(void **)&s->stream_wait_event = dlsym(h, "aclrtStreamWaitEvent");
 }
 
 const npu_acl_symbols *npu_acl_load(npu_offload_acl_error *err) {

@@ -28,7 +28,7 @@ NPU_OFFLOAD_API int npu_offload_acl_set_batch_form(int form) {
 #ifdef NPU_OFFLOAD_BATCH_MEMCPY
 
 /* The form to call: the one with failIndex when exported (better errors), else V2. */
-static int pick_form(const npu_acl_symbols *acl, npu_offload_acl_error *err) {
+int npu_batch_pick(const npu_acl_symbols *acl, npu_offload_acl_error *err) {
     int want = g_form_request;
     if ((want == FORM_AUTO || want == FORM_V1) && acl->batch_v1) return FORM_V1;
     if ((want == FORM_AUTO || want == FORM_V2) && acl->batch_v2) return FORM_V2;
@@ -43,7 +43,7 @@ static int pick_form(const npu_acl_symbols *acl, npu_offload_acl_error *err) {
 NPU_OFFLOAD_API int npu_offload_acl_batch_form(npu_offload_acl_error *err) {
     npu_err_clear(err);
     const npu_acl_symbols *acl = npu_acl_load(err);
-    return acl ? pick_form(acl, err) : 0;
+    return acl ? npu_batch_pick(acl, err) : 0;
 }
 
 /* One attribute for the whole batch (attrsIndexes = {0}); rsv must stay zero. The device side is the
@@ -81,14 +81,10 @@ static int submit(const npu_acl_symbols *acl, int form, void **dsts, size_t *siz
     return NPU_OFFLOAD_OK;
 }
 
-NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t *dst, const int64_t *sizes,
-                                               int64_t n, int direction, void *stream, int64_t max_per_call,
-                                               npu_offload_acl_error *err) {
-    const npu_acl_symbols *acl;
-    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
-    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
-    int form = pick_form(acl, err);
-    if (!form) return NPU_OFFLOAD_MISSING;
+/* Submit n validated descriptors with the batch `form` (npu_batch_pick), max_per_call at a time. */
+int npu_batch_submit(const npu_acl_symbols *acl, int form, const int64_t *src, const int64_t *dst,
+                     const int64_t *sizes, int64_t n, int direction, void *stream, int64_t max_per_call,
+                     npu_offload_acl_error *err) {
     if (!acl->get_device) return npu_acl_missing(err, "aclrtGetDevice", "");
     int32_t device = 0;
     aclError arc = acl->get_device(&device);
@@ -103,11 +99,22 @@ NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t
     int64_t chunk = max_per_call > 0 ? max_per_call : n;
     for (int64_t off = 0; off < n; off += chunk) {
         int64_t cnt = n - off < chunk ? n - off : chunk;
-        rc = submit(acl, form, dsts + off, szs + off, srcs + off, (size_t)cnt, &attr, (size_t)off,
-                    (aclrtStream)stream, err);
+        int rc = submit(acl, form, dsts + off, szs + off, srcs + off, (size_t)cnt, &attr, (size_t)off,
+                        (aclrtStream)stream, err);
         if (rc != NPU_OFFLOAD_OK) return rc;
     }
     return NPU_OFFLOAD_OK;
+}
+
+NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                                               int64_t n, int direction, void *stream, int64_t max_per_call,
+                                               npu_offload_acl_error *err) {
+    const npu_acl_symbols *acl;
+    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
+    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
+    int form = npu_batch_pick(acl, err);
+    if (!form) return NPU_OFFLOAD_MISSING;
+    return npu_batch_submit(acl, form, src, dst, sizes, n, direction, stream, max_per_call, err);
 }
 
 #else /* loop-only build */
@@ -118,6 +125,21 @@ NPU_OFFLOAD_API int npu_offload_acl_batch_form(npu_offload_acl_error *err) {
                 "the batch path was not built (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=0 or headers without "
                 "aclrtMemcpyBatchAsync); rebuild with VLLM_ASCEND_ENABLE_BATCH_MEMCPY=1");
     return 0;
+}
+
+int npu_batch_pick(const npu_acl_symbols *acl, npu_offload_acl_error *err) {
+    (void)acl;
+    npu_offload_acl_batch_form(err);
+    return 0;
+}
+
+int npu_batch_submit(const npu_acl_symbols *acl, int form, const int64_t *src, const int64_t *dst,
+                     const int64_t *sizes, int64_t n, int direction, void *stream, int64_t max_per_call,
+                     npu_offload_acl_error *err) {
+    (void)acl, (void)form, (void)src, (void)dst, (void)sizes, (void)n, (void)direction, (void)stream;
+    (void)max_per_call;
+    npu_offload_acl_batch_form(err);
+    return NPU_OFFLOAD_NOT_BUILT;
 }
 
 NPU_OFFLOAD_API int npu_offload_acl_copy_batch(const int64_t *src, const int64_t *dst, const int64_t *sizes,

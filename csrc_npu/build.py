@@ -25,7 +25,8 @@ from pathlib import Path
 
 LIBRARY = "libnpu_offload_acl.so"
 EMULATION = "libacl_emulation.so"
-SOURCES = ("acl_symbols.c", "errors.c", "batch_copy.c", "loop_copy.c", "host_register.c", "info.c")
+SOURCES = ("acl_symbols.c", "errors.c", "batch_copy.c", "loop_copy.c", "host_register.c", "info.c", "events.c",
+           "staged_run.c")
 TOGGLE = "VLLM_ASCEND_ENABLE_BATCH_MEMCPY"
 # Warnings are errors only where they mean a wrong call; other compilers' new warnings must not
 # break a build on an Ascend box. The ACL headers are -isystem: their own warnings are not ours.
@@ -88,6 +89,8 @@ _PROBES = {
     " size_t, size_t *, aclrtStream) = aclrtMemcpyBatchAsync;",
     "BATCH_V2": "aclError (*f)(void **, size_t *, void **, size_t *, size_t, aclrtMemcpyBatchAttr *, size_t *,"
     " size_t, aclrtStream) = aclrtMemcpyBatchAsyncV2;",
+    "EVENT_EX": "aclError (*f)(aclrtEvent *, uint32_t) = aclrtCreateEventExWithFlag;"
+    " unsigned long flag = ACL_EVENT_SYNC; (void)flag;",
     "HOST_REGISTER_V2": "aclError (*f)(void *, uint64_t, uint32_t) = aclrtHostRegisterV2;"
     " aclError (*g)(void *) = aclrtHostUnregister; (void)g; unsigned long flag = ACL_HOST_REG_PINNED; (void)flag;",
 }

@@ -17,7 +17,7 @@ static aclrtMemcpyKind memcpy_kind(int direction) {
 }
 
 /* Checked before anything is submitted, so a misaligned staging layout fails whole, not half-copied. */
-static int check_d2d_alignment(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, int64_t n) {
+int npu_check_d2d_alignment(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         if ((src[i] | dst[i]) % NPU_D2D_ALIGN)
             return npu_err_set(err, NPU_OFFLOAD_BAD_ARGUMENT, "argument", 0, i, -1,
@@ -28,13 +28,11 @@ static int check_d2d_alignment(npu_offload_acl_error *err, const int64_t *src, c
     return NPU_OFFLOAD_OK;
 }
 
-NPU_OFFLOAD_API int npu_offload_acl_copy_loop(const int64_t *src, const int64_t *dst, const int64_t *sizes,
-                                              int64_t n, int direction, void *stream,
-                                              npu_offload_acl_error *err) {
-    const npu_acl_symbols *acl;
-    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
-    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
-    if (direction == NPU_OFFLOAD_D2D && (rc = check_d2d_alignment(err, src, dst, n)) != NPU_OFFLOAD_OK) return rc;
+/* Submit n validated descriptors, one aclrtMemcpyAsync each (D2D: alignment checked first). */
+int npu_loop_submit(const npu_acl_symbols *acl, const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                    int64_t n, int direction, void *stream, npu_offload_acl_error *err) {
+    int rc;
+    if (direction == NPU_OFFLOAD_D2D && (rc = npu_check_d2d_alignment(err, src, dst, n)) != NPU_OFFLOAD_OK) return rc;
     if (!acl->memcpy_async) return npu_acl_missing(err, "aclrtMemcpyAsync", "");
     aclrtMemcpyKind kind = memcpy_kind(direction);
     for (int64_t i = 0; i < n; i++) {
@@ -44,4 +42,13 @@ NPU_OFFLOAD_API int npu_offload_acl_copy_loop(const int64_t *src, const int64_t 
         if (arc != ACL_SUCCESS) return npu_err_acl(err, acl, "aclrtMemcpyAsync", arc, i, -1);
     }
     return NPU_OFFLOAD_OK;
+}
+
+NPU_OFFLOAD_API int npu_offload_acl_copy_loop(const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                                              int64_t n, int direction, void *stream,
+                                              npu_offload_acl_error *err) {
+    const npu_acl_symbols *acl;
+    int rc = npu_copy_begin(err, src, dst, sizes, n, direction, &acl);
+    if (rc != NPU_OFFLOAD_OK || acl == NULL) return rc;
+    return npu_loop_submit(acl, src, dst, sizes, n, direction, stream, err);
 }

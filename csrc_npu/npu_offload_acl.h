@@ -48,6 +48,11 @@ typedef aclError (*acl_batch_v2_fn)(void **, size_t *, void **, size_t *, size_t
 typedef aclError (*acl_host_register_fn)(void *, uint64_t, uint32_t);
 typedef aclError (*acl_host_unregister_fn)(void *);
 typedef const char *(*acl_recent_err_fn)(void);
+typedef aclError (*acl_create_event_fn)(aclrtEvent *);
+typedef aclError (*acl_create_event_ex_fn)(aclrtEvent *, uint32_t);
+typedef aclError (*acl_destroy_event_fn)(aclrtEvent);
+typedef aclError (*acl_record_event_fn)(aclrtEvent, aclrtStream);
+typedef aclError (*acl_stream_wait_event_fn)(aclrtStream, aclrtEvent);
 
 typedef struct {
     const char *library;  /* path that was dlopen'ed */
@@ -58,7 +63,31 @@ typedef struct {
     acl_host_register_fn host_register;
     acl_host_unregister_fn host_unregister;
     acl_recent_err_fn recent_err;
+    acl_create_event_fn create_event;
+    acl_create_event_ex_fn create_event_ex; /* aclrtCreateEventExWithFlag: reusable events (newer CANN) */
+    acl_destroy_event_fn destroy_event;
+    acl_record_event_fn record_event;
+    acl_stream_wait_event_fn stream_wait_event;
 } npu_acl_symbols;
+
+/* One staged transfer for npu_offload_acl_staged_run (staged_run.c); mirrored by StagedJob in
+ * vllm_npu_offload/_native/acl.py. Slice i copies local descriptors [local_bounds[i], local_bounds[i+1])
+ * (device pages <-> staging, device->device) and link descriptors [link_bounds[i], link_bounds[i+1])
+ * (staging <-> host). */
+typedef struct {
+    int32_t store;          /* 1: gather then device->host; 0: host->device then scatter */
+    int32_t link;           /* 0: only the gather/scatter of every slice, on `stream` (benchmarks) */
+    int32_t batch;          /* 1: aclrtMemcpyBatchAsync(V2) when built and exported, else the loop */
+    int32_t reserved;
+    int64_t max_per_call;   /* descriptors per batch call, <= 0: all */
+    void *stream;           /* the job's stream: link copies */
+    void *aux;              /* the direction's aux stream: gather/scatter */
+    void *const *events;    /* 1 + 2 * slots, from npu_offload_acl_events_create: entry, filled[], drained[] */
+    int64_t slots;
+    int64_t n_slices;
+    const int64_t *local_src, *local_dst, *local_size, *local_bounds;
+    const int64_t *link_src, *link_dst, *link_size, *link_bounds;
+} npu_offload_staged_job;
 
 /* acl_symbols.c */
 const npu_acl_symbols *npu_acl_load(npu_offload_acl_error *err);
@@ -67,6 +96,17 @@ const npu_acl_symbols *npu_acl_load(npu_offload_acl_error *err);
 int npu_copy_begin(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, const int64_t *sizes,
                    int64_t n, int direction, const npu_acl_symbols **acl);
 int npu_acl_missing(npu_offload_acl_error *err, const char *symbol, const char *why);
+
+/* batch_copy.c: the batch form to use (1 failIndex, 2 V2; 0 with err filled when none or not built),
+ * and n validated descriptors submitted with it. */
+int npu_batch_pick(const npu_acl_symbols *acl, npu_offload_acl_error *err);
+int npu_batch_submit(const npu_acl_symbols *acl, int form, const int64_t *src, const int64_t *dst,
+                     const int64_t *sizes, int64_t n, int direction, void *stream, int64_t max_per_call,
+                     npu_offload_acl_error *err);
+/* loop_copy.c: n validated descriptors, one aclrtMemcpyAsync each; the D2D address alignment check. */
+int npu_loop_submit(const npu_acl_symbols *acl, const int64_t *src, const int64_t *dst, const int64_t *sizes,
+                    int64_t n, int direction, void *stream, npu_offload_acl_error *err);
+int npu_check_d2d_alignment(npu_offload_acl_error *err, const int64_t *src, const int64_t *dst, int64_t n);
 
 /* errors.c */
 void npu_err_clear(npu_offload_acl_error *err);

@@ -3,12 +3,19 @@
 # The NPU path was developed against torch-npu's ACL headers and an ACL emulation only;
 # this script is what proves it on hardware: H2D/D2H round trips, the device->device (D2D)
 # gather/scatter of staged copies (tests/native/test_npu_device.py::test_staged_d2d_gather_scatter),
-# exact pinning and the Ascend K/V layouts. Usage (from the repo root, CANN env sourced):
+# exact pinning, the Ascend K/V layouts, the staged pipeline (one native call per transfer vs the
+# Python slice loop) and its speed through the worker core (scripts/bench_core.py, JSON kept in
+# npu_check_results/). Usage (from the repo root, CANN env sourced):
 #   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # or your CANN's set_env.sh
 #   bash scripts/npu_check.sh [python]
+# BENCH_SHAPES (comma list of benchmarks/core_bench.py shapes) and BENCH_REPS tune the benchmark.
 set -euo pipefail
 PY=${1:-python}
 cd "$(dirname "$0")/.."
+BENCH_SHAPES=${BENCH_SHAPES:-llama-8b,qwen2.5-0.5b,mla-ascend-split}
+BENCH_REPS=${BENCH_REPS:-20}
+RESULTS="$PWD/npu_check_results"
+mkdir -p "$RESULTS"
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -28,6 +35,13 @@ for toggle in 1 0; do
   else
     echo "(scripts/bench_transfer.py not present: benchmark skipped)"
   fi
+  # Staged transfers: slices enqueued by one native call vs the Python loop (compare staged GB/s
+  # and "cpu N us", the engine thread's enqueue time per transfer).
+  for pipe in native python; do
+    echo "--- staged pipeline NPU_OFFLOAD_STAGE_PIPELINE=$pipe (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=$toggle) ---"
+    NPU_OFFLOAD_STAGE_PIPELINE=$pipe "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
+      --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}_${pipe}.json" || status=1
+  done
 done
 unset NPU_OFFLOAD_NATIVE_DIR
 echo "=== CPU test suite (emulation) ==="

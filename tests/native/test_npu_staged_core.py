@@ -44,6 +44,7 @@ def test_staged_round_trip_through_acl(built, emu, monkeypatch, toggle):
     names = (core.stager.local_path.name, core.stager.link_path.name)
     assert names == (("acl_batch_local", "acl_batch") if toggle == "1" else ("acl_loop_local", "acl_loop"))
     assert core.stager.geometry.slots == 3
+    assert type(core.stager._fused).__name__ == "AclStagedPipeline"  # slices enqueued by one native call
     store_then_load(core, kv, rng)
     # Every page went device<->staging as a D2D copy; the link copies were far fewer.
     assert emu.acl_emu_count(b"d2d_copies") == 2 * 15 * len(pages)

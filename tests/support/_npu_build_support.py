@@ -84,6 +84,7 @@ def emu(built):
     lib.acl_emu_count.restype = ctypes.c_longlong
     lib.acl_emu_count.argtypes = [ctypes.c_char_p]
     lib.acl_emu_last_stream.restype = ctypes.c_void_p
+    lib.acl_emu_log.restype = ctypes.c_char_p
     yield lib
     os.environ.pop("NPU_OFFLOAD_ACL_LIBRARY", None)
 

@@ -56,6 +56,19 @@ def _raise(err: AclError, what: str) -> None:
     raise AclCopyError(msg, err.call.decode(errors="replace"), idx, fail, err.acl_code, err.status)
 
 
+class StagedJob(ctypes.Structure):
+    """Mirror of ``npu_offload_staged_job`` (csrc_npu/npu_offload_acl.h)."""
+
+    _fields_ = [
+        ("store", ctypes.c_int32), ("link", ctypes.c_int32), ("batch", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("max_per_call", ctypes.c_int64), ("stream", ctypes.c_void_p), ("aux", ctypes.c_void_p),
+        ("events", ctypes.POINTER(ctypes.c_void_p)), ("slots", ctypes.c_int64), ("n_slices", ctypes.c_int64),
+        ("local_src", ctypes.c_void_p), ("local_dst", ctypes.c_void_p), ("local_size", ctypes.c_void_p),
+        ("local_bounds", ctypes.c_void_p), ("link_src", ctypes.c_void_p), ("link_dst", ctypes.c_void_p),
+        ("link_size", ctypes.c_void_p), ("link_bounds", ctypes.c_void_p),
+    ]
+
+
 def load_library(path: "str | os.PathLike | None" = None) -> ctypes.CDLL:
     """The built library (``path`` or the one ``library_path`` finds); ImportError when not built."""
     path = path or library_path(LIBRARY_NAME)
@@ -79,6 +92,9 @@ def _open(path: str) -> ctypes.CDLL:
     lib.npu_offload_acl_probe.argtypes = [err_p]
     lib.npu_offload_acl_host_register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, err_p]
     lib.npu_offload_acl_host_unregister.argtypes = [ctypes.c_void_p, err_p]
+    lib.npu_offload_acl_staged_run.argtypes = [ctypes.POINTER(StagedJob), err_p]
+    for fn in ("npu_offload_acl_events_create", "npu_offload_acl_events_destroy"):
+        getattr(lib, fn).argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), err_p]
     for fn in ("npu_offload_acl_build_mode", "npu_offload_acl_build_info"):
         getattr(lib, fn).restype = ctypes.c_char_p
         getattr(lib, fn).argtypes = []
@@ -125,6 +141,27 @@ def acl_host_unregister(ptr: int) -> None:
     err = AclError()
     if load_library().npu_offload_acl_host_unregister(ctypes.c_void_p(ptr), ctypes.byref(err)) != OK:
         _raise(err, "unpinning host memory")
+
+
+def create_events(n: int, lib: ctypes.CDLL) -> "ctypes.Array[ctypes.c_void_p]":
+    """``n`` ACL events owned by this library (the staged pipeline's slot events)."""
+    events, err = (ctypes.c_void_p * n)(), AclError()
+    if lib.npu_offload_acl_events_create(n, events, ctypes.byref(err)) != OK:
+        _raise(err, f"creating {n} staging events")
+    return events
+
+
+def destroy_events(events: "ctypes.Array[ctypes.c_void_p]", lib: ctypes.CDLL) -> None:
+    err = AclError()
+    if lib.npu_offload_acl_events_destroy(len(events), events, ctypes.byref(err)) != OK:
+        _raise(err, "destroying staging events")
+
+
+def staged_run(job: StagedJob, lib: ctypes.CDLL) -> None:
+    """Enqueue one staged transfer (``npu_offload_acl_staged_run``); AclCopyError on failure."""
+    err = AclError()
+    if lib.npu_offload_acl_staged_run(ctypes.byref(job), ctypes.byref(err)) != OK:
+        _raise(err, f"staged {'store' if job.store else 'load'} of {job.n_slices} slices failed")
 
 
 def library_info() -> str:

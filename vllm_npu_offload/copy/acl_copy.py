@@ -38,8 +38,8 @@ class AclCopyPath(CopyPath):
         self.batch = batch
         self.device_local = device_local
         self.name = ("acl_batch" if batch else "acl_loop") + ("_local" if device_local else "")
-        self._lib = lib or load_library()
-        self._max_batch = env.get(ENV_MAX_BATCH)
+        self.lib = lib or load_library()
+        self.max_batch = env.get(ENV_MAX_BATCH)
 
     def stream_handle(self, stream: Any) -> int:
         """An int is taken as a raw aclrtStream (tests); anything else goes through the platform."""
@@ -49,6 +49,16 @@ class AclCopyPath(CopyPath):
             raise CopyError(f"{self.name}: no platform to turn {type(stream).__name__} into an aclrtStream",
                             self.name)
         return self.platform.raw_stream_handle(stream)
+
+    def fused_pipeline(self, link: CopyPath, slots: int):
+        """The whole slice pipeline in one native call, when this is the device-local side and
+        ``link`` the host side over the same library; else None (Stager.run's Python loop)."""
+        from .npu_pipeline import AclStagedPipeline, pipeline_mode
+
+        if (pipeline_mode() == "python" or not self.device_local or not isinstance(link, AclCopyPath)
+                or link.device_local or link.lib is not self.lib):
+            return None
+        return AclStagedPipeline(self, link, slots)
 
     def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, direction: Direction, stream: Any,
              buffers=None) -> None:
@@ -66,8 +76,8 @@ class AclCopyPath(CopyPath):
         err = AclError()
         args = (s.ctypes.data, d.ctypes.data, z.ctypes.data, n, code, handle)
         if self.batch:
-            rc = self._lib.npu_offload_acl_copy_batch(*args, self._max_batch, ctypes.byref(err))
+            rc = self.lib.npu_offload_acl_copy_batch(*args, self.max_batch, ctypes.byref(err))
         else:
-            rc = self._lib.npu_offload_acl_copy_loop(*args, ctypes.byref(err))
+            rc = self.lib.npu_offload_acl_copy_loop(*args, ctypes.byref(err))
         if rc != OK:
             _raise(err, f"{self.name} {label} copy of {n} descriptors failed")
