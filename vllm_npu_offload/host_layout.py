@@ -8,7 +8,9 @@ copies instead of one per page (the scattering happens on the device, see stagin
 
 Host block ``h`` (sub-block ``h % bpc`` of chunk ``h // bpc``) of tensor ``t`` lives at
 ``base + h * record_bytes + page_offsets[t]``. Several KV-cache groups share the record
-(each group writes only its own tensors); ``group_span`` says which bytes a group uses.
+(each group writes only its own tensors); ``group_span`` says which bytes a group uses. The
+worker core orders the pages group by group (``order``), so that a group's span holds only
+its own pages: a store copies a group's span whole, and must not write another group's pages.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ class HostLayout:
     num_chunks: int
 
     @classmethod
-    def build(cls, page_bytes: Sequence[int], blocks_per_chunk: int, num_chunks: int) -> "HostLayout":
+    def build(cls, page_bytes: Sequence[int], blocks_per_chunk: int, num_chunks: int,
+              order: Sequence[int] | None = None) -> "HostLayout":
+        """``order``: the tensors in the order their pages follow each other in a record (default:
+        by index); it must name every tensor once."""
         if not page_bytes or any(p <= 0 for p in page_bytes):
             raise OffloadConfigError(f"page sizes must be positive bytes, got {list(page_bytes)}")
         if blocks_per_chunk <= 0:
@@ -41,12 +46,20 @@ class HostLayout:
             raise OffloadConfigError(
                 f"num_chunks must be > 0 (host memory too small for one block?), got {num_chunks}"
             )
-        offsets, pos = [], 0
-        for p in page_bytes:
+        order = list(range(len(page_bytes))) if order is None else [int(t) for t in order]
+        if sorted(order) != list(range(len(page_bytes))):
+            raise OffloadConfigError(f"record order {order} must name each of the {len(page_bytes)} tensors once")
+        offsets, pos = [0] * len(page_bytes), 0
+        for t in order:
             pos = round_up(pos, PAGE_ALIGNMENT)
-            offsets.append(pos)
-            pos += p
+            offsets[t] = pos
+            pos += page_bytes[t]
         return cls(tuple(page_bytes), tuple(offsets), round_up(pos, PAGE_ALIGNMENT), blocks_per_chunk, num_chunks)
+
+    @property
+    def pages_end(self) -> int:
+        """Where the last page of a record ends (the rest is alignment padding nobody owns)."""
+        return max(o + p for o, p in zip(self.page_offsets, self.page_bytes))
 
     @property
     def num_blocks(self) -> int:

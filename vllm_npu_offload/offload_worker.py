@@ -71,10 +71,17 @@ class OffloadWorkerCore:
     ):
         self.platform = platform
         self.device_tensors = list(device_tensors)
-        self.layout = HostLayout.build([t.page_bytes for t in self.device_tensors], blocks_per_chunk, num_chunks)
+        self.group_refs = [list(refs) for refs in group_refs]
+        # group-major records: each group's pages are one span holding nothing of another group's
+        first_group = {}
+        for g, refs in enumerate(self.group_refs):
+            for r in refs:
+                first_group.setdefault(r.tensor_idx, g)
+        order = sorted(range(len(self.device_tensors)), key=lambda t: (first_group.get(t, len(self.group_refs)), t))
+        self.layout = HostLayout.build([t.page_bytes for t in self.device_tensors], blocks_per_chunk, num_chunks,
+                                       order)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
-        self.group_refs = [list(refs) for refs in group_refs]
         for refs in self.group_refs:
             for r in refs:
                 if not 0 < r.page_bytes <= self.device_tensors[r.tensor_idx].page_bytes:

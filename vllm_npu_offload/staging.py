@@ -128,12 +128,15 @@ class GroupBlocks:
     host_ids: np.ndarray
 
 
-def _link_runs(host: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Start indices of runs of consecutive host blocks of one group."""
+def _link_runs(host: np.ndarray, group: np.ndarray, alone: np.ndarray | None = None) -> np.ndarray:
+    """Start indices of runs of consecutive host blocks of one group; a block marked ``alone``
+    is a run of its own."""
     if len(host) == 0:
         return np.empty(0, np.int64)
     brk = np.ones(len(host), bool)
     brk[1:] = (host[1:] != host[:-1] + 1) | (group[1:] != group[:-1])
+    if alone is not None:
+        brk |= alone
     return np.flatnonzero(brk)
 
 
@@ -211,8 +214,17 @@ class Stager:
         else:
             local, ranges = self._plan_pages(direction, groups, pos, slice_of, edges)
         try:
-            # Link descriptors: runs of consecutive host blocks inside one slice and one group.
-            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of)
+            # Link descriptors: runs of consecutive host blocks inside one slice and one group. A
+            # run of several records copies the records between its ends whole, so a store merges
+            # blocks only for a group whose span is the whole record: another group's pages in
+            # between hold nothing of this transfer (staging) and must keep their host bytes.
+            alone = None
+            if direction is Direction.D2H:
+                partial = np.array([gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1]
+                                    for gb in groups])
+                if partial.any():
+                    alone = np.full(n, True) if gid is None else partial[gid]
+            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of, alone)
             ends = np.append(starts[1:], n)
             if gid is None:
                 lo, hi = groups[0].span

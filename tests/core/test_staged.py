@@ -136,6 +136,45 @@ def test_staged_groups_write_only_their_tensors(groups, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("only_one", [False, True])
+def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
+    """vLLM hands a multi-group transfer (Gemma-2: sliding-window and global layers alternate) as
+    each group's blocks for the same keys, so the groups share host chunks. A staged store used to
+    copy a run of consecutive records whole, writing the other group's pages of the records in
+    between with stale staging bytes. Now records are group-major and a partial-span group's store
+    copies block by block: a store of one group (or of both) leaves the other's host pages intact."""
+    platform = _platform(device) or CpuPlatform()
+    rng = np.random.default_rng(17)
+    pages, bpc, n = [2048] * 8, 4, 8
+    tensors = [torch.from_numpy(rng.integers(0, 256, (DEV_BLOCKS, p), dtype=np.uint8)).to(platform.device)
+               for p in pages]
+    refs = [[GroupRef(i, pages[i]) for i in range(g, len(pages), 2)] for g in range(2)]  # interleaved layers
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, bpc, CHUNKS, platform,
+                             staging_bytes=2 * 3 * bpc * sum(pages))
+    assert [core.layout.group_span([r.tensor_idx for r in g]) for g in refs] == [(0, 4 * 2048), (4 * 2048, 8 * 2048)]
+    chunks = rng.choice(CHUNKS, n // bpc, replace=False).astype(np.int64)
+    ids = [rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64) for _ in refs]
+    core.submit(1, Direction.D2H, np.concatenate(ids), [n, n], [0, 0], np.tile(chunks, 2), staged=True)
+    settle(core, [1])
+    host_ids = core._host_blocks(chunks, 0, n)
+    first = {t: core.host_view(t)[host_ids].clone() for t in range(len(pages))}
+    for g, group in enumerate(refs):
+        for r in group:
+            assert torch.equal(first[r.tensor_idx][:, : r.page_bytes].cpu(), tensors[r.tensor_idx][ids[g]].cpu()), r
+    # store group 1 again from other device blocks (or both groups): group 0's host pages must not change
+    new1 = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    sizes, dev = ([0, n], new1) if only_one else ([n, n], np.concatenate([ids[0], new1]))
+    core.submit(2, Direction.D2H, dev, sizes, [0, 0], chunks if only_one else np.tile(chunks, 2), staged=True)
+    settle(core, [2])
+    for r in refs[0]:
+        assert torch.equal(core.host_view(r.tensor_idx)[host_ids], first[r.tensor_idx]), r
+    for r in refs[1]:
+        assert torch.equal(core.host_view(r.tensor_idx)[host_ids][:, : r.page_bytes].cpu(),
+                           tensors[r.tensor_idx][new1].cpu()), r
+    core.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_pipeline_reuses_slots_across_many_slices(device):
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
     g = core.stager.geometry

@@ -1,0 +1,58 @@
+"""Layer groups as worker-core groups, the groundwork of layer-wise reload (docs/layerwise.md):
+a uniform model's layers split into G groups over the same device blocks and host chunks. A
+store of every group loads back group by group; each group's transfer writes only its own
+layers, and together they equal the stored bytes, direct and staged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_npu_offload import staging
+from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+from vllm_npu_offload.offload_worker import OffloadWorkerCore
+from vllm_npu_offload.platform import CpuPlatform
+
+LAYERS, PAGE, BLOCKS, BPC, CHUNKS = 8, 1024, 32, 2, 16
+
+
+def settle(core, jobs):
+    core.wait(jobs)
+    res = {r.job_id: r for r in core.poll()}
+    assert sorted(res) == sorted(jobs) and all(r.success for r in res.values()), res
+
+
+@pytest.mark.parametrize("staged", ["0", "1"])
+@pytest.mark.parametrize("groups", [2, 4])
+def test_group_by_group_load_equals_the_store(monkeypatch, staged, groups):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", staged)
+    monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
+    rng = np.random.default_rng(groups)
+    kv = [torch.from_numpy(rng.integers(0, 256, (BLOCKS, PAGE), dtype=np.uint8)).clone() for _ in range(2 * LAYERS)]
+    per = 2 * LAYERS // groups  # K and V of LAYERS / groups layers
+    refs = [[GroupRef(i, PAGE) for i in range(g * per, (g + 1) * per)] for g in range(groups)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, BPC, CHUNKS, CpuPlatform(),
+                             staging_bytes=2 * 2 * BPC * 2 * LAYERS * PAGE)
+    assert (core.stager is not None) == (staged == "1")
+    n = 6
+    ids = rng.choice(BLOCKS, n, replace=False).astype(np.int64)
+    chunks = rng.choice(CHUNKS, n // BPC, replace=False).astype(np.int64)
+    # one store of every group: the same blocks and chunks for each
+    core.submit(1, Direction.D2H, np.tile(ids, groups), [n] * groups, [0] * groups, np.tile(chunks, groups))
+    settle(core, [1])
+    want = [t[ids].clone() for t in kv]
+    back = rng.choice(np.setdiff1d(np.arange(BLOCKS), ids), n, replace=False).astype(np.int64)
+    for t in kv:
+        t[back] = 0
+    for g in range(groups):  # what a layer-wise load submits: group g alone
+        core.submit(10 + g, Direction.H2D, back, [n if j == g else 0 for j in range(groups)], [0] * groups, chunks)
+        settle(core, [10 + g])
+        for i, t in enumerate(kv):
+            if i // per <= g:
+                assert torch.equal(t[back], want[i]), (g, i)
+            else:
+                assert not t[back].any(), (g, i)  # later groups untouched
+    core.shutdown()
