@@ -216,8 +216,9 @@ class Stager:
         try:
             # Link descriptors: runs of consecutive host blocks inside one slice and one group. A
             # run of several records copies the records between its ends whole, so a store merges
-            # blocks only for a group whose span is the whole record: another group's pages in
-            # between hold nothing of this transfer (staging) and must keep their host bytes.
+            # blocks only for a group whose span is the whole record: where groups share chunks
+            # (layer groups; vLLM 0.23's own groups have per-group keys, so chunks of their own),
+            # another group's pages in between hold its data on the host, not in this staging.
             alone = None
             if direction is Direction.D2H:
                 partial = np.array([gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1]

@@ -138,11 +138,12 @@ def test_staged_groups_write_only_their_tensors(groups, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("only_one", [False, True])
 def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
-    """vLLM hands a multi-group transfer (Gemma-2: sliding-window and global layers alternate) as
-    each group's blocks for the same keys, so the groups share host chunks. A staged store used to
-    copy a run of consecutive records whole, writing the other group's pages of the records in
-    between with stale staging bytes. Now records are group-major and a partial-span group's store
-    copies block by block: a store of one group (or of both) leaves the other's host pages intact."""
+    """Groups whose blocks share host chunks (layer groups of one model for layer-wise loads; vLLM
+    0.23's own groups use per-group offload keys and so separate chunks). Interleaved tensors as in
+    Gemma-2. A staged store used to copy a run of consecutive records whole, writing the other
+    group's pages of the records in between with stale staging bytes. Now records are group-major
+    and a partial-span group's store copies block by block: a store of one group (or of both)
+    leaves the other's host pages intact."""
     platform = _platform(device) or CpuPlatform()
     rng = np.random.default_rng(17)
     pages, bpc, n = [2048] * 8, 4, 8
