@@ -284,18 +284,18 @@ aclError aclrtDestroyEvent(aclrtEvent event) {
     return ACL_SUCCESS;
 }
 
-aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
-    g_counts[C_RECORD]++;
-    if (event_index(event) < 0)
-        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "recording an event that is not live", 0);
-    log_op("aclrtRecordEvent e=%p s=%p", event, stream);
+/* Record and wait: counted, refused on an event that is not live, logged; the copies already ran. */
+static aclError event_op(int counter, aclrtEvent event, aclrtStream stream, const char *what, const char *call) {
+    g_counts[counter]++;
+    if (event_index(event) < 0) return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", what, 0);
+    log_op("%s e=%p s=%p", call, event, stream);
     return ACL_SUCCESS;
 }
 
+aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
+    return event_op(C_RECORD, event, stream, "recording an event that is not live", "aclrtRecordEvent");
+}
+
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
-    g_counts[C_WAIT]++;
-    if (event_index(event) < 0)
-        return fail(ACL_ERROR_INVALID_PARAM, "emulation: %s%lld", "waiting on an event that is not live", 0);
-    log_op("aclrtStreamWaitEvent s=%p e=%p", stream, event);
-    return ACL_SUCCESS;
+    return event_op(C_WAIT, event, stream, "waiting on an event that is not live", "aclrtStreamWaitEvent");
 }

@@ -143,6 +143,19 @@ def test_stress_threads_random_order_exactly_once():
     reported, failed_reqs = Counter(), Counter()
     stores_ok, stores_bad = Counter(), Counter()
     error_blocks: set[int] = set()
+
+    def gather(collects: int) -> None:
+        """``collects`` get_finished calls, then the step's load errors and store results."""
+        nonlocal error_blocks
+        for _ in range(collects):
+            fin, failed = core.collect()
+            reported.update(fin)
+            failed_reqs.update(failed)
+        error_blocks |= core.take_load_errors()
+        ok, bad = core.take_store_results()
+        stores_ok.update(ok)
+        stores_bad.update(bad)
+
     load_ev = store_ev = 0
     steps = 6000
     try:
@@ -170,22 +183,9 @@ def test_stress_threads_random_order_exactly_once():
                 failed_reqs.update(failed)
             core.launch(H2D)
             core.launch(D2H)
-            for _ in range(rng.randint(0, 3)):
-                fin, failed = core.collect()
-                reported.update(fin)
-                failed_reqs.update(failed)
-            error_blocks |= core.take_load_errors()
-            ok, bad = core.take_store_results()
-            stores_ok.update(ok)
-            stores_bad.update(bad)
+            gather(rng.randint(0, 3))
         core.flush()
-        fin, failed = core.collect()
-        reported.update(fin)
-        failed_reqs.update(failed)
-        error_blocks |= core.take_load_errors()
-        ok, bad = core.take_store_results()
-        stores_ok.update(ok)
-        stores_bad.update(bad)
+        gather(1)
     finally:
         t.shutdown()
     assert load_ev + store_ev >= 10_000
