@@ -139,6 +139,17 @@ class TransferEngine:
         for ev in ends:
             ev.synchronize()
 
+    def end_event(self, job_id: int) -> Any | None:
+        """The event a job's stream records after its last copy, while the job is in flight (None
+        once it has been reported): a consumer that must not read the KV before the copy lands
+        makes its own stream wait on it (a stream wait, not a host sync; layer-wise loads)."""
+        with self._lock:
+            for q in self._queues.values():
+                for it in q:
+                    if it.job_id == job_id:
+                        return it.end
+        return None
+
     def in_flight(self) -> int:
         with self._lock:
             return sum(len(q) for q in self._queues.values())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_npu_offload.copy import BackendChoice, CopyPath, Direction, NPUDmaCopyBackend, register_path
+from vllm_npu_offload.copy.host import HostCopyPath
 from vllm_npu_offload.engine import TransferEngine
 from vllm_npu_offload.plan import BlockLayout, CopyPlanner, DescriptorPool, TensorPair
 from vllm_npu_offload.platform import CpuPlatform
@@ -202,4 +203,37 @@ def test_poll_of_one_direction_keeps_the_others_results(platform):
     assert [r.job_id for r in eng.poll(Direction.H2D)] == [2]
     assert eng.poll(Direction.H2D) == []
     assert [r.job_id for r in eng.poll()] == [1]  # kept for its own direction's poll
+    eng.shutdown()
+
+
+def test_end_event_orders_a_consumer_stream_after_the_copy():
+    """A consumer stream that waits on a job's end event runs after the copy: the compute stream
+    of a layer-wise load reads only bytes that landed. None once the job has been reported."""
+    platform = CpuPlatform(threaded_streams=True)
+    dev = torch.zeros(4, 16, dtype=torch.uint8)
+    host = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    gate = threading.Event()
+
+    class GatedPath(CopyPath):  # the copy starts only when the test opens the gate
+        name = "gated"
+
+        def copy(self, src, dst, sizes, direction, stream, buffers=None):
+            stream.submit(lambda: gate.wait(5))
+            HostCopyPath().copy(src, dst, sizes, direction, stream)
+
+    register_path("gated", lambda p, pages: GatedPath())
+    eng = Engine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice("gated", "gated")))
+    eng.submit(7, Direction.H2D, planner(host, dev, 16).plan([2], [1]))
+    ev = eng.end_event(7)
+    assert ev is not None and eng.end_event(8) is None
+    consumer, seen = platform.new_stream(), []
+    consumer.wait_event(ev)
+    consumer.submit(lambda: seen.append(dev[1].clone()))
+    threading.Event().wait(0.2)
+    assert seen == []  # held behind the copy, which waits for the gate
+    gate.set()
+    consumer.synchronize()
+    assert torch.equal(seen[0], host[2])  # the consumer saw the copied bytes, not zeros
+    eng.drain()
+    assert eng.end_event(7) is None and [r.job_id for r in eng.poll()] == [7]
     eng.shutdown()
