@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import env
 from .copy.base import CopyPath, DescriptorRange, Direction
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
@@ -31,6 +32,7 @@ from .plan import CopyPlanner, DescriptorBuffers, DescriptorPool, Descriptors
 from .platform import Platform
 
 logger = logging.getLogger(__name__)
+ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
 MAX_SLOTS = 4
@@ -158,7 +160,8 @@ class Stager:
         self._aux = {d: platform.new_stream() for d in Direction}
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
-        self._fused = local_path.fused_pipeline(link_path, g.slots)  # the whole pipeline in one native call
+        # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
+        self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
         self.table_form = bool(getattr(self._fused, "table_form", False))
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,

@@ -53,10 +53,9 @@ class AclCopyPath(CopyPath):
     def fused_pipeline(self, link: CopyPath, slots: int):
         """The whole slice pipeline in one native call, when this is the device-local side and
         ``link`` the host side over the same library; else None (Stager.run's Python loop)."""
-        from .npu_pipeline import AclStagedPipeline, pipeline_mode
+        from .npu_pipeline import AclStagedPipeline
 
-        if (pipeline_mode() == "python" or not self.device_local or not isinstance(link, AclCopyPath)
-                or link.device_local or link.lib is not self.lib):
+        if not self.device_local or not isinstance(link, AclCopyPath) or link.device_local or link.lib is not self.lib:
             return None
         return AclStagedPipeline(self, link, slots)
 

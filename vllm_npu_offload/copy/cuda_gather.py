@@ -58,9 +58,9 @@ class NativeGatherPath(CopyPath):
 
     def fused_pipeline(self, link: CopyPath, slots: int):
         from .cuda_dma import CudaDmaCopyPath
-        from .cuda_pipeline import CudaStagedPipeline, pipeline_mode
+        from .cuda_pipeline import CudaStagedPipeline
 
-        if pipeline_mode() == "python" or not isinstance(link, CudaDmaCopyPath) or link.lib is not self.lib:
+        if not isinstance(link, CudaDmaCopyPath) or link.lib is not self.lib:
             return None
         return CudaStagedPipeline(self.lib, self.platform, slots, self.programs, self.min_page)
 

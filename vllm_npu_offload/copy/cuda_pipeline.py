@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import Direction
 
-ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
 
@@ -34,10 +32,6 @@ class StagedJob(ctypes.Structure):
         ("range_off", _u64p), ("ranges", _u64p), ("link_src", _u64p), ("link_dst", _u64p), ("link_size", _u64p),
         ("link_bounds", _u64p), ("events", ctypes.POINTER(ctypes.c_void_p)), ("skip_link", ctypes.c_int),
     ]
-
-
-def pipeline_mode() -> str:
-    return env.get(ENV_PIPELINE)
 
 
 def _ptr(a: np.ndarray):

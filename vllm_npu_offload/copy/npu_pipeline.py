@@ -4,7 +4,8 @@ Same schedule as ``Stager.run``'s Python loop (staging.py), but every slice's ga
 link copies and slot events go to ACL from C (``npu_offload_acl_staged_run``): from Python
 each of those calls costs tens of microseconds of the engine thread, per slice.
 Plans come in page-descriptor form (``table_form = False``); this module only lays each
-slice's descriptors out contiguously. ``NPU_OFFLOAD_STAGE_PIPELINE=python`` keeps the loop.
+slice's descriptors out contiguously. ``NPU_OFFLOAD_STAGE_PIPELINE=python`` keeps the loop
+(the Stager decides, for every platform).
 """
 
 from __future__ import annotations
@@ -13,20 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import env
 from .._native import acl
 from ..errors import CopyError
 from .base import Direction
 
 if TYPE_CHECKING:
     from .acl_copy import AclCopyPath
-
-ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"
-
-
-def pipeline_mode() -> str:
-    return env.get(ENV_PIPELINE)
-
 
 def slice_indices(local_ranges) -> tuple[np.ndarray, np.ndarray]:
     """(descriptor indices of every slice back to back, slice bounds into them), vectorised.
@@ -65,8 +58,7 @@ class AclStagedPipeline:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter, on ``stream`` (benchmarks)."""
         direction = Direction(direction)
         if plan.local is None:
-            raise CopyError("staged run: the plan has no page descriptors (table form?)",
-                                "npu_offload_acl_staged_run")
+            raise CopyError("staged run: the plan has no page descriptors (table form?)", "npu_offload_acl_staged_run")
         idx, bounds = slice_indices(plan.local_ranges)
         loc = [np.ascontiguousarray(a[idx], np.int64) for a in (plan.local.src, plan.local.dst, plan.local.sizes)]
         lk = [np.ascontiguousarray(a, np.int64) for a in (plan.link.src, plan.link.dst, plan.link.sizes,
