@@ -131,24 +131,22 @@ class TransferEngine:
                     out.append(self._finish(q.popleft()))
             return out
 
+    def _end_events(self, job_ids: set[int]) -> list[Any]:
+        """End events of the given jobs still in flight."""
+        with self._lock:
+            return [it.end for q in self._queues.values() for it in q if it.job_id in job_ids]
+
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs (and, by ordering, those before them) have finished."""
-        wanted = set(job_ids)
-        with self._lock:
-            ends = [it.end for q in self._queues.values() for it in q if it.job_id in wanted]
-        for ev in ends:
+        for ev in self._end_events(set(job_ids)):
             ev.synchronize()
 
     def end_event(self, job_id: int) -> Any | None:
         """The event a job's stream records after its last copy, while the job is in flight (None
         once it has been reported): a consumer that must not read the KV before the copy lands
         makes its own stream wait on it (a stream wait, not a host sync; layer-wise loads)."""
-        with self._lock:
-            for q in self._queues.values():
-                for it in q:
-                    if it.job_id == job_id:
-                        return it.end
-        return None
+        ends = self._end_events({job_id})
+        return ends[0] if ends else None
 
     def in_flight(self) -> int:
         with self._lock:

@@ -91,7 +91,8 @@ class OffloadWorkerCore:
                     )
         self.host = HostKVBuffer(platform, self.layout.nbytes)
         page_sizes = [r.page_bytes for refs in self.group_refs for r in refs]
-        staged = self._staged_paths(page_sizes)
+        mode = env.get(ENV_STAGED)  # True: staged only, False: direct only, None: calibrated
+        staged = self._staged_paths(page_sizes, mode)
         # with staging, direct stores take the staging link path: measure only the load's direct path
         self.backend = backend or NPUDmaCopyBackend(
             platform, page_sizes, measure=(Direction.H2D,) if staged else tuple(Direction))
@@ -104,7 +105,7 @@ class OffloadWorkerCore:
         self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
         self.staged_min_blocks = {d: NEVER for d in Direction}
         if staged is not None:
-            self._setup_staging(staged, staging_bytes)
+            self._setup_staging(staged, staging_bytes, mode)
         _LIVE.add(self)
         logger.info(
             "offload worker: %d tensors, %d groups, %d host chunks x %d blocks x %d-byte records, %.1f MiB host "
@@ -130,14 +131,13 @@ class OffloadWorkerCore:
             pairs.append(TensorPair(src, dst, ref.page_bytes))
         return CopyPlanner(pairs, merge=staging is None)  # staged: one gather descriptor per page
 
-    def _staged_paths(self, page_sizes: list[int]):
+    def _staged_paths(self, page_sizes: list[int], mode: bool | None):
         """(local, link) paths of staged transfers, None when this core stays direct."""
-        mode = env.get(ENV_STAGED)  # True: staged only, False: direct only, None: calibrated
         if mode is False or (self.platform.kind == "cpu" and mode is not True):
             return None  # on CPU the "device" is host memory: a staging copy would only add a memmove
         return staged_paths(self.platform, page_sizes)
 
-    def _setup_staging(self, paths, staging_bytes: int | None) -> None:
+    def _setup_staging(self, paths, staging_bytes: int | None, mode: bool | None) -> None:
         self.stager = Stager(self.platform, self.layout, self.host.base,
                              DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes,
                              paths[0], paths[1], self.pool)
@@ -148,7 +148,7 @@ class OffloadWorkerCore:
         self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
         self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
                        for refs in self.group_refs]
-        if env.get(ENV_STAGED) is True:
+        if mode is True:
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
             self.staged_min_blocks = staged_thresholds(self.calibration_target())
