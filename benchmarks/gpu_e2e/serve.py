@@ -149,9 +149,9 @@ class ServerPlan:
         return kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector)
 
 
-def parse_server(name: str, layout: str) -> tuple[str, str]:
-    """"ours" -> (layout, ours); "perlayer:ours" -> (perlayer, ours); "ours/dstore" -> (layout, ours)
-    (the variant's variables: ``variant_env``)."""
+def parse_server(name: str, layout: str) -> tuple[str, str, str]:
+    """"ours" -> (layout, ours, ""); "perlayer:ours" -> (perlayer, ours, ""); "ours/dstore" -> (layout,
+    ours, dstore): a variant's run-time variables are ``VARIANTS[variant]``."""
     lay, _, kind = name.rpartition(":")
     lay = lay or layout
     kind, _, variant = kind.partition("/")
@@ -166,7 +166,7 @@ def parse_server(name: str, layout: str) -> tuple[str, str]:
                         f"{LAYOUTS[layout].shape} ({layout}); one model per run")
     if lay != layout and kind not in ("native", "ours", "null"):
         raise PlanError(f"server {name!r}: only native/ours/null take another layout's connector")
-    return lay, kind
+    return lay, kind, variant
 
 
 def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host_bytes: int,
@@ -178,8 +178,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
     weights = shape.weight_bytes(SERVE_VOCAB, layers=layers)
     plans, seen = [], set()
     for name in names:
-        lay, kind = parse_server(name, layout)
-        variant = name.rpartition(":")[2].partition("/")[2]
+        lay, kind, variant = parse_server(name, layout)
         label = (kind if lay == layout else f"{lay}:{kind}") + (f"/{variant}" if variant else "")
         if label in seen:
             raise PlanError(f"server {label!r} given twice")
@@ -448,11 +447,14 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     env = {**ENV, **CACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     logs = work / "serve_logs"
     tag = f"{layout}-{load.clients}"
+    def log_of(p: ServerPlan) -> Path:
+        return logs / f"{tag}-{p.label.replace(':', '-').replace('/', '-')}.log"
+
     def make_cm(p: ServerPlan, timeout_s: float):
         return vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
                                               chat_template=str(tmpl), served_name=served),
                            env={**env, **dict(p.env)}, startup_timeout_s=timeout_s,
-                           log_path=logs / f"{tag}-{p.label.replace(':', '-').replace('/', '-')}.log", label=p.label)
+                           log_path=log_of(p), label=p.label)
 
     t0 = time.perf_counter()
     # all start waves end by this: the passes need at least one run's time after it
@@ -464,7 +466,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         res["start_wall_s"] = time.perf_counter() - t0
         res["server_logs"] = {}
         for p in plans:
-            log = logs / f"{tag}-{p.label.replace(':', '-').replace('/', '-')}.log"
+            log = log_of(p)
             res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
         live = [p.label for p in plans if p.label in urls]
         plan_by = {p.label: p for p in plans}
