@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from staged_round_trip import settle
+
 from vllm_npu_offload import staging
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
@@ -16,12 +18,6 @@ from vllm_npu_offload.offload_worker import OffloadWorkerCore
 from vllm_npu_offload.platform import CpuPlatform
 
 LAYERS, PAGE, BLOCKS, BPC, CHUNKS = 8, 1024, 32, 2, 16
-
-
-def settle(core, jobs):
-    core.wait(jobs)
-    res = {r.job_id: r for r in core.poll()}
-    assert sorted(res) == sorted(jobs) and all(r.success for r in res.values()), res
 
 
 @pytest.mark.parametrize("staged", ["0", "1"])

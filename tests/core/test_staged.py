@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from staged_round_trip import settle
+
 from vllm_npu_offload import staging, staging_choice
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
@@ -58,12 +60,6 @@ def random_core(seed, bpc, staging_chunks, threaded=False, groups=1, device="cpu
 
 def chunks_for(rng, n_blocks, skip, bpc):
     return rng.choice(CHUNKS, -(-(n_blocks + skip) // bpc), replace=False).astype(np.int64)
-
-
-def settle(core, jobs):
-    core.wait(jobs)
-    res = {r.job_id: r for r in core.poll()}
-    assert sorted(res) == sorted(jobs) and all(r.success for r in res.values()), res
 
 
 def expected_host(core, refs, tensors, dev_ids, host_ids):

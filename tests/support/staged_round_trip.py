@@ -13,13 +13,19 @@ from vllm_npu_offload.copy.base import Direction
 CHUNKS = np.array([9, 3, 4, 5, 17, 0, 11, 20], np.int64)  # 15 blocks from sub-block 1 (bpc 2): 8 chunks
 
 
+def settle(core, jobs) -> None:
+    """Wait for ``jobs``; each is reported exactly once, and succeeded."""
+    core.wait(jobs)
+    res = {r.job_id: r for r in core.poll()}
+    assert sorted(res) == sorted(jobs) and all(r.success for r in res.values()), res
+
+
 def store_then_load(core, kv: list[torch.Tensor], rng: np.random.Generator, blocks: int = 15) -> None:
     nblocks = kv[0].shape[0]
     ids = rng.choice(nblocks, blocks, replace=False).astype(np.int64)
     original = [t.clone() for t in kv]
     core.submit(1, Direction.D2H, ids, [blocks], [1], CHUNKS)
-    core.wait([1])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    settle(core, [1])
     host_ids = core._host_blocks(CHUNKS, 1, blocks)
     for i, t in enumerate(original):
         assert torch.equal(core.host_view(i)[host_ids], t[ids])
@@ -27,8 +33,7 @@ def store_then_load(core, kv: list[torch.Tensor], rng: np.random.Generator, bloc
         t.zero_()
     back = rng.permutation(nblocks)[:blocks].astype(np.int64)
     core.submit(2, Direction.H2D, back, [blocks], [1], CHUNKS)
-    core.wait([2])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    settle(core, [2])
     for t, o in zip(kv, original):
         assert torch.equal(t[back], o[ids])
 
@@ -44,8 +49,7 @@ def store_then_load_groups(core, kv: list[torch.Tensor], refs, rng: np.random.Ge
     ids = rng.choice(nblocks, sum(sizes), replace=False).astype(np.int64)
     original = [t.clone() for t in kv]
     core.submit(jobs[0], Direction.D2H, ids, sizes, [skip] * len(sizes), chunks)
-    core.wait([jobs[0]])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    settle(core, [jobs[0]])
     parts = core.split_groups(ids, sizes, [skip] * len(sizes), chunks)
     for g, dev, host in parts:
         for ref in refs[g]:
@@ -55,8 +59,7 @@ def store_then_load_groups(core, kv: list[torch.Tensor], refs, rng: np.random.Ge
         t.zero_()
     back = rng.permutation(nblocks)[: sum(sizes)].astype(np.int64)
     core.submit(jobs[1], Direction.H2D, back, sizes, [skip] * len(sizes), chunks)
-    core.wait([jobs[1]])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    settle(core, [jobs[1]])
     at = 0
     for g, n in enumerate(sizes):
         for ref in refs[g]:
