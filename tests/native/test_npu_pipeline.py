@@ -6,58 +6,30 @@ an injected copy failure in a middle slice, and ``NPU_OFFLOAD_STAGE_PIPELINE=pyt
 # ruff: noqa: F811  (pytest fixtures imported from _npu_build_support are parameters by design)
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from _npu_build_support import (  # noqa: F401  (fixtures: built, emu, lib_batch, lib_loop)
+    SLOTS,
     INCLUDE,
     SKIP_REASON,
     built,
     emu,
-    fake_npu_platform,
     lib_batch,
     lib_loop,
+    staged_core,
 )
 from staged_round_trip import store_then_load_groups
 
-from vllm_npu_offload import staging
 from vllm_npu_offload._native import acl
 from vllm_npu_offload.copy import acl_copy, npu_pipeline
 from vllm_npu_offload.copy.base import DescriptorRange, Direction
-from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-from vllm_npu_offload.offload_worker import OffloadWorkerCore
 from vllm_npu_offload.plan import Descriptors
 from vllm_npu_offload.staging import StagedPlan
 
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
-PAGES = [4096, 4096, 1024, 3072]  # K/V pairs and unequal MLA-like parts, 64-byte multiples
-GROUPS = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]]}  # KV group -> its tensors
-BPC, SLOTS = 2, 3
-
-
-def _core(built, monkeypatch, toggle: str, groups: int, seed: int = 0):
-    """A worker core on the emulation: 3 staging slots of one host chunk (2 blocks) per direction."""
-    libs, _ = built
-    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(libs[toggle]).parent))
-    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
-    monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
-    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
-    platform = fake_npu_platform()
-    monkeypatch.setattr(type(platform), "device", property(lambda self: torch.device("cpu")))
-    rng = np.random.default_rng(seed)
-    # torch.empty is 64-byte aligned, as aclrtMemcpyAsync device-to-device copies require
-    kv = [torch.empty(40, p, dtype=torch.uint8).copy_(torch.from_numpy(rng.integers(0, 256, (40, p), dtype=np.uint8)))
-          for p in PAGES]
-    refs = [[GroupRef(i, PAGES[i]) for i in tensors] for tensors in GROUPS[groups]]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, BPC, 24, platform,
-                             staging_bytes=2 * SLOTS * BPC * sum(PAGES))
-    assert core.stager.geometry.slots == SLOTS
-    return core, kv, refs, rng
-
-
 def _count_native_runs(monkeypatch) -> list:
     """Every npu_offload_acl_staged_run call: (store, slices, slots)."""
     calls, real = [], acl.staged_run
@@ -73,7 +45,7 @@ def _count_native_runs(monkeypatch) -> list:
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("toggle", ["1", "0"])
 def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
-    core, kv, refs, rng = _core(built, monkeypatch, toggle, groups, seed=int(toggle) + groups)
+    core, kv, refs, rng = staged_core(built, monkeypatch, toggle, groups, seed=int(toggle) + groups)
     assert isinstance(core.stager._fused, npu_pipeline.AclStagedPipeline) and not core.stager.table_form
     live = emu.acl_emu_count(b"events_live")
     assert live >= 2 * (1 + 2 * SLOTS)  # entry, filled[], drained[] per direction, in the library
@@ -111,7 +83,7 @@ def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
     hosts = {}
     for mode in ("native", "python"):
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", mode)
-        core, kv, refs, rng = _core(built, monkeypatch, "1", 2, seed=11)
+        core, kv, refs, rng = staged_core(built, monkeypatch, "1", 2, seed=11)
         assert (core.stager._fused is None) == (mode == "python")
         emu.acl_emu_reset()
         parts = store_then_load_groups(core, kv, refs, rng, [9, 6])
@@ -126,7 +98,7 @@ def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
 def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle, direction):
     """Slice 1 fails (a store's gather, a load's link copy): the job's result says so, naming
     the call and the slice, and the next transfers run normally."""
-    core, kv, refs, rng = _core(built, monkeypatch, toggle, 1, seed=5)
+    core, kv, refs, rng = staged_core(built, monkeypatch, toggle, 1, seed=5)
     real = npu_pipeline.AclStagedPipeline.run
     armed = {"on": False}
 

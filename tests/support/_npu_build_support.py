@@ -130,3 +130,36 @@ def fake_npu_platform():
             return STREAM
 
     return FakeNpu()
+
+
+PAGES = [4096, 4096, 1024, 3072]  # K/V pairs and unequal MLA-like parts, 64-byte multiples
+GROUPS = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]]}  # KV group -> its tensors
+BPC, SLOTS = 2, 3
+
+
+def staged_core(built, monkeypatch, toggle: str, groups: int, seed: int = 0):
+    """A worker core on the emulation, library built with ``toggle``: staging always on, 3 slots
+    of one host chunk (2 blocks) per direction; (core, device KV tensors, group refs, rng)."""
+    import numpy as np
+    import torch
+
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    libs, _ = built
+    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(libs[toggle]).parent))
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
+    platform = fake_npu_platform()
+    monkeypatch.setattr(type(platform), "device", property(lambda self: torch.device("cpu")))
+    rng = np.random.default_rng(seed)
+    # torch.empty is 64-byte aligned, as aclrtMemcpyAsync device-to-device copies require (numpy is not)
+    kv = [torch.empty(40, p, dtype=torch.uint8).copy_(torch.from_numpy(rng.integers(0, 256, (40, p), dtype=np.uint8)))
+          for p in PAGES]
+    refs = [[GroupRef(i, PAGES[i]) for i in tensors] for tensors in GROUPS[groups]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, BPC, 24, platform,
+                             staging_bytes=2 * SLOTS * BPC * sum(PAGES))
+    assert core.stager.geometry.slots == SLOTS
+    return core, kv, refs, rng
