@@ -167,18 +167,28 @@ def correctness_plan(layouts: list[str]) -> list[tuple[str, str, str, str]]:
     """(label, layout, kind, dtype) of the correctness engines: float32 where the layout's kernels
     take it (off, native, ours, and the Simple connectors on the uniform model), bfloat16 native and
     ours everywhere (MLA: bfloat16 only, with off). perlayer shares uniform's off-fp32 engine (same
-    tiny model) when both run."""
+    tiny model) when both run. ``ours-staged`` is ours with every transfer staged
+    (``STAGED_ENV``): the tiny models' transfers are below the calibrated threshold, so without it
+    the staged gather/scatter and group-major host records never meet real vLLM here."""
     out = []
     for name in layouts:
         lay = LAYOUTS[name]
-        kinds32 = ["off", "native", "ours"] + (["simple", "vsimple"] if name == "uniform" else [])
+        kinds32 = ["off", "native", "ours", "ours-staged"] + (["simple", "vsimple"] if name == "uniform" else [])
         if name == "perlayer" and "uniform" in layouts:
             kinds32.remove("off")
         if lay.fp32:
             out += [(f"{name}/{k}-fp32", name, k, "float32") for k in kinds32]
         out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] if lay.fp32 else
-                                                                     ["off", "native", "ours"])]
+                                                                     ["off", "native", "ours", "ours-staged"])]
     return out
+
+
+STAGED_ENV = {"NPU_OFFLOAD_STAGED": "1"}
+
+
+def engine_kind(kind: str) -> tuple[str, dict]:
+    """A correctness kind's engine kind and run-time variables ("ours-staged" -> ours, STAGED_ENV)."""
+    return ("ours", dict(STAGED_ENV)) if kind == "ours-staged" else (kind, {})
 
 
 def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
@@ -195,27 +205,50 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
              "expect_equal": expect_equal}
         err = run.get("error") or ref.get("error") or (None if key in run and ref_key in ref else "not run")
         if err:
-            c.update(error=err, equal=False, **{"pass": False})
+            c.update(error=err, not_run=True, equal=False, **{"pass": False})
             return checks.append(c)
         eq = toks(run[key]) == toks(ref[ref_key])
         c["host_tokens"] = host(run[key])
         c.update(equal=eq, **{"pass": eq == expect_equal and (not need_host or c["host_tokens"] > 0)})
+        if "ours-staged" in engine:  # the engine must really have staged every transfer
+            cores = run.get("worker", {}).get("cores", [])
+            c["staged"] = bool(cores) and all(w["staged_from_blocks"] == {"H2D": "1", "D2H": "1"} for w in cores)
+            if not c["staged"]:
+                c.update(error=f"not every transfer staged: {[w.get('staged_from_blocks') for w in cores]}",
+                         **{"pass": False})
         checks.append(c)
 
     if lay.fp32:
         if off32.startswith(name):
             check("float32", off32, "r2", off32, "r1", need_host=False)
-        for k in ["native", "ours"] + (["simple", "vsimple"] if name == "uniform" else []):
+        for k in ["native", "ours", "ours-staged"] + (["simple", "vsimple"] if name == "uniform" else []):
             check("float32", f"{name}/{k}-fp32", "r1", off32, "r1", need_host=False)
             check("float32", f"{name}/{k}-fp32", "r2", off32, "r1")
         check("float32", f"{name}/ours-fp32", "r3", off32, "r1", expect_equal=False)
     else:
-        for k in ("native", "ours"):  # no hit in the first run: the same computation as off
+        for k in ("native", "ours", "ours-staged"):  # no hit in the first run: the same computation as off
             check("bfloat16", f"{name}/{k}-bf16", "r1", f"{name}/off-bf16", "r1", need_host=False)
         check("bfloat16", f"{name}/ours-bf16", "r3", f"{name}/native-bf16", "r2", expect_equal=False)
+        check("bfloat16", f"{name}/ours-staged-bf16", "r2", f"{name}/native-bf16", "r2")
     check("bfloat16", f"{name}/ours-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
     check("bfloat16", f"{name}/ours-bf16", "r2", f"{name}/native-bf16", "r2")
     return checks
+
+
+def generate_prompts(p, prompts: list[list[int]], max_tokens: int, one_by_one: bool) -> dict:
+    """``generate`` of all prompts in one batch, or one prompt per call (rows in prompt order, totals
+    summed). One by one for bfloat16: in a batch, when each request's load lands decides which
+    requests share a step, and bf16 results depend on the batch (the MLA decode split), so native
+    and ours could differ by timing alone (seen twice at token 8 of one prompt); alone, a request's
+    tokens depend only on its prompt and the KV it got back."""
+    if not one_by_one:
+        return p.call("generate", prompts=prompts, max_tokens=max_tokens)
+    outs = [p.call("generate", prompts=[q], max_tokens=max_tokens) for q in prompts]
+    merged = {"rows": [row for o in outs for row in o["rows"]]}
+    for k, v in outs[0].items():
+        if k != "rows" and isinstance(v, (int, float)):
+            merged[k] = sum(o.get(k, 0) for o in outs)
+    return merged
 
 
 def part_correctness(work: Path, a, budget: Budget) -> dict:
@@ -225,11 +258,12 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
     plan = correctness_plan(a.layouts)
     models = {name: build_tiny(work / f"tiny-{LAYOUTS[name].shape}", LAYOUTS[name].shape) for name in a.layouts}
-    specs = [EngineSpec(label, kind, models[name], dtype=dtype, max_model_len=2048, kv_cache_bytes=GiB, gpu_util=0.03,
-                        cpu_bytes=GiB, max_num_seqs=8, eager=a.eager,
+    specs = [EngineSpec(label, engine_kind(kind)[0], models[name], dtype=dtype, max_model_len=2048,
+                        kv_cache_bytes=GiB, gpu_util=0.03, cpu_bytes=GiB, max_num_seqs=8, eager=a.eager,
                         attention_backend=LAYOUTS[name].backend(a.attention_backend),
-                        connector=_kind_connector(name, kind))
+                        connector=_kind_connector(name, engine_kind(kind)[0]), env=engine_kind(kind)[1])
              for label, name, kind, dtype in plan]
+    one_by_one = {label for label, _, _, dtype in plan if dtype == "bfloat16"}
     t0 = time.perf_counter()
     procs = start_all(specs, timeout=max(60.0, min(480.0, budget.left() - 60)), in_waves=a.start_waves)
     res: dict = {"layouts": {}, "prompt_tokens": [len(p) for p in prompts], "max_tokens": a.max_tokens,
@@ -245,17 +279,20 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
                 runs[label] = {"error": "cut by the call's time budget"}
                 continue
             try:
-                r1 = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
+                gen = lambda: generate_prompts(p, prompts, a.max_tokens, label in one_by_one)  # noqa: E731
+                r1 = gen()
                 fr = p.call("flush_reset")
-                r2 = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
-                run = {"r1": r1, "reset": fr, "r2": r2, "start_s": p.start_s}
+                r2 = gen()
+                run = {"r1": r1, "reset": fr, "r2": r2, "start_s": p.start_s, "one_by_one": label in one_by_one}
                 kv[label] = p.call("kv_info")
+                if p.spec.kind == "ours":
+                    run["worker"] = p.call("worker_info")
                 name = label.split("/")[0]
                 negative = f"{name}/ours-fp32" if LAYOUTS[name].fp32 else f"{name}/ours-bf16"
                 if label == negative:
                     run["corrupt"] = p.call("corrupt_page")
                     run["reset3"] = p.call("flush_reset")
-                    run["r3"] = p.call("generate", prompts=prompts, max_tokens=a.max_tokens)
+                    run["r3"] = gen()
                 runs[label] = run
             except EngineError as e:
                 runs[label] = {"error": str(e)}

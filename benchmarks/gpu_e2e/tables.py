@@ -157,8 +157,8 @@ def correctness_table(res: dict) -> str:
     for c in res["checks"]:
         rows.append([c["dtype"], c["engine"], c["against"], c.get("host_tokens", "-"),
                      "yes" if c["expect_equal"] else "no (negative control)",
-                     "n/a" if c.get("error") else ("yes" if c["equal"] else "no"),
-                     "PASS" if c["pass"] else ("NOT RUN" if c.get("error") else "FAIL")])
+                     "n/a" if c.get("not_run") else ("yes" if c["equal"] else "no"),
+                     "PASS" if c["pass"] else ("NOT RUN" if c.get("not_run") else "FAIL")])
     out = table(["dtype", "engine", "compared with", "tokens from host", "must equal", "equal", "result"], rows)
     notes = [f"{c['engine']}: {c['error'].splitlines()[0][:300]}" for c in res["checks"] if c.get("error")]
     return out + ("\n" + "\n".join(notes) if notes else "")

@@ -628,28 +628,40 @@ def test_correctness_plan_and_checks():
 
     labels = [x[0] for x in device.correctness_plan(["uniform", "perlayer", "multigroup", "mla"])]
     assert "uniform/vsimple-fp32" in labels and "perlayer/off-fp32" not in labels  # shares uniform's
-    assert [x for x in labels if x.startswith("mla/")] == ["mla/off-bf16", "mla/native-bf16", "mla/ours-bf16"]
-    assert len(labels) == 7 + 4 + 5 + 3
+    assert [x for x in labels if x.startswith("mla/")] == ["mla/off-bf16", "mla/native-bf16", "mla/ours-bf16",
+                                                            "mla/ours-staged-bf16"]
+    assert len(labels) == 8 + 5 + 6 + 4
+    assert device.engine_kind("ours-staged") == ("ours", {"NPU_OFFLOAD_STAGED": "1"})
+    assert device.engine_kind("native") == ("native", {})
     assert "perlayer/off-fp32" in [x[0] for x in device.correctness_plan(["perlayer"])]
 
     def gen(tokens, cached=0):
         return {"rows": [{"tokens": t, "cached": cached} for t in tokens]}
 
     A, B = [[1, 2], [3, 4]], [[9, 9], [3, 4]]
+    staged = {"cores": [{"staged_from_blocks": {"H2D": "1", "D2H": "1"}}]}
     runs = {"mla/off-bf16": {"r1": gen(A), "r2": gen(A)}, "mla/native-bf16": {"r1": gen(A), "r2": gen(B, 500)},
-            "mla/ours-bf16": {"r1": gen(A), "r2": gen(B, 500), "r3": gen(A, 500)}}
+            "mla/ours-bf16": {"r1": gen(A), "r2": gen(B, 500), "r3": gen(A, 500)},
+            "mla/ours-staged-bf16": {"r1": gen(A), "r2": gen(B, 500), "worker": staged}}
     checks = device.correctness_checks("mla", runs, ["mla"])
-    assert all(c["pass"] for c in checks) and len(checks) == 5
+    assert all(c["pass"] for c in checks) and len(checks) == 7
     runs["mla/ours-bf16"]["r3"] = gen(B, 500)  # the corrupted page changed nothing: the control fails
     assert not all(c["pass"] for c in device.correctness_checks("mla", runs, ["mla"]))
+    runs["mla/ours-bf16"]["r3"] = gen(A, 500)
+    # equal tokens, but the calibrated threshold kept this engine direct: not the staged check it claims to be
+    runs["mla/ours-staged-bf16"]["worker"] = {"cores": [{"staged_from_blocks": {"H2D": "32", "D2H": "1"}}]}
+    bad = [c for c in device.correctness_checks("mla", runs, ["mla"]) if not c["pass"]]
+    assert bad and all("ours-staged" in c["engine"] and "not every transfer staged" in c["error"] for c in bad)
+    assert "FAIL" in tables.correctness_table({"checks": bad}) and "NOT RUN" not in tables.correctness_table({"checks": bad})
     runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A)},
             **{f"uniform/{k}-fp32": {"r1": gen(A), "r2": gen(A, 900)} for k in ("native", "simple", "vsimple")},
             "uniform/ours-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900)},
+            "uniform/ours-staged-fp32": {"r1": gen(A), "r2": gen(A, 900), "worker": staged},
             "uniform/native-bf16": {"r1": gen(A), "r2": gen(B, 900)},
             "uniform/ours-bf16": {"r1": gen(A), "r2": gen(B, 900)},
             "perlayer/native-fp32": {"error": "boom"}}
     checks = device.correctness_checks("uniform", runs, ["uniform", "perlayer"])
-    assert all(c["pass"] for c in checks) and len(checks) == 1 + 8 + 1 + 2
+    assert all(c["pass"] for c in checks) and len(checks) == 1 + 10 + 1 + 2
     pl = device.correctness_checks("perlayer", runs, ["uniform", "perlayer"])
     assert any(c.get("error") == "boom" for c in pl) and any("uniform/off-fp32" in c["against"] for c in pl)
     runs["uniform/ours-fp32"]["r2"] = gen(A, 0)  # equal tokens but nothing came from host: not a pass
@@ -662,10 +674,12 @@ class _FakeEngine:
     def __init__(self, spec, fail=False):
         self.spec, self.error, self.start_s, self.calls = spec, "start failed" if fail else None, 1.0, []
         self.corrupted = False
+        self.batches = []  # prompts per generate call
 
     def call(self, op, **kw):
         self.calls.append(op)
         if op == "generate":
+            self.batches.append(len(kw["prompts"]))
             t = [[7, 8]] if not self.corrupted else [[1, 1]]
             return {"rows": [{"tokens": t[0], "cached": 640 if self.spec.kind != "off" else 0}] * len(kw["prompts"]),
                     "load_bytes": 1 << 20}
@@ -676,6 +690,9 @@ class _FakeEngine:
             return {"ok": True}
         if op == "kv_info":
             return {"cudagraph_mode": "FULL_AND_PIECEWISE", "cross_layer_blocks": self.spec.connector is None}
+        if op == "worker_info":
+            n = "1" if self.spec.env.get("NPU_OFFLOAD_STAGED") == "1" else "32"
+            return {"cores": [{"staged_from_blocks": {"H2D": n, "D2H": n}}]}
         return {}
 
     def close(self):
@@ -689,7 +706,8 @@ def test_part_correctness_and_smoke_with_fake_engines(monkeypatch, tmp_path):
 
     def fake_start(specs, timeout=400, in_waves=False):
         seen["specs"], seen["waves"] = specs, in_waves
-        return {s.label: _FakeEngine(s, fail=s.label == "mla/native") for s in specs}
+        seen["engines"] = {s.label: _FakeEngine(s, fail=s.label == "mla/native") for s in specs}
+        return seen["engines"]
 
     monkeypatch.setattr(device, "start_all", fake_start)
     monkeypatch.setattr(device, "build_tiny", lambda out, shape: f"tiny-{shape}")
@@ -702,6 +720,12 @@ def test_part_correctness_and_smoke_with_fake_engines(monkeypatch, tmp_path):
     assert specs["uniform/ours-fp32"].connector is None and specs["mla/ours-bf16"].attention_backend == "TRITON_MLA"
     assert specs["uniform/ours-fp32"].model == "tiny-llama8b" and not specs["uniform/ours-fp32"].eager
     assert "r3" in res["layouts"]["mla"]["runs"]["mla/ours-bf16"]  # MLA's negative control runs in bf16
+    assert specs["perlayer/ours-staged-fp32"].kind == "ours" and specs["perlayer/ours-staged-fp32"].env == {
+        "NPU_OFFLOAD_STAGED": "1"} and specs["perlayer/ours-fp32"].env == {}
+    eng = seen["engines"]  # bf16: one prompt per generate (4 prompts x r1, r2, r3), fp32: the batch of 4
+    assert eng["mla/ours-bf16"].batches == [1] * 12 and eng["uniform/native-bf16"].batches == [1] * 8
+    assert [b for b in eng["uniform/ours-fp32"].batches if b > 1] == [4, 4, 4]
+    assert res["layouts"]["mla"]["runs"]["mla/ours-bf16"]["r2"]["load_bytes"] == 4 << 20  # summed over calls
     text = tables.FORMATTERS["correctness"]({**res, "meta": {"device": "x"}})
     assert "### perlayer" in text and "FAIL" not in text
     a = device.build_parser().parse_args(["smoke", "--layouts", "uniform,mla"])
