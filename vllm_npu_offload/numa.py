@@ -96,6 +96,31 @@ def mbind(addr: int, nbytes: int, node: int) -> bool:
     return rc == 0
 
 
+_SYS_MOVE_PAGES = {"x86_64": 279, "aarch64": 239}
+
+
+def page_nodes(addr: int, nbytes: int, samples: int = 64) -> dict[int, int]:
+    """NUMA node -> how many of ``samples`` pages spread over ``[addr, addr + nbytes)`` are resident
+    there, asked of the kernel (``move_pages`` in query mode: nothing moves). Verifies a placement
+    rather than trusting the mbind that made it. Node -1: the kernel could not say (not resident,
+    or the syscall is unavailable on this machine)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = addr // page, (addr + max(nbytes, 1) - 1) // page
+    n = max(1, min(samples, last - first + 1))
+    pages = [(first + i * (last - first) // max(n - 1, 1)) * page for i in range(n)]
+    nr = _SYS_MOVE_PAGES.get(os.uname().machine)
+    if nr is None:
+        return {-1: n}
+    ptrs, status = (ctypes.c_void_p * n)(*pages), (ctypes.c_int * n)()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.syscall(nr, 0, ctypes.c_ulong(n), ptrs, None, status, 0) != 0:
+        return {-1: n}
+    out: dict[int, int] = {}
+    for s in status:
+        out[s if s >= 0 else -1] = out.get(s if s >= 0 else -1, 0) + 1
+    return out
+
+
 def place(addr: int, nbytes: int, kind: str) -> NumaPlacement:
     """Bind host memory to the device's node where there is a choice; never raises."""
     nodes = num_nodes()

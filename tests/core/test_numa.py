@@ -54,3 +54,18 @@ def test_mbind_to_node0_on_this_machine():
     """Node 0 always exists; binding a fresh page-aligned buffer to it must succeed."""
     t = torch.empty(1 << 22, dtype=torch.uint8)
     assert numa.mbind(t.data_ptr(), t.nbytes, 0)
+
+
+def test_page_nodes_reports_resident_pages_only():
+    import torch
+
+    from vllm_npu_offload.numa import page_nodes
+
+    touched = torch.zeros(1 << 24, dtype=torch.uint8)  # zeroed: every page resident
+    got = page_nodes(touched.data_ptr(), touched.numel(), samples=32)
+    assert sum(got.values()) == 32 and -1 not in got and all(node >= 0 for node in got)
+    fresh = torch.empty(1 << 26, dtype=torch.uint8)  # never touched: the kernel has no node for it
+    fresh[:1].zero_()
+    got = page_nodes(fresh.data_ptr(), fresh.numel(), samples=16)
+    assert sum(got.values()) == 16 and got.get(-1, 0) >= 14
+    assert sum(page_nodes(touched.data_ptr(), 100, samples=64).values()) == 1  # one page: one sample
