@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import forward_profile, timeline
+from . import forward_profile, ranks, timeline
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
@@ -85,12 +85,15 @@ class EngineSpec:
     eager: bool = False  # False: vLLM's default mode (torch.compile + CUDA graphs); True: enforce_eager
     attention_backend: str = "TRITON_ATTN"
     connector: tuple[str, str] | None = None  # replaces OffloadingConnector (kv_transfer_config)
+    tp: int = 1  # tensor_parallel_size (> 1: one worker process per GPU; ranks.py reaches them)
 
     def llm_kwargs(self) -> dict:
         kw = dict(model=self.model, dtype=self.dtype, load_format=self.load_format, max_model_len=self.max_model_len,
                   kv_cache_memory_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_util,
                   block_size=self.block_size, max_num_seqs=self.max_num_seqs, enforce_eager=self.eager,
                   attention_backend=self.attention_backend, enable_prefix_caching=True, seed=0)
+        if self.tp > 1:
+            kw.update(tensor_parallel_size=self.tp, distributed_executor_backend="mp")
         kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block, self.connector)
         if kt is not None:
             kw["kv_transfer_config"] = kt
@@ -109,6 +112,7 @@ class _Engine:
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
+        self.tp = spec.tp
         timeline.install(self.llm)
         self._profiling = forward_profile.install(self.llm)
         self._flush_seq = 0
@@ -121,10 +125,8 @@ class _Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from vllm_npu_offload.stats import TOTALS
-
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        load0, store0 = TOTALS.snapshot()
+        t0_totals = self._totals()
         if profile and self._profiling:
             forward_profile.arm()
         m = timeline.mark()
@@ -132,19 +134,21 @@ class _Engine:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         events = timeline.since(m, t0) if steps else None
-        load1, store1 = TOTALS.snapshot()
+        t1_totals = self._totals()
+        load0, store0, load1, store1 = t0_totals["load"], t0_totals["store"], t1_totals["load"], t1_totals["store"]
         rows = []
         for o in outs:
             m = getattr(o, "metrics", None)
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
             rows.append({"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                          "ttft_s": float(ttft) if ttft is not None else None})
+        d = lambda a, b, k: b.get(k, 0) - a.get(k, 0)  # noqa: E731
         return {"wall_s": wall, "rows": rows,
-                "load_bytes": load1.bytes - load0.bytes, "load_s": load1.seconds - load0.seconds,
-                "load_wall_s": load1.wall_seconds - load0.wall_seconds,
-                "load_jobs": load1.jobs - load0.jobs, "load_failed": load1.failed - load0.failed,
-                "store_bytes": store1.bytes - store0.bytes, "store_s": store1.seconds - store0.seconds,
-                "store_failed": store1.failed - store0.failed,
+                "load_bytes": d(load0, load1, "bytes"), "load_s": d(load0, load1, "seconds"),
+                "load_wall_s": d(load0, load1, "wall_seconds"),
+                "load_jobs": d(load0, load1, "jobs"), "load_failed": d(load0, load1, "failed"),
+                "store_bytes": d(store0, store1, "bytes"), "store_s": d(store0, store1, "seconds"),
+                "store_failed": d(store0, store1, "failed"),
                 **({"profile": forward_profile.take()} if profile else {}),
                 **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3),
                     "totals": timeline.totals(events), "step_rows": timeline.step_rows(events)} if steps else {})}
@@ -164,46 +168,18 @@ class _Engine:
                 return {"ok": True, "tries": i}
         return {"ok": False, "tries": tries}
 
+    def _totals(self) -> dict:
+        """Our transfer totals, summed over the tensor-parallel ranks."""
+        return ranks.sum_totals(ranks.on_ranks(self.llm, self.tp, ranks.totals))
+
     def corrupt_page(self, seed: int = 0) -> dict:
-        """Overwrite with random bytes every stored host page (non-zero block) of the first tensor's
-        region of our worker: a negative control that must change the tokens. Every page, not the
-        first one only: with a sliding-window group the first stored block can lie outside the
-        window and is then never loaded (the multigroup layout's first run showed it)."""
-        import torch
-
-        from vllm_npu_offload.offload_worker import live_workers
-
-        cores = live_workers()
-        if len(cores) != 1:
-            return {"ok": False, "why": f"{len(cores)} live worker cores"}
-        view = cores[0].host_view(0)
-        stored = [b for b in range(view.shape[0]) if bool(view[b].any())]
-        if not stored:
-            return {"ok": False, "why": "host region 0 is all zeros"}
-        g = torch.Generator().manual_seed(seed)
-        for b in stored:
-            view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
-        return {"ok": True, "region": 0, "blocks": len(stored), "bytes": len(stored) * int(view.shape[1])}
+        """The negative control (``ranks.corrupt_page``) on every rank; ok only if every rank did it."""
+        per = ranks.on_ranks(self.llm, self.tp, ranks.corrupt_page, seed=seed)
+        return {"ok": all(r["ok"] for r in per), "ranks": per, **(per[0] if len(per) == 1 else {})}
 
     def worker_info(self) -> dict:
-        """How our worker core moves KV here: copy paths, staging, the calibrated choice."""
-        from vllm_npu_offload.offload_worker import live_workers
-
-        out = []
-        for core in live_workers():
-            st = core.stager
-            out.append({
-                "direct": {"load": core.backend.choice.load, "store": core.backend.choice.store},
-                "staged_from_blocks": {d.name: core.staged_from(d) for d in core.staged_min_blocks},
-                "staging": None if st is None else {"slots": st.geometry.slots, "slot_blocks": st.geometry.slot_blocks,
-                                                     "local": st.local_path.name, "link": st.link_path.name},
-                "record_bytes": core.layout.record_bytes, "host_bytes": core.host.nbytes,
-                "device_tensors": len(core.device_tensors),
-                "page_bytes": sorted({t.page_bytes for t in core.device_tensors}),
-                "groups": [len(refs) for refs in core.group_refs],
-                "pinned": core.host.pinned, "numa": core.host.numa.describe(),
-            })
-        return {"cores": out}
+        """How our worker cores move KV, one entry per core of every rank (``ranks.worker_info``)."""
+        return {"cores": [c for r in ranks.on_ranks(self.llm, self.tp, ranks.worker_info) for c in r["cores"]]}
 
     def kv_info(self) -> dict:
         """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,

@@ -1,0 +1,98 @@
+"""What each tensor-parallel rank's worker reports, run where that worker lives.
+
+With ``tensor_parallel_size`` 1 our worker core lives in the engine's process; with N > 1 vLLM runs
+one worker process per GPU, and the engine reaches them only through ``LLM.collective_rpc``, which
+calls a function with the worker as its first argument. Every function here takes that argument
+(None in-process) and reads this process's worker cores (``live_workers``), so one code path serves
+both: ``on_ranks`` picks how to call it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def on_ranks(llm, tp: int, fn: Callable, **kw) -> list:
+    """``fn(worker, **kw)`` on every rank: in this process for one rank, else through vLLM's RPC."""
+    if tp <= 1:
+        return [fn(None, **kw)]
+    return llm.collective_rpc(fn, kwargs=kw)
+
+
+def rank_of(worker) -> int:
+    return int(getattr(worker, "rank", 0)) if worker is not None else 0
+
+
+def totals(worker=None) -> dict:
+    """This rank's transfer totals (load, store) as plain dicts."""
+    from vllm_npu_offload.stats import TOTALS
+
+    load, store = TOTALS.snapshot()
+    return {"load": vars(load), "store": vars(store)}
+
+
+def sum_totals(per_rank: list[dict]) -> dict:
+    """Totals summed over ranks (bytes, jobs and failures add up; device seconds too, so a TP-N
+    transfer's seconds are N ranks' copies, each on its own link)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in per_rank:
+        for d, vals in r.items():
+            acc = out.setdefault(d, {})
+            for k, v in vals.items():
+                acc[k] = acc.get(k, 0) + v
+    return out
+
+
+def worker_info(worker=None) -> dict:
+    """How this rank's worker core moves KV: copy paths, staging, the calibrated choice, its host
+    bytes, and where the host KV sits against the GPU (what the start-up log and ``info`` say, and
+    the NUMA node of sampled host pages as the kernel reports them)."""
+    from vllm_npu_offload.info import PROVIDERS
+    from vllm_npu_offload.numa import page_nodes
+    from vllm_npu_offload.offload_worker import live_workers
+
+    numa_line = dict(PROVIDERS)["numa"]()
+    out = []
+    for core in live_workers():
+        st = core.stager
+        out.append({
+            "rank": rank_of(worker), "pid": os.getpid(),
+            "direct": {"load": core.backend.choice.load, "store": core.backend.choice.store},
+            "staged_from_blocks": {d.name: core.staged_from(d) for d in core.staged_min_blocks},
+            "staging": None if st is None else {"slots": st.geometry.slots, "slot_blocks": st.geometry.slot_blocks,
+                                                 "local": st.local_path.name, "link": st.link_path.name},
+            "record_bytes": core.layout.record_bytes, "host_bytes": core.host.nbytes,
+            "device_tensors": len(core.device_tensors),
+            "page_bytes": sorted({t.page_bytes for t in core.device_tensors}),
+            "groups": [len(refs) for refs in core.group_refs],
+            "pinned": core.host.pinned, "numa": core.host.numa.describe(), "numa_info": numa_line,
+            "host_page_nodes": page_nodes(core.host.base, core.host.nbytes),
+        })
+    return {"cores": out}
+
+
+def corrupt_page(worker=None, seed: int = 0) -> dict:
+    """Overwrite with random bytes every stored host page (non-zero block) of the first tensor's
+    region of this rank's worker: a negative control that must change the tokens. Every page, not
+    the first one only: with a sliding-window group the first stored block can lie outside the
+    window and is then never loaded (the multigroup layout's first run showed it)."""
+    import torch
+
+    from vllm_npu_offload.offload_worker import live_workers
+
+    cores = live_workers()
+    if len(cores) != 1:
+        return {"ok": False, "rank": rank_of(worker), "why": f"{len(cores)} live worker cores"}
+    view = cores[0].host_view(0)
+    stored = [b for b in range(view.shape[0]) if bool(view[b].any())]
+    if not stored:
+        return {"ok": False, "rank": rank_of(worker), "why": "host region 0 is all zeros"}
+    g = torch.Generator().manual_seed(seed + rank_of(worker))
+    for b in stored:
+        view[b].copy_(torch.randint(0, 256, view[b].shape, dtype=torch.uint8, generator=g))
+    return {"ok": True, "rank": rank_of(worker), "region": 0, "blocks": len(stored),
+            "bytes": len(stored) * int(view.shape[1])}
+
+
+__all__ = ["corrupt_page", "on_ranks", "sum_totals", "totals", "worker_info"]
