@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -51,6 +52,23 @@ SMOKE_LOAD = Load(clients=4, active=8, conversations=8, user_turns=2, device_tok
 def _close(procs) -> None:
     for p in procs.values():
         p.close()
+
+
+def grow_host(nbytes: int, chunk: int = 1 << 30) -> str:
+    """Touch ``nbytes`` of host memory a GiB at a time, then free it. Some lent machines (the H200 x2)
+    start with ~31 GiB of MemTotal and add memory as it is used (KINDS.md): the serving plan and our
+    start-up check read what the kernel reports, so the memory is grown first."""
+    import numpy as np
+
+    def total() -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    before, t0, held = total(), time.perf_counter(), []
+    for _ in range(nbytes // chunk):
+        held.append(np.ones(chunk, dtype=np.uint8))
+    del held
+    return f"MemTotal {before / GiB:.0f} -> {total() / GiB:.0f} GiB after touching {nbytes / GiB:.0f} GiB " \
+           f"({time.perf_counter() - t0:.0f}s)"
 
 
 def gpu_meta(a) -> dict:
@@ -235,6 +253,42 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
     return checks
 
 
+def _gpu_node(numa_info: str) -> int | None:
+    """The GPU's NUMA node in ``info``'s numa line ("2 nodes; device 0000:3b:00.0 on node 1 ..."), None
+    on a single-node machine or when unknown."""
+    m = re.search(r"on node (\d+)", numa_info or "")
+    return int(m.group(1)) if m else None
+
+
+def rank_rows(runs: dict, tp: int, cpu_bytes: int) -> list[dict]:
+    """One row per worker core of every engine that reported its cores (ours, simple): its rank, host
+    bytes against its share of ``cpu_bytes`` (the total over ranks: must be within 1%), and the NUMA
+    node of its host pages against its GPU's (must match where the machine has several nodes). An
+    engine that did not report every rank 0..tp-1 gets a failing row."""
+    rows: list[dict] = []
+    share = cpu_bytes / tp
+    for label, run in runs.items():
+        cores = run.get("worker", {}).get("cores") if isinstance(run.get("worker"), dict) else None
+        if cores is None:
+            continue
+        for c in cores:
+            nodes = {int(k): v for k, v in (c.get("host_page_nodes") or {}).items()}
+            host_node = max((n for n in nodes if n >= 0), key=nodes.get, default=None)
+            gpu_node = _gpu_node(c.get("numa_info", ""))
+            ok_bytes = abs(c["host_bytes"] - share) <= 0.01 * share
+            ok_numa = gpu_node is None or host_node == gpu_node
+            rows.append({"engine": label, "rank": c.get("rank", 0), "host_bytes": c["host_bytes"], "share": int(share),
+                         "gpu_node": gpu_node, "host_node": host_node, "host_page_nodes": nodes,
+                         "numa": c.get("numa", ""), "numa_info": c.get("numa_info", ""),
+                         "pass": ok_bytes and ok_numa})
+        seen = sorted(c.get("rank", 0) for c in cores)
+        if seen != list(range(tp)):
+            rows.append({"engine": label, "rank": f"expected ranks 0..{tp - 1}, got {seen}", "host_bytes": 0,
+                         "share": int(share), "gpu_node": None, "host_node": None, "host_page_nodes": {},
+                         "numa": "", "numa_info": "", "pass": False})
+    return rows
+
+
 def generate_prompts(p, prompts: list[list[int]], max_tokens: int, one_by_one: bool) -> dict:
     """``generate`` of all prompts in one batch, or one prompt per call (rows in prompt order, totals
     summed). One by one for bfloat16: in a batch, when each request's load lands decides which
@@ -261,7 +315,7 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     specs = [EngineSpec(label, engine_kind(kind)[0], models[name], dtype=dtype, max_model_len=2048,
                         kv_cache_bytes=GiB, gpu_util=0.03, cpu_bytes=GiB, max_num_seqs=8, eager=a.eager,
                         attention_backend=LAYOUTS[name].backend(a.attention_backend),
-                        connector=_kind_connector(name, engine_kind(kind)[0]), env=engine_kind(kind)[1])
+                        connector=_kind_connector(name, engine_kind(kind)[0]), env=engine_kind(kind)[1], tp=a.tp)
              for label, name, kind, dtype in plan]
     one_by_one = {label for label, _, _, dtype in plan if dtype == "bfloat16"}
     t0 = time.perf_counter()
@@ -285,7 +339,7 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
                 r2 = gen()
                 run = {"r1": r1, "reset": fr, "r2": r2, "start_s": p.start_s, "one_by_one": label in one_by_one}
                 kv[label] = p.call("kv_info")
-                if p.spec.kind == "ours":
+                if p.spec.kind in ("ours", "simple"):
                     run["worker"] = p.call("worker_info")
                 name = label.split("/")[0]
                 negative = f"{name}/ours-fp32" if LAYOUTS[name].fp32 else f"{name}/ours-bf16"
@@ -302,11 +356,13 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     for name in a.layouts:
         mine = {k: v for k, v in runs.items() if k.startswith(name + "/") or (name == "perlayer" and k == "uniform/off-fp32")}
         checks = correctness_checks(name, runs, a.layouts)
-        ok &= all(c["pass"] for c in checks)
+        ranks = rank_rows({k: v for k, v in mine.items() if k.startswith(name + "/")}, a.tp, GiB)
+        good = all(c["pass"] for c in checks) and all(r["pass"] for r in ranks)
+        ok &= good
         res["layouts"][name] = {"layout": layout_meta(name, a), "model": f"tiny random {LAYOUTS[name].model.arch} "
                                 f"({SHAPES[LAYOUTS[name].shape].tiny})", "runs": mine, "checks": checks,
-                                "kv_info": {k: v for k, v in kv.items() if k.startswith(name + "/")},
-                                "ok": all(c["pass"] for c in checks)}
+                                "ranks": ranks, "tp": a.tp,
+                                "kv_info": {k: v for k, v in kv.items() if k.startswith(name + "/")}, "ok": good}
     res["ok"] = ok
     return res
 
@@ -331,8 +387,9 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
     kv, cpu = pool_sizes(name, a, parts)
     mk = lambda kind, label=None, env=None: EngineSpec(  # noqa: E731
         label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
-        kv_cache_bytes=kv, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
-        eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind))
+        kv_cache_bytes=kv // a.tp, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
+        eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind),
+        tp=a.tp)
     # plus more engines of our spec, each with its own environment (an A/B in one run)
     base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
@@ -653,6 +710,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--miss-reps", type=int, default=12,
                     help="timed miss rounds after one warm-up (engines take turns going first)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
+    ap.add_argument("--grow-host-gib", type=int, default=0,
+                    help="touch this much host memory (then free it) before planning: machines whose memory "
+                         "grows as it is used (H200 x2) report too little at start")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor_parallel_size of every engine and server (correctness, ttft, miss, serve): "
+                         "device KV per GPU is 1/tp of the single-GPU plan, host KV the same total; correctness "
+                         "adds a per-rank table (host bytes = the rank's share, NUMA of host KV and GPU)")
     ap.add_argument("--ttft-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
     ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
                     help="one more engine of our spec in the pool, with these environment variables; the "
@@ -747,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    if a.grow_host_gib:
+        print(f"[host] {grow_host(a.grow_host_gib << 30)}", flush=True)
     meta = gpu_meta(a)
     print(f"[meta] {json.dumps(meta)}", flush=True)
     rc, tables = 0, {}

@@ -51,23 +51,38 @@ RUNS = (
     Call("serving, 32 clients: Simple connectors", "serve --layouts uniform --loads 32 --servers off,native,simple,vsimple",
          420, 3),
 )
+# Issue #24, on two GPUs of one host (kind nvidia-h200-x2; ask `status` first): every engine and server
+# with tensor_parallel_size 2 (NCCL; the image's NVLink-multicast-off variables stay set). The H200 x2
+# machine's memory starts at ~31 GiB and grows as it is used (KINDS.md): --grow-host-gib touches memory
+# before the plan and our start-up check read it.
+TP_RUNS = (
+    Call("TP 2: correctness (fp32 = off, bf16 ours = native, negative control on every rank) + per-rank host "
+         "bytes and NUMA of host KV vs GPU", "correctness --layouts uniform --tp 2 --budget-s 420", 300, 1),
+    Call("TP 2: reload TTFT at 8k/32k, native vs ours", "ttft --layouts uniform --tp 2 --ttft-lengths 8192,32768 "
+         "--grow-host-gib 64", 420, 1),
+    Call("TP 2: serving, 8 clients, both connectors beside native", "serve --layouts uniform --loads 8 --tp 2 "
+         "--servers off,native,ours,simple --grow-host-gib 128", 480, 1),
+)
 STAGE_S = 20  # copying one part into /tmp (the machine's start is extra)
 INSTALL_S = 90  # unpack ~100 MB xz, pip-install the wheels, build the CUDA copy library
 
 
-def calls(parts: int, rel: str = ".gpu", max_priority: int = 3) -> list[dict]:
-    """Every device call: the stage calls (the last also installs and runs the first smoke), then RUNS."""
+def calls(parts: int, rel: str = ".gpu", max_priority: int = 3, tp: int = 1) -> list[dict]:
+    """Every device call: the stage calls (the last also installs and runs the first run), then the
+    rest of RUNS (one GPU) or TP_RUNS (``tp`` > 1, issue #24)."""
     s = f"bash {rel}/e2e_src/scripts/dev/gpu_e2e.sh"
+    runs = RUNS if tp <= 1 else tuple(Call(c.what, c.args.replace("--tp 2", f"--tp {tp}"), c.est_s, c.priority)
+                                      for c in TP_RUNS)
     out = []
     for i in range(1, parts + 1):
         cmd, est, what = f"{s} stage {rel}/part{i}", STAGE_S, f"stage part {i} of {parts}"
         if i == parts:
-            cmd += f" && {s} install && {s} run {RUNS[0].args}"
-            est += INSTALL_S + RUNS[0].est_s
-            what += f" + install + {RUNS[0].what}"
+            cmd += f" && {s} install && {s} run {runs[0].args}"
+            est += INSTALL_S + runs[0].est_s
+            what += f" + install + {runs[0].what}"
         out.append({"what": what, "carry": [f"{rel}/part{i}", f"{rel}/e2e_src"], "command": cmd, "est_s": est,
                     "priority": 1})
-    for c in RUNS[1:]:
+    for c in runs[1:]:
         if c.priority <= max_priority:
             out.append({"what": c.what, "carry": [f"{rel}/e2e_src"], "command": f"{s} run {c.args}", "est_s": c.est_s,
                         "priority": c.priority})
@@ -94,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", type=int, required=True)
     ap.add_argument("--rel", default=".gpu")
     ap.add_argument("--max-priority", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="the tensor-parallel calls (issue #24, kind nvidia-h200-x2)")
     a = ap.parse_args(argv)
-    print(render(calls(a.parts, a.rel, a.max_priority)))
+    print(render(calls(a.parts, a.rel, a.max_priority, a.tp)))
     return 0
 
 

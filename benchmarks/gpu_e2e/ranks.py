@@ -32,15 +32,18 @@ def totals(worker=None) -> dict:
     return {"load": vars(load), "store": vars(store)}
 
 
+TIMES = ("seconds", "wall_seconds")
+
+
 def sum_totals(per_rank: list[dict]) -> dict:
-    """Totals summed over ranks (bytes, jobs and failures add up; device seconds too, so a TP-N
-    transfer's seconds are N ranks' copies, each on its own link)."""
+    """Totals over ranks: bytes, jobs and failures add up; times are the ranks' mean (each rank
+    copies its share on its own link at the same time, so a sum would count that time N times)."""
     out: dict[str, dict[str, Any]] = {}
     for r in per_rank:
         for d, vals in r.items():
             acc = out.setdefault(d, {})
             for k, v in vals.items():
-                acc[k] = acc.get(k, 0) + v
+                acc[k] = acc.get(k, 0) + (v / len(per_rank) if k in TIMES else v)
     return out
 
 

@@ -140,8 +140,9 @@ class ServerPlan:
     layout: str
     device_kv_bytes: int
     cpu_bytes: int
-    gpu_bytes: int  # planned GPU memory: weights + KV + overhead
+    gpu_bytes: int  # planned GPU memory: weights + KV + overhead (per GPU with tensor parallelism)
     env: tuple[tuple[str, str], ...] = ()  # run-time variables of a variant ("ours/dstore")
+    tp: int = 1  # tensor_parallel_size: device_kv_bytes and gpu_bytes are per GPU, cpu_bytes all ranks
 
     def kv_config(self, offload_block: int = 64) -> dict | None:
         if self.kind in ("off", "upper"):
@@ -170,9 +171,13 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
 
 
 def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host_bytes: int,
-                 headroom: float = 0.94, layers: int | None = None) -> list[ServerPlan]:
+                 headroom: float = 0.94, layers: int | None = None, tp: int = 1) -> list[ServerPlan]:
     """The servers of one (layout, load) with their memory; PlanError when they do not fit together.
-    ``layers``: the model's layer count when it runs with fewer (smoke)."""
+    ``layers``: the model's layer count when it runs with fewer (smoke). ``tp``: every server spans
+    ``tp`` GPUs, each holding 1/tp of the weights and KV (``gpu_bytes``: one GPU's memory); the host
+    KV (``cpu_bytes_to_use``) stays the total over ranks, as vLLM reads it."""
+    if tp < 1:
+        raise PlanError(f"--tp {tp}: needs >= 1")
     shape = LAYOUTS[layout].model
     per_tok = shape.kv_bytes_per_token(layers=layers)
     weights = shape.weight_bytes(SERVE_VOCAB, layers=layers)
@@ -186,8 +191,8 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
-        plans.append(ServerPlan(label, kind, lay, kv, cpu, weights + kv + GPU_OVERHEAD,
-                                tuple(VARIANTS.get(variant, {}).items())))
+        plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, (weights + kv) // tp + GPU_OVERHEAD,
+                                tuple(VARIANTS.get(variant, {}).items()), tp))
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
@@ -219,6 +224,8 @@ def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend:
             "--max-num-seqs", str(max(64, 2 * load.clients)), "--seed", "0"]
     if eager:
         args.append("--enforce-eager")
+    if plan.tp > 1:
+        args += ["--tensor-parallel-size", str(plan.tp)]
     kt = plan.kv_config(offload_block)
     if kt is not None:
         args += ["--kv-transfer-config", json.dumps(kt)]
@@ -435,7 +442,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         res["client"] = {"sdist": src.get("sdist"), "sdist_sha256": src.get("sdist_sha256"), "files": src["files"]}
         load.check()
         layers = a.smoke_layers if a.smoke else None
-        plans = plan_servers(layout, names, load, gpu_bytes, host_bytes, layers=layers)
+        plans = plan_servers(layout, names, load, gpu_bytes, host_bytes, layers=layers, tp=getattr(a, "tp", 1))
     except (PlanError, OSError, ValueError) as e:
         res["errors"].append({"label": "-", "pass": -1, "error": f"{type(e).__name__}: {e}"})
         return res

@@ -161,7 +161,17 @@ def correctness_table(res: dict) -> str:
                      "PASS" if c["pass"] else ("NOT RUN" if c.get("not_run") else "FAIL")])
     out = table(["dtype", "engine", "compared with", "tokens from host", "must equal", "equal", "result"], rows)
     notes = [f"{c['engine']}: {c['error'].splitlines()[0][:300]}" for c in res["checks"] if c.get("error")]
-    return out + ("\n" + "\n".join(notes) if notes else "")
+    out += ("\n" + "\n".join(notes) if notes else "")
+    if res.get("ranks"):
+        out += f"\n\nper rank (tensor_parallel_size {res.get('tp', 1)}): host KV bytes against the rank's share " \
+               "(within 1%), NUMA node of sampled host pages (move_pages) against the GPU's (info)\n"
+        out += table(["engine", "rank", "host bytes", "share", "GPU node", "host pages by node", "start-up log",
+                      "result"],
+                     [[r["engine"], r["rank"], f"{r['host_bytes']:,}", f"{r['share']:,}",
+                       "-" if r["gpu_node"] is None else r["gpu_node"],
+                       ", ".join(f"{k}: {v}" for k, v in sorted(r["host_page_nodes"].items())) or "-",
+                       r["numa"][:60], "PASS" if r["pass"] else "FAIL"] for r in res["ranks"]])
+    return out
 
 
 def ttft_table(res: dict) -> str:

@@ -51,10 +51,13 @@ def test_on_ranks_in_process_and_through_rpc():
     assert ranks.on_ranks(_FakeLLM(2), 2, fn, x=5) == [10, 10] and seen == [(0, 5), (1, 5)]
 
 
-def test_sum_totals_adds_every_field():
-    a = {"load": {"bytes": 10, "jobs": 1}, "store": {"bytes": 4, "jobs": 2}}
-    b = {"load": {"bytes": 5, "jobs": 1}, "store": {"bytes": 0, "jobs": 0}}
-    assert ranks.sum_totals([a, b]) == {"load": {"bytes": 15, "jobs": 2}, "store": {"bytes": 4, "jobs": 2}}
+def test_sum_totals_adds_counts_and_averages_times():
+    a = {"load": {"bytes": 10, "jobs": 1, "seconds": 0.4}, "store": {"bytes": 4, "jobs": 2, "wall_seconds": 1.0}}
+    b = {"load": {"bytes": 5, "jobs": 1, "seconds": 0.2}, "store": {"bytes": 0, "jobs": 0, "wall_seconds": 0.0}}
+    got = ranks.sum_totals([a, b])
+    assert got["load"]["bytes"] == 15 and got["load"]["jobs"] == 2 and got["load"]["seconds"] == pytest.approx(0.3)
+    assert got["store"] == {"bytes": 4, "jobs": 2, "wall_seconds": 0.5}
+    assert ranks.sum_totals([a]) == a  # one rank: unchanged
 
 
 def test_worker_info_and_totals_of_a_live_core(core):

@@ -692,7 +692,10 @@ class _FakeEngine:
             return {"cudagraph_mode": "FULL_AND_PIECEWISE", "cross_layer_blocks": self.spec.connector is None}
         if op == "worker_info":
             n = "1" if self.spec.env.get("NPU_OFFLOAD_STAGED") == "1" else "32"
-            return {"cores": [{"staged_from_blocks": {"H2D": n, "D2H": n}}]}
+            node = "2 nodes; device 0000:3b:00.0 on node 1 (host KV bound there)"
+            return {"cores": [{"staged_from_blocks": {"H2D": n, "D2H": n}, "rank": r, "host_bytes": (1 << 30) // self.spec.tp,
+                               "numa_info": node, "numa": "NUMA node 1 of 2", "host_page_nodes": {1: 64}}
+                              for r in range(self.spec.tp)]}
         return {}
 
     def close(self):
@@ -930,3 +933,91 @@ def test_warm_up_pushes_the_first_prompt_out_of_the_device_kv():
     reqs = fake.requests[1:]
     assert len(reqs) == 1 + 4 + 1 and reqs[0]["prompt"] == reqs[-1]["prompt"]
     assert sum(len(r["prompt"].split()) for r in reqs[1:-1]) > 8192 and len({r["prompt"] for r in reqs[1:-1]}) == 4
+
+
+# ---------------------------------------------------------------------------- tensor parallel (issue #24)
+def _core(rank, host_bytes, gpu_node=1, host_nodes=None):
+    return {"rank": rank, "host_bytes": host_bytes, "numa": f"NUMA node {gpu_node} of 2",
+            "numa_info": f"2 nodes; device 0000:3b:00.0 on node {gpu_node} (host KV bound there)",
+            "host_page_nodes": host_nodes if host_nodes is not None else {gpu_node: 64}}
+
+
+def test_rank_rows_check_share_ranks_and_numa():
+    from benchmarks.gpu_e2e import device
+
+    G = 1 << 30
+    good = {"uniform/ours-fp32": {"worker": {"cores": [_core(0, G // 2), _core(1, G // 2)]}}}
+    rows = device.rank_rows(good, 2, G)
+    assert len(rows) == 2 and all(r["pass"] for r in rows) and [r["rank"] for r in rows] == [0, 1]
+    missing = {"uniform/ours-fp32": {"worker": {"cores": [_core(0, G // 2)]}}}
+    assert not all(r["pass"] for r in device.rank_rows(missing, 2, G))  # rank 1 never reported
+    big = {"uniform/ours-fp32": {"worker": {"cores": [_core(0, G), _core(1, G)]}}}  # a whole GiB per rank: 2x
+    assert not any(r["pass"] for r in device.rank_rows(big, 2, G))
+    wrong_node = {"uniform/ours-fp32": {"worker": {"cores": [_core(0, G // 2, 1, {0: 60, 1: 4}), _core(1, G // 2)]}}}
+    assert [r["pass"] for r in device.rank_rows(wrong_node, 2, G)] == [False, True]
+    single = {"x/simple-fp32": {"worker": {"cores": [{"rank": 0, "host_bytes": G, "numa": "single NUMA node",
+                                                      "numa_info": "single NUMA node (nothing to bind)",
+                                                      "host_page_nodes": {"0": 64}}]}}}  # JSON keys: strings
+    assert all(r["pass"] for r in device.rank_rows(single, 1, G))
+    assert device.rank_rows({"x/native-fp32": {"r1": {}}}, 2, G) == []  # native reports no cores
+
+
+def test_tensor_parallel_engines_servers_and_rank_table(monkeypatch, tmp_path):
+    from benchmarks.gpu_e2e import device
+    from benchmarks.gpu_e2e.engine import EngineSpec
+
+    kw = EngineSpec("x", "ours", "m", tp=2).llm_kwargs()
+    assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
+    assert "tensor_parallel_size" not in EngineSpec("x", "ours", "m").llm_kwargs()
+    one = serve.plan_servers("uniform", ["native", "ours"], serve.load_for(8), 80 * GiB, 128 * GiB)
+    two = serve.plan_servers("uniform", ["native", "ours"], serve.load_for(8), 80 * GiB, 128 * GiB, tp=2)
+    assert [p.device_kv_bytes for p in two] == [p.device_kv_bytes // 2 for p in one]
+    assert [p.cpu_bytes for p in two] == [p.cpu_bytes for p in one]  # host KV: the total over ranks
+    assert all(t.gpu_bytes < o.gpu_bytes for t, o in zip(two, one))
+    args = serve.server_args(two[1], serve.load_for(8), eager=False, attention_backend="TRITON_ATTN",
+                             chat_template="t", served_name="m")
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(two[1].device_kv_bytes)
+    with pytest.raises(serve.PlanError, match="--tp 0"):
+        serve.plan_servers("uniform", ["ours"], serve.load_for(8), 80 * GiB, 128 * GiB, tp=0)
+
+    seen = {}
+    monkeypatch.setattr(device, "start_all", lambda specs, timeout=400, in_waves=False: seen.setdefault(
+        "engines", {s.label: _FakeEngine(s) for s in specs}))
+    monkeypatch.setattr(device, "build_tiny", lambda out, shape: f"tiny-{shape}")
+    a = device.build_parser().parse_args(["correctness", "--layouts", "uniform", "--tp", "2"])
+    res = device.part_correctness(tmp_path, a, serve.Budget(600))
+    assert all(e.spec.tp == 2 for e in seen["engines"].values())
+    ranks = res["layouts"]["uniform"]["ranks"]
+    assert res["ok"] and {r["engine"] for r in ranks} == {"uniform/ours-fp32", "uniform/ours-staged-fp32",
+                                                          "uniform/simple-fp32", "uniform/ours-bf16"}
+    assert sorted({r["rank"] for r in ranks}) == [0, 1]
+    text = tables.FORMATTERS["correctness"]({**res, "meta": {"device": "x"}})
+    assert "per rank (tensor_parallel_size 2)" in text and "FAIL" not in text
+
+
+def test_tensor_parallel_device_calls_parse_and_fit_two_h200():
+    import shlex
+
+    from benchmarks.gpu_e2e.device import build_parser
+
+    cs = plan.calls(3, ".gpu", tp=2)
+    assert "install" in cs[2]["command"] and "--tp 2" in cs[2]["command"] and "run correctness" in cs[2]["command"]
+    assert all("--tp 2" in c["command"] for c in cs[2:]) and all(c["est_s"] <= 600 for c in cs)
+    doc = (ROOT / "docs" / "gpu_e2e.md").read_text()
+    for c in plan.TP_RUNS:
+        a = build_parser().parse_args(shlex.split(c.args))
+        assert a.tp == 2 and f"run {c.args}`" in doc, c.args
+        if c.args.startswith("serve"):
+            for load in serve.parse_loads(a.loads):
+                ps = serve.plan_servers("uniform", a.servers.split(","), load, H200, 159 * GiB, tp=2)  # 31 + 128 grown
+                assert sum(p.gpu_bytes for p in ps) <= 0.94 * H200  # per GPU
+    assert "--tp 4" in plan.calls(3, ".gpu", tp=4)[3]["command"]
+
+
+def test_grow_host_touches_and_reports():
+    from benchmarks.gpu_e2e import device
+
+    text = device.grow_host(4 << 20, chunk=1 << 20)
+    assert text.startswith("MemTotal ") and "after touching" in text
+    assert device.build_parser().parse_args(["serve", "--grow-host-gib", "8"]).grow_host_gib == 8
