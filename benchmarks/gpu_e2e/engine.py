@@ -20,7 +20,10 @@ from . import forward_profile, timeline
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
 NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
-KINDS = ("off", "native", "ours", "simple", "vsimple", "null")
+NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
+# layerwise: ours loading host hits layer group by layer group inside the step (docs/layerwise.md)
+LAYERWISE_EXTRA = {"layerwise_load": True, "layerwise_min_tokens": 256, "layerwise_groups": 4}
+KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -40,11 +43,12 @@ CACHE_ENV = {
 
 def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
                        connector: tuple[str, str] | None = None) -> dict | None:
-    """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; simple: our
+    """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; layerwise: ours with
+    ``LAYERWISE_EXTRA`` in ``NPUOffloadingConnector`` (the only connector that reads it); simple: our
     NPUSimpleCPUOffloadConnector; vsimple: vLLM's own SimpleCPUOffloadConnector; null: vLLM's spec
     without copies (null_spec.py, no-reuse runs only). ``block_size`` is the offloaded block size
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
-    native, ours and null (the per-layer layout: perlayer.py)."""
+    native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector)."""
     if kind == "off":
         return None
     if kind == "simple":
@@ -54,8 +58,11 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
         return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
-    if kind == "ours":
+    if kind in ("ours", "layerwise"):
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
+        if kind == "layerwise":
+            extra.update(LAYERWISE_EXTRA)
+            connector = connector or NPU_CONNECTOR
     elif kind == "null":
         extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)
     elif kind != "native":
@@ -203,7 +210,7 @@ class _Engine:
                 "groups": [len(refs) for refs in core.group_refs],
                 "pinned": core.host.pinned, "numa": core.host.numa.describe(),
             })
-        return {"cores": out}
+        return {"cores": out, "layerwise": layerwise_stats()}
 
     def kv_info(self) -> dict:
         """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,
@@ -230,6 +237,18 @@ class _Engine:
         del h, d
         torch.cuda.empty_cache()
         return out
+
+
+def layerwise_stats() -> dict | None:
+    """The worker connector's layer-wise counters (None: not NPUOffloadingConnector, or the mode off)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    if not has_kv_transfer_group():
+        return None
+    stats = getattr(get_kv_transfer_group(), "layerwise_stats", None)
+    return stats() if stats is not None else None
 
 
 def engine_kv_info(llm) -> dict:

@@ -198,6 +198,7 @@ def test_compute_waits_for_the_layer_group_then_the_step_reports_done(rig):
     assert out.done == {42} and not out.invalid_blocks
     assert out.loaded == [(6 * LAYERS * PAGE, out.loaded[0][1])]
     assert rig.loader.finish().done == set()  # the step's state is gone
+    assert (rig.loader.stats.loads, rig.loader.stats.steps, rig.loader.stats.failed_loads) == (1, 1, 0)
 
 
 def test_one_transfer_per_layer_group_naming_only_its_group(rig):
@@ -218,6 +219,7 @@ def test_full_graph_step_waits_for_everything_at_the_start(rig):
     rig.loader.start([rig.job], full_graph=True)  # no hook will run: the compute stream waits now
     assert all(loaded(rig, i) for i in range(LAYERS))
     assert not rig.loader.finish().invalid_blocks
+    assert rig.loader.stats.full_graph_steps == 1
 
 
 def test_a_layer_group_never_waited_for_makes_the_loads_invalid(rig):
@@ -226,6 +228,7 @@ def test_a_layer_group_never_waited_for_makes_the_loads_invalid(rig):
     rig.loader.wait_layer(names([0])[0])  # layers 2-3 (group 1) never call the hook
     out = rig.loader.finish()
     assert out.done == {42} and out.invalid_blocks == set(rig.back.tolist()) and not out.loaded
+    assert (rig.loader.stats.unwaited_steps, rig.loader.stats.failed_loads) == (1, 1)
 
 
 def test_a_failed_layer_group_makes_the_loads_invalid(rig):

@@ -186,6 +186,10 @@ class NPUOffloadingConnector(OffloadingConnector):
         return super().reset_cache()
 
     # -- layer-wise loads: worker side ----------------------------------------------------
+    def layerwise_stats(self) -> dict | None:
+        """This worker's layer-wise counters (``LayerwiseStats``), None when the mode is off."""
+        return None if self._lw_loader is None else dataclasses.asdict(self._lw_loader.stats)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
         ids = getattr(meta, "layerwise_jobs", None)

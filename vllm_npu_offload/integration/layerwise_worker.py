@@ -48,6 +48,17 @@ class StepOutcome:
     loaded: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) per successful load
 
 
+@dataclass
+class LayerwiseStats:
+    """Since start-up, for a benchmark to see that the path ran (and how)."""
+
+    loads: int = 0  # scheduler load jobs loaded layer by layer
+    steps: int = 0  # steps that had some
+    full_graph_steps: int = 0  # of those, steps replaying a FULL CUDA graph (waited for at the start)
+    unwaited_steps: int = 0  # steps whose layers never waited for some group (loads reported invalid)
+    failed_loads: int = 0  # loads reported invalid (failed copy or unwaited group)
+
+
 class LayerwiseLoader:
     """Submits, orders and checks one step's layer-wise loads on ``router.core``."""
 
@@ -59,6 +70,7 @@ class LayerwiseLoader:
         self._ids = own_ids()
         self._reset()
         self._warned = False
+        self.stats = LayerwiseStats()
 
     def _reset(self) -> None:
         self._jobs: list[LoadJob] = []
@@ -79,6 +91,9 @@ class LayerwiseLoader:
     def start(self, jobs: Sequence[LoadJob], full_graph: bool) -> None:
         """Submit ``jobs`` layer group by layer group; ``full_graph``: no hook will run this step."""
         self._jobs = list(jobs)
+        self.stats.loads += len(self._jobs)
+        self.stats.steps += 1
+        self.stats.full_graph_steps += int(full_graph)
         last_event = None
         for g in range(self.groups.count):
             for job in self._jobs:
@@ -134,10 +149,12 @@ class LayerwiseLoader:
                              "wait_for_layer_load this step, so their KV may have been read before it landed; "
                              "the step's layer-wise loads are reported invalid (recomputed)", self._waited + 1)
                 self._warned = True
+            self.stats.unwaited_steps += 1
             failed |= {job.job_id for job in self._jobs}
         for job in self._jobs:
             out.done.add(job.job_id)
             if job.job_id in failed:
+                self.stats.failed_loads += 1
                 out.invalid_blocks.update(int(b) for b in job.device_blocks)
             elif job.job_id in moved:
                 out.loaded.append(moved[job.job_id])
@@ -145,4 +162,4 @@ class LayerwiseLoader:
         return out
 
 
-__all__ = ["LayerwiseLoader", "LoadJob", "StepOutcome"]
+__all__ = ["LayerwiseLoader", "LayerwiseStats", "LoadJob", "StepOutcome"]
