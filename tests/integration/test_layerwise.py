@@ -91,6 +91,11 @@ def test_sync_hit(num_tokens, computed, hit, min_tokens, want):
     assert sync_hit(num_tokens, computed, hit, 16, min_tokens) == want
 
 
+def test_a_hit_whose_end_is_pinned_is_not_trimmed():
+    assert sync_hit(96, 0, 96, 16, 32, trim=False) is None  # stays asynchronous
+    assert sync_hit(100, 0, 96, 16, 32, trim=False) == 96
+
+
 # -- keys --------------------------------------------------------------------------------
 
 
@@ -279,6 +284,15 @@ def block(i: int):
     return SimpleNamespace(block_id=i, is_null=False, block_hash=f"h{i}")
 
 
+def allocate(sched, up: FakeUpstream, req, job_id: int, keys: set, hit: int, num_blocks: int):
+    """What vLLM's scheduler does around update_state_after_alloc: the blocks upstream sees."""
+    view = sched.before_alloc(req, SimpleNamespace(blocks=([block(i) for i in range(num_blocks)],)), hit)
+    before = sched.jobs_before_alloc()
+    up.alloc(req.request_id, job_id, keys, view)
+    sched.after_alloc(req, before)
+    return view
+
+
 def test_scheduler_takes_the_job_over_and_releases_it_when_every_worker_finished():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 
@@ -289,13 +303,9 @@ def test_scheduler_takes_the_job_over_and_releases_it_when_every_worker_finished
     sched = LayerwiseScheduler(up, LayerwiseOptions(True, 128, 4))
     req = SimpleNamespace(request_id="r1", num_tokens=300)
     assert sched.matched(req, 64, 192, True) == (192, False)
-    blocks = SimpleNamespace(blocks=([block(i) for i in range(19)],))
-    view = sched.before_alloc(req, blocks, 192)
+    view = allocate(sched, up, req, 7, {"k1", "k2"}, 192, 19)
     # blocks 4..15 (tokens 64..256) are what the hit loads: shown without a hash, the rest as they were
     assert [b.block_hash is None for b in view.blocks[0]] == [False] * 4 + [True] * 12 + [False] * 3
-    before = sched.jobs_before_alloc()
-    up.alloc("r1", 7, {"k1", "k2"}, view)
-    sched.after_alloc(req, before)
     assert 7 not in up._jobs and up._req_status["r1"].transfer_jobs == set()  # out of upstream's books
     meta = sched.ship(OffloadingConnectorMetadata(load_jobs=dict(up._current_batch_load_jobs), store_jobs={}),
                       SimpleNamespace())
@@ -318,11 +328,11 @@ def test_scheduler_leaves_short_and_async_declined_hits_to_upstream():
     req = SimpleNamespace(request_id="r2", num_tokens=300)
     assert sched.matched(req, 0, 128, True) == (128, True)  # short
     assert sched.matched(req, 0, None, False) == (None, False)  # lookup deferred
-    blocks = SimpleNamespace(blocks=([block(i) for i in range(8)],))
-    assert sched.before_alloc(req, blocks, 128) is blocks
-    before = sched.jobs_before_alloc()
-    up.alloc("r2", 3, {"k"}, blocks)
-    sched.after_alloc(req, before)
+    up._req_status["r9"] = SimpleNamespace(partial_tail_boundary=288)  # 0.32: the hit must end there
+    assert sched.matched(SimpleNamespace(request_id="r9", num_tokens=289), 0, 288, True) == (288, True)
+    assert sched.matched(SimpleNamespace(request_id="r9", num_tokens=290), 0, 288, True) == (288, False)
+    view = allocate(sched, up, req, 3, {"k"}, 128, 8)
+    assert all(b.block_hash for b in view.blocks[0])  # upstream sees vLLM's blocks as they are
     assert 3 in up._jobs and not sched.pending  # an ordinary asynchronous load, upstream's to complete
 
 
@@ -334,9 +344,8 @@ def test_reset_cache_drops_pending_loads():
     sched = LayerwiseScheduler(up, LayerwiseOptions(True, 64, 4))
     req = SimpleNamespace(request_id="r3", num_tokens=200)
     sched.matched(req, 0, 128, True)
-    before = sched.jobs_before_alloc()
-    up.alloc("r3", 5, {"k"}, sched.before_alloc(req, SimpleNamespace(blocks=([block(i) for i in range(13)],)), 128))
-    sched.after_alloc(req, before)
+    allocate(sched, up, req, 5, {"k"}, 128, 13)
+    assert 5 in sched.pending
     sched.reset()
     sched.on_output(LayerwiseWorkerMetadata.extend(None, {5: 1}))
     assert up.completed == []  # the manager forgot the blocks: nothing to release

@@ -175,6 +175,8 @@ def test_failed_layer_group_is_recomputed(layerwise_llm, runs, watch):
     first, so a load that slipped through (group 0's layers do load) would show in the tokens."""
     import torch
 
+    from layerwise_faults import fail_layer_group
+
     from vllm_npu_offload.demo.run import run_turns
     from vllm_npu_offload.offload_worker import live_workers
 
@@ -182,17 +184,7 @@ def test_failed_layer_group_is_recomputed(layerwise_llm, runs, watch):
     (core,) = live_workers()
     core.host.tensor.copy_(torch.randint(0, 256, core.host.tensor.shape, dtype=torch.uint8,
                                          generator=torch.Generator().manual_seed(1)))
-    plan = core.plan
-
-    def failing(direction, dev, sizes, *args, **kwargs):
-        transfer = plan(direction, dev, sizes, *args, **kwargs)
-        if len(sizes) > 2 and sizes[2]:
-            def broken(stream, *a, **k):
-                raise RuntimeError("injected copy failure")
-            transfer.enqueue = broken
-        return transfer
-
-    core.plan = failing
+    fail_layer_group(core, 1)
     try:
         out = run_turns(layerwise_llm, parts(), MAX_TOKENS, reset_before_turn=True, reference=ref)
     finally:

@@ -229,11 +229,16 @@ class Engine:
     def run(self, prompt: list[int], max_tokens: int = 2, max_steps: int = 50) -> Request:
         """Add one request and step until it has finished and no offload job is pending."""
         req = self.add(prompt, max_tokens)
+        self.settle(max_steps)
+        return req
+
+    def settle(self, max_steps: int = 50) -> None:
+        """Step until no request is left and no offload job is pending."""
         for _ in range(max_steps):
             if not self.sched.requests and not self.transfers_pending():
-                return req
+                return
             self.step()
-        raise AssertionError(f"request did not finish in {max_steps} steps")
+        raise AssertionError(f"requests did not finish in {max_steps} steps")
 
     def transfers_pending(self) -> bool:
         c = self.sched.connector

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from layerwise_faults import fail_layer_group  # noqa: E402
 from harness import (  # noqa: E402
     BLOCK,
     HEAD,
@@ -146,8 +147,7 @@ def test_qualifying_hit_loads_in_the_step_that_computes_it(tiny_model):
     assert req.num_computed_tokens == len(PROMPT) and req.num_output_tokens == 1
     assert not eng.sched.connector._lw_sched.pending
     assert ref_counts(eng, pinned.keys) == [0] * len(pinned.keys)
-    while eng.sched.requests or eng.transfers_pending():
-        eng.step()
+    eng.settle()
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert all(req.request_id not in r for r in s.recving)  # never through finished_recving
     assert not any(s.invalid)
@@ -177,33 +177,16 @@ def test_short_hit_keeps_the_asynchronous_path(tiny_model):
     eng.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert not s.outputs[0].kv_connector_metadata.layerwise_jobs and s.outputs[0].kv_connector_metadata.load_jobs
-    while eng.sched.requests or eng.transfers_pending():
-        eng.step()
+    eng.settle()
     assert any(req.request_id in r for r in s.recving)
     assert all(j.job_id >= 0 for j in eng.jobs)  # upstream's job, through vLLM's own worker path
-
-
-def fail_layer_group(eng: Engine, group: int) -> None:
-    """Layer group ``group``'s transfers fail on their stream (as a failed copy does)."""
-    core = eng.core
-    plan = core.plan
-
-    def failing(direction, dev, sizes, *args, **kwargs):
-        transfer = plan(direction, dev, sizes, *args, **kwargs)
-        if sizes[1 + group]:
-            def broken(stream, *a, **k):
-                raise RuntimeError("injected copy failure")
-            transfer.enqueue = broken
-        return transfer
-
-    core.plan = failing
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_layer_group_becomes_invalid_blocks(tiny_model, policy):
     eng, caches = build(tiny_model, policy=policy)
     store_then_wipe(eng, caches, PROMPT)
-    fail_layer_group(eng, 1)
+    fail_layer_group(eng.core, 1)
     s = spy(eng)
     req = eng.add(PROMPT)
     eng.step()
@@ -219,8 +202,7 @@ def test_failed_layer_group_becomes_invalid_blocks(tiny_model, policy):
     assert req.num_computed_tokens == 0 and req.status == RequestStatus.RUNNING
     eng.step()
     assert s.outputs[1].num_scheduled_tokens == {req.request_id: len(PROMPT)}  # recomputed from scratch
-    while eng.sched.requests or eng.transfers_pending():
-        eng.step()
+    eng.settle()
     assert req.num_output_tokens == 2 and all(req.request_id not in r for r in s.recving)
 
 

@@ -395,7 +395,7 @@ class _FreshBlock:
 
 
 def unhashed_view(blocks, start: int, end: int):
-    """``blocks`` (``KVCacheBlocks``) with blocks ``[start, end)`` of the (one) group shown unhashed.
+    """``blocks`` (``KVCacheBlocks``) with blocks ``[start, end)`` of the one KV-cache group shown unhashed.
 
     Upstream's ``update_state_after_alloc`` finds the blocks to load as the first allocated blocks
     without a hash (0.23 ``offloading/scheduler.py``:604-608, 0.32 :1188-1193): right for an asynchronous
@@ -411,6 +411,14 @@ def engine_block_tokens(scheduler) -> int:
     """Tokens per device block of the (one) KV group: 0.23 ``gpu_block_size``, 0.32 ``tokens_per_block``."""
     cfg = scheduler.config.kv_group_configs[0]
     return cfg.gpu_block_size if hasattr(cfg, "gpu_block_size") else cfg.tokens_per_block
+
+
+def hit_end_is_pinned(scheduler, req_id: str) -> bool:
+    """True when upstream's lookup ended the hit at a partial-tail boundary (0.32
+    ``partial_tail_boundary``), which ``update_state_after_alloc`` asserts is where the hit ends: such a
+    hit cannot be shortened. 0.23 has no partial tails."""
+    status = scheduler._req_status.get(req_id)
+    return getattr(status, "partial_tail_boundary", None) is not None
 
 
 def offloaded_block_tokens(scheduler) -> int:

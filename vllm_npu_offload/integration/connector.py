@@ -127,7 +127,7 @@ class NPUOffloadingConnector(OffloadingConnector):
                 "\"NPUOffloadingSpec\", \"spec_module_path\": \"vllm_npu_offload.integration.spec\"), "
                 f"not {extra.get('spec_name')!r}"
             )
-        groups = compat.offloaded_groups(self._kv_cache_config)
+        groups = self._kv_cache_config.kv_cache_groups  # all of them: vLLM's recovery reads group 0 only
         if len(groups) != 1:
             raise OffloadConfigError(
                 f"kv_connector_extra_config['layerwise_load']=True needs a model with one KV-cache group; this one "

@@ -14,13 +14,15 @@ from __future__ import annotations
 MIN_TOKENS_LEFT = 2
 
 
-def sync_hit(num_tokens: int, num_computed: int, hit: int, block_tokens: int, min_tokens: int) -> int | None:
+def sync_hit(num_tokens: int, num_computed: int, hit: int, block_tokens: int, min_tokens: int,
+             trim: bool = True) -> int | None:
     """Tokens to load layer by layer for a hit of ``hit`` tokens after ``num_computed`` local ones
-    (``num_tokens`` in the request, ``block_tokens`` per offloaded block), or None: asynchronous."""
+    (``num_tokens`` in the request, ``block_tokens`` per offloaded block), or None: asynchronous.
+    ``trim=False``: the hit may not be shortened (vLLM 0.32 pinned its end: a partial-tail hit)."""
     if hit <= 0:
         return None
     if num_tokens - num_computed - hit < MIN_TOKENS_LEFT:
-        if (num_computed + hit) % block_tokens:
+        if not trim or (num_computed + hit) % block_tokens:
             return None  # not on a block boundary (a partial tail): keep vLLM's own handling
         hit -= block_tokens
     left = num_tokens - num_computed - hit

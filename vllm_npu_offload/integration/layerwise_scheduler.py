@@ -43,7 +43,8 @@ class LayerwiseScheduler:
         self._flagged.pop(request.request_id, None)
         if not hit or not is_async:
             return hit, is_async
-        n = sync_hit(request.num_tokens, num_computed_tokens, hit, self.block_tokens, self.opts.min_tokens)
+        n = sync_hit(request.num_tokens, num_computed_tokens, hit, self.block_tokens, self.opts.min_tokens,
+                     trim=not compat.hit_end_is_pinned(self.upstream, request.request_id))
         if n is None:
             return hit, is_async
         self._flagged[request.request_id] = num_computed_tokens
