@@ -29,8 +29,6 @@ from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 from ..errors import OffloadConfigError
 from ..device_kv import DeviceKVTensor, canonicalize
 from . import compat
-from .layerwise_meta import LayerwiseWorkerMetadata
-from .layerwise_scheduler import LayerwiseScheduler
 from .layerwise_worker import LayerwiseLoader, LoadJob, StepOutcome
 from .options import layerwise_options, npu_connector_context
 
@@ -107,7 +105,7 @@ class NPUOffloadingConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, *args, **kwargs):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._layerwise = layerwise_options(extra)
-        self._lw_sched: LayerwiseScheduler | None = None
+        self._lw_sched = None  # LayerwiseScheduler, scheduler role with layerwise_load
         self._lw_loader: LayerwiseLoader | None = None
         self._lw_outcome = StepOutcome()
         with npu_connector_context():  # our spec reads the layerwise_* keys only inside this connector
@@ -115,6 +113,9 @@ class NPUOffloadingConnector(OffloadingConnector):
         if self._layerwise.enabled:
             self._check_layerwise(extra)
             if self.connector_scheduler is not None:
+                # imported here: only layer-wise mode subclasses vLLM's offloading metadata
+                from .layerwise_scheduler import LayerwiseScheduler
+
                 self._lw_sched = LayerwiseScheduler(self.connector_scheduler, self._layerwise)
 
     def _check_layerwise(self, extra: Mapping) -> None:
@@ -225,6 +226,8 @@ class NPUOffloadingConnector(OffloadingConnector):
         out, self._lw_outcome = self._lw_outcome, StepOutcome(invalid_blocks=self._lw_outcome.invalid_blocks)
         if self._lw_loader is None or (meta is None and not out.done):
             return meta
+        from .layerwise_meta import LayerwiseWorkerMetadata
+
         meta = LayerwiseWorkerMetadata.extend(meta, {j: 1 for j in out.done})
         for nbytes, seconds in out.loaded:
             compat.record_load_stats(self.connector_worker, meta, nbytes, seconds)
