@@ -218,16 +218,15 @@ class Stager:
             local, ranges = self._plan_pages(direction, groups, pos, slice_of, edges)
         try:
             # Link descriptors: runs of consecutive host blocks inside one slice and one group. A
-            # run of several records copies the records between its ends whole, so a store merges
-            # blocks only for a group whose span is the whole record: where groups share chunks
-            # (layer groups; vLLM 0.23's own groups have per-group keys, so chunks of their own),
-            # another group's pages in between hold its data on the host, not in this staging.
+            # run of several records copies the records between its ends whole, so blocks merge
+            # only for a group whose span is the whole record. A store must not (where groups share
+            # chunks, layer groups, another group's pages in between hold its data on the host, not
+            # in this staging), and a load should not: it would move every other group's bytes too
+            # (G times the bytes for G layer groups); a partial span is one copy per block instead.
             alone = None
-            if direction is Direction.D2H:
-                partial = np.array([gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1]
-                                    for gb in groups])
-                if partial.any():
-                    alone = np.full(n, True) if gid is None else partial[gid]
+            partial = np.array([gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1] for gb in groups])
+            if partial.any():
+                alone = np.full(n, True) if gid is None else partial[gid]
             starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of, alone)
             ends = np.append(starts[1:], n)
             if gid is None:

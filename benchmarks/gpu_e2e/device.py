@@ -103,7 +103,7 @@ def layout_meta(name: str, a) -> dict:
 
 
 def _kind_connector(layout: str, kind: str):
-    return LAYOUTS[layout].connector if kind in ("native", "ours", "null") else None
+    return LAYOUTS[layout].connector if kind in ("native", "ours", "layerwise", "null") else None
 
 
 # ---------------------------------------------------------------------------- smoke
@@ -187,18 +187,26 @@ def correctness_plan(layouts: list[str]) -> list[tuple[str, str, str, str]]:
     ours everywhere (MLA: bfloat16 only, with off). perlayer shares uniform's off-fp32 engine (same
     tiny model) when both run. ``ours-staged`` is ours with every transfer staged
     (``STAGED_ENV``): the tiny models' transfers are below the calibrated threshold, so without it
-    the staged gather/scatter and group-major host records never meet real vLLM here."""
+    the staged gather/scatter and group-major host records never meet real vLLM here. ``layerwise``
+    (ours loading layer by layer inside the step) runs where the layout has one KV-cache group."""
     out = []
     for name in layouts:
         lay = LAYOUTS[name]
-        kinds32 = ["off", "native", "ours", "ours-staged"] + (["simple", "vsimple"] if name == "uniform" else [])
+        lw = ["layerwise"] if lay.layerwise else []
+        kinds32 = ["off", "native", "ours", "ours-staged"] + lw + (["simple", "vsimple"] if name == "uniform" else [])
         if name == "perlayer" and "uniform" in layouts:
             kinds32.remove("off")
         if lay.fp32:
             out += [(f"{name}/{k}-fp32", name, k, "float32") for k in kinds32]
-        out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] if lay.fp32 else
-                                                                     ["off", "native", "ours", "ours-staged"])]
+        out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] + lw if lay.fp32 else
+                                                                     ["off", "native", "ours", "ours-staged"] + lw)]
     return out
+
+
+def negatives(name: str) -> tuple[str, ...]:
+    """The engines of a layout whose host page is corrupted for a third run (r3)."""
+    dtype = "fp32" if LAYOUTS[name].fp32 else "bf16"
+    return (f"{name}/ours-{dtype}",) + ((f"{name}/layerwise-{dtype}",) if LAYOUTS[name].layerwise else ())
 
 
 STAGED_ENV = {"NPU_OFFLOAD_STAGED": "1"}
@@ -234,22 +242,35 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
             if not c["staged"]:
                 c.update(error=f"not every transfer staged: {[w.get('staged_from_blocks') for w in cores]}",
                          **{"pass": False})
+        if "layerwise" in engine and key == "r2":  # its reloads must really have gone layer by layer
+            lw = run.get("worker", {}).get("layerwise") or {}
+            c["layerwise"] = lw
+            if not lw.get("loads") or lw.get("failed_loads"):
+                c.update(error=f"layer-wise path not taken cleanly: {lw or 'no layer-wise counters'}",
+                         **{"pass": False})
         checks.append(c)
 
+    lw = ["layerwise"] if lay.layerwise else []
     if lay.fp32:
         if off32.startswith(name):
             check("float32", off32, "r2", off32, "r1", need_host=False)
-        for k in ["native", "ours", "ours-staged"] + (["simple", "vsimple"] if name == "uniform" else []):
+        for k in ["native", "ours", "ours-staged"] + lw + (["simple", "vsimple"] if name == "uniform" else []):
             check("float32", f"{name}/{k}-fp32", "r1", off32, "r1", need_host=False)
             check("float32", f"{name}/{k}-fp32", "r2", off32, "r1")
-        check("float32", f"{name}/ours-fp32", "r3", off32, "r1", expect_equal=False)
+        for k in ["ours"] + lw:
+            check("float32", f"{name}/{k}-fp32", "r3", off32, "r1", expect_equal=False)
+        if lw:  # the same tokens as the asynchronous path
+            check("float32", f"{name}/layerwise-fp32", "r2", f"{name}/ours-fp32", "r2")
     else:
-        for k in ("native", "ours", "ours-staged"):  # no hit in the first run: the same computation as off
+        for k in ["native", "ours", "ours-staged"] + lw:  # no hit in the first run: the same computation as off
             check("bfloat16", f"{name}/{k}-bf16", "r1", f"{name}/off-bf16", "r1", need_host=False)
-        check("bfloat16", f"{name}/ours-bf16", "r3", f"{name}/native-bf16", "r2", expect_equal=False)
+        for k in ["ours"] + lw:
+            check("bfloat16", f"{name}/{k}-bf16", "r3", f"{name}/native-bf16", "r2", expect_equal=False)
         check("bfloat16", f"{name}/ours-staged-bf16", "r2", f"{name}/native-bf16", "r2")
     check("bfloat16", f"{name}/ours-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
     check("bfloat16", f"{name}/ours-bf16", "r2", f"{name}/native-bf16", "r2")
+    if lw:  # bf16 layer-wise: the asynchronous path's tokens (the same KV, the same remainder computed)
+        check("bfloat16", f"{name}/layerwise-bf16", "r2", f"{name}/ours-bf16", "r2")
     return checks
 
 
@@ -339,11 +360,9 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
                 r2 = gen()
                 run = {"r1": r1, "reset": fr, "r2": r2, "start_s": p.start_s, "one_by_one": label in one_by_one}
                 kv[label] = p.call("kv_info")
-                if p.spec.kind in ("ours", "simple"):
+                if p.spec.kind in ("ours", "layerwise", "simple"):
                     run["worker"] = p.call("worker_info")
-                name = label.split("/")[0]
-                negative = f"{name}/ours-fp32" if LAYOUTS[name].fp32 else f"{name}/ours-bf16"
-                if label == negative:
+                if label in negatives(label.split("/")[0]):
                     run["corrupt"] = p.call("corrupt_page")
                     run["reset3"] = p.call("flush_reset")
                     run["r3"] = gen()
@@ -381,7 +400,7 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
 
 
 def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None = None) -> dict:
-    """off, native and ours (plus --null, --variant) of one layout's real shape, dummy weights."""
+    """off, native and ours (plus --null, --layerwise, --variant) of one layout's real shape, dummy weights."""
     lay = LAYOUTS[name]
     model = build_shape_model(work / lay.shape, lay.shape)
     kv, cpu = pool_sizes(name, a, parts)
@@ -392,6 +411,7 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
         tp=a.tp)
     # plus more engines of our spec, each with its own environment (an A/B in one run)
     base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
+    base += ["layerwise"] if a.layerwise and lay.layerwise else []
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
     timeout = 480.0 if budget is None else max(60.0, min(480.0, budget.left() - 120))
@@ -432,8 +452,9 @@ def _keep_events(runs: list[dict]) -> dict:
 
 
 def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = None) -> dict:
-    """Reload TTFT: off (cold, device hit), then native and ours taking turns rep by rep (the
-    one going first alternates), each rep with its step timeline (timeline.py)."""
+    """Reload TTFT: off (cold, device hit), then native and ours (and layerwise, with --layerwise)
+    taking turns rep by rep (the one going first alternates), each rep with its step timeline
+    (timeline.py)."""
     reps = a.reps
     per_tok = LAYOUTS[name].model.kv_bytes_per_token()
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
@@ -443,7 +464,7 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
     except EngineError as e:
         res["errors"]["bandwidth"] = str(e)
-    kinds = ("native", "ours")
+    kinds = ("native", "ours") + (("layerwise",) if "layerwise" in procs else ())
     for L in a.ttft_lengths:
         if budget is not None and not budget.allows(60 + L / 1000 * 4):
             res["errors"][f"cut-{L}"] = f"not run: {budget.left():.0f}s left in the call's time budget"
@@ -494,6 +515,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
             row["ours_load_seen_s"] = statistics.median(g.get("load_wall_s", 0.0) for g in xs)  # submit -> poll saw it
             row["host_tokens"] = statistics.median(g["rows"][0]["cached"] for g in xs)
             row["ours_load_bytes"] = statistics.median(g["load_bytes"] for g in xs)
+        if runs.get("layerwise"):
+            row["layerwise_load_s"] = statistics.median(g["load_s"] for g in runs["layerwise"])
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its
@@ -505,6 +528,9 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
     try:  # which copy paths and staging our worker used (after its calibration ran)
         res["worker"] = ours.call("worker_info")
         print(f"[ttft] our worker: {json.dumps(res['worker'])}", flush=True)
+        if "layerwise" in kinds:  # how its reloads went: loads, FULL-graph steps, failures
+            res["layerwise"] = procs["layerwise"].call("worker_info").get("layerwise")
+            print(f"[ttft] layer-wise: {json.dumps(res['layerwise'])}", flush=True)
     except EngineError as e:
         res["errors"]["worker_info"] = str(e)
     return res
@@ -721,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
                     help="one more engine of our spec in the pool, with these environment variables; the "
                          "miss part runs it beside the others (repeatable)")
+    ap.add_argument("--layerwise", action="store_true",
+                    help="add ours with layer-wise loads (engine.LAYERWISE_EXTRA, docs/layerwise.md) to the pool "
+                         "(ttft, miss) of layouts with one KV-cache group; correctness always runs it there")
     ap.add_argument("--no-native", action="store_true",
                     help="pool without vLLM's native spec (room for one more variant; ttft needs native)")
     ap.add_argument("--null", action="store_true",
@@ -739,8 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--loads", default="8,32",
                     help=f"serve: client counts, comma-separated (sizes in serve.LOADS: {sorted(LOADS)}; others scaled)")
     ap.add_argument("--servers", default="",
-                    help="serve: servers, comma-separated, of off native ours simple vsimple upper null, or "
-                         "LAYOUT:KIND for native/ours through another layout of the same model, or ours/VARIANT "
+                    help="serve: servers, comma-separated, of off native ours layerwise simple vsimple upper null, "
+                         "or LAYOUT:KIND for native/ours/layerwise through another layout of the same model, or "
+                         "ours/VARIANT "
                          "(ours with run-time variables: serve.VARIANTS); default per layout: "
                          + "; ".join(f"{k}: {v}" for k, v in DEFAULT_SERVERS.items()))
     ap.add_argument("--passes", type=int, default=3, help="serve: passes (servers take turns, new texts each)")

@@ -20,7 +20,10 @@ from . import forward_profile, ranks, timeline
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
 NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
-KINDS = ("off", "native", "ours", "simple", "vsimple", "null")
+NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
+# layerwise: ours loading host hits layer group by layer group inside the step (docs/layerwise.md)
+LAYERWISE_EXTRA = {"layerwise_load": True, "layerwise_min_tokens": 256, "layerwise_groups": 4}
+KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -40,11 +43,12 @@ CACHE_ENV = {
 
 def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
                        connector: tuple[str, str] | None = None) -> dict | None:
-    """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; simple: our
+    """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; layerwise: ours with
+    ``LAYERWISE_EXTRA`` in ``NPUOffloadingConnector`` (the only connector that reads it); simple: our
     NPUSimpleCPUOffloadConnector; vsimple: vLLM's own SimpleCPUOffloadConnector; null: vLLM's spec
     without copies (null_spec.py, no-reuse runs only). ``block_size`` is the offloaded block size
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
-    native, ours and null (the per-layer layout: perlayer.py)."""
+    native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector)."""
     if kind == "off":
         return None
     if kind == "simple":
@@ -54,8 +58,11 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
         return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
-    if kind == "ours":
+    if kind in ("ours", "layerwise"):
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
+        if kind == "layerwise":
+            extra.update(LAYERWISE_EXTRA)
+            connector = connector or NPU_CONNECTOR
     elif kind == "null":
         extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)
     elif kind != "native":
@@ -178,8 +185,10 @@ class _Engine:
         return {"ok": all(r["ok"] for r in per), "ranks": per, **(per[0] if len(per) == 1 else {})}
 
     def worker_info(self) -> dict:
-        """How our worker cores move KV, one entry per core of every rank (``ranks.worker_info``)."""
-        return {"cores": [c for r in ranks.on_ranks(self.llm, self.tp, ranks.worker_info) for c in r["cores"]]}
+        """How our worker cores move KV, one entry per core of every rank (``ranks.worker_info``), and the
+        layer-wise counters summed over the ranks (None where the mode is off)."""
+        per = ranks.on_ranks(self.llm, self.tp, ranks.worker_info)
+        return {"cores": [c for r in per for c in r["cores"]], "layerwise": ranks.sum_counters(r["layerwise"] for r in per)}
 
     def kv_info(self) -> dict:
         """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,

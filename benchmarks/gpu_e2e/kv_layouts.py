@@ -34,6 +34,12 @@ class Layout:
     attention_backend: str | None  # None: the run's --attention-backend
     fp32: bool  # the correctness part can run float32 (MLA's kernels are bf16/fp16 only)
     blocks: str  # what a block is to the connector
+    kv_groups: int = 1  # KV-cache groups vLLM makes (layer-wise loads need one)
+
+    @property
+    def layerwise(self) -> bool:
+        """The ``layerwise`` kind runs on this layout (NPUOffloadingConnector refuses several groups)."""
+        return self.kv_groups == 1
 
     @property
     def model(self) -> Shape:
@@ -51,7 +57,8 @@ LAYOUTS: dict[str, Layout] = {
     "perlayer": Layout("perlayer", "llama8b", ("PerLayerOffloadingConnector", PERLAYER_MODULE), None, True,
                        "per layer, K and V apart (Ascend's layout): 64 pages of 32 KiB per engine block"),
     "multigroup": Layout("multigroup", "gemma2_9b", None, None, True,
-                         "2 KV-cache groups (sliding window + global), per layer: 42 pages of 128 KiB per engine block"),
+                         "2 KV-cache groups (sliding window + global), per layer: 42 pages of 128 KiB per engine block",
+                         kv_groups=2),
     "mla": Layout("mla", "dsv2_lite", None, "TRITON_MLA", False,
                   "MLA, per layer (no cross-layer layout for MLA): 27 pages of 18 KiB per engine block"),
 }

@@ -47,6 +47,27 @@ def sum_totals(per_rank: list[dict]) -> dict:
     return out
 
 
+def layerwise_stats() -> dict | None:
+    """This process's worker connector's layer-wise counters (None: not NPUOffloadingConnector, or the
+    mode off)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    if not has_kv_transfer_group():
+        return None
+    stats = getattr(get_kv_transfer_group(), "layerwise_stats", None)
+    return stats() if stats is not None else None
+
+
+def sum_counters(per_rank) -> dict | None:
+    """Counters (dicts of numbers) added up over ranks; None when no rank has any."""
+    have = [c for c in per_rank if c]
+    if not have:
+        return None
+    return {k: sum(c.get(k, 0) for c in have) for k in have[0]}
+
+
 def worker_info(worker=None) -> dict:
     """How this rank's worker core moves KV: copy paths, staging, the calibrated choice, its host
     bytes, and where the host KV sits against the GPU (what the start-up log and ``info`` say, and
@@ -72,7 +93,7 @@ def worker_info(worker=None) -> dict:
             "pinned": core.host.pinned, "numa": core.host.numa.describe(), "numa_info": numa_line,
             "host_page_nodes": page_nodes(core.host.base, core.host.nbytes),
         })
-    return {"cores": out}
+    return {"cores": out, "layerwise": layerwise_stats()}
 
 
 def corrupt_page(worker=None, seed: int = 0) -> dict:

@@ -7,9 +7,10 @@ sha256 is checked here before each run; vLLM's code is run, not committed). Work
 texts in every pass.
 
 One call serves one layout (its model) at one or more loads. For each load, the chosen servers
-(off, native, ours, simple = our Simple connector, vsimple = vLLM's SimpleCPUOffloadConnector, upper =
-offload off with device KV for every conversation, and ``LAYOUT:KIND`` for native/ours through
-another layout of the same model, e.g. ``perlayer:ours``) start together with device KV sized in
+(off, native, ours, layerwise = ours loading layer by layer, simple = our Simple connector, vsimple =
+vLLM's SimpleCPUOffloadConnector, upper = offload off with device KV for every conversation, and
+``LAYOUT:KIND`` for native/ours/layerwise through another layout of the same model, e.g.
+``perlayer:ours``) start together with device KV sized in
 tokens (``Load``), so that the active conversations do not fit, and stay up; then the passes: every
 server takes the same workload in turn, the one going first alternates, each pass with new texts.
 Per run: the client's per-request stats and vLLM's /metrics before and after (prefix-cache and
@@ -39,7 +40,7 @@ CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_ut
 CLIENT_DIR = ROOT / "vllm_multi_turn"  # where prepare puts them (in the device's code copy)
 SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {name: sha256}}
 GiB = 1 << 30
-OFFLOADERS = ("native", "ours", "simple", "vsimple", "null")
+OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null")
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
 # "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call)
 VARIANTS: dict[str, dict[str, str]] = {
@@ -165,8 +166,11 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     if LAYOUTS[lay].shape != LAYOUTS[layout].shape:
         raise PlanError(f"server {name!r}: layout {lay} serves {LAYOUTS[lay].shape}, this run serves "
                         f"{LAYOUTS[layout].shape} ({layout}); one model per run")
-    if lay != layout and kind not in ("native", "ours", "null"):
-        raise PlanError(f"server {name!r}: only native/ours/null take another layout's connector")
+    if lay != layout and kind not in ("native", "ours", "layerwise", "null"):
+        raise PlanError(f"server {name!r}: only native/ours/layerwise/null take another layout's connector")
+    if kind == "layerwise" and not LAYOUTS[lay].layerwise:
+        raise PlanError(f"server {name!r}: layer-wise loads need one KV-cache group; {lay} has "
+                        f"{LAYOUTS[lay].kv_groups}")
     return lay, kind, variant
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_e2e import stage, tables
+from benchmarks.gpu_e2e import serve, stage, tables
 from benchmarks.gpu_e2e.engine import kv_transfer_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -551,3 +551,60 @@ def test_benchmarks_are_not_packaged():
     assert "vllm_npu_offload" in pkgs and "vllm_npu_offload.integration" in pkgs
     assert not [p for p in pkgs if p.split(".")[0] == "benchmarks"] and "benchmarks.gpu_e2e" not in pkgs
     assert (ROOT / "benchmarks/gpu_e2e/device.py").exists()
+
+
+def test_layerwise_kind_in_pools_and_servers(monkeypatch, tmp_path):
+    """--layerwise adds ours loading layer by layer to a pool of a one-group layout; serve takes it
+    as a server kind (also through the per-layer connector); a two-group layout refuses it."""
+    from benchmarks.gpu_e2e import device
+
+    seen = {}
+    _fake_pool(monkeypatch, device, seen)
+    device.start_pool(tmp_path, device.build_parser().parse_args(["ttft", "--layerwise"]), "uniform", ["ttft"])
+    assert [(s.label, s.kind) for s in seen["specs"]][-1] == ("layerwise", "layerwise")
+    seen.clear()
+    device.start_pool(tmp_path, device.build_parser().parse_args(["ttft"]), "perlayer", ["ttft"])
+    assert "layerwise" not in [s.label for s in seen["specs"]]  # opt-in
+    seen.clear()
+    device.start_pool(tmp_path, device.build_parser().parse_args(["ttft", "--layerwise"]), "multigroup", ["ttft"])
+    assert "layerwise" not in [s.label for s in seen["specs"]]
+    assert serve.parse_server("layerwise", "uniform") == ("uniform", "layerwise", "")
+    assert serve.parse_server("perlayer:layerwise", "uniform") == ("perlayer", "layerwise", "")
+    with pytest.raises(serve.PlanError, match="layer-wise loads need one KV-cache group; multigroup has 2"):
+        serve.parse_server("layerwise", "multigroup")
+
+
+class _TtftEngine:
+    """A pool engine for part_ttft: reloads take ``wall`` seconds, every reload hits 2000 host tokens."""
+
+    def __init__(self, kind: str, wall: float):
+        self.kind, self.wall, self.error = kind, wall, None
+
+    def call(self, op, **kw):
+        if op == "bandwidth":
+            return {"h2d_gbps": 50.0, "d2h_gbps": 50.0}
+        if op == "flush_reset":
+            return {"ok": True}
+        if op == "worker_info":
+            return {"cores": [], "layerwise": {"loads": 3, "full_graph_steps": 0} if self.kind == "layerwise" else None}
+        step = {"wall_ms": self.wall * 1e3, "load_scheduled_ms": 1.0, "load_seen_ms": 2.0, "forward_scheduled_ms": 3.0,
+                "steps": 2, "longest_step_ms": 4.0, "flush_steps": 0}
+        return {"wall_s": self.wall, "rows": [{"cached": 2000 if self.kind != "off" else 0}], "load_s": 0.004,
+                "load_wall_s": 0.005, "load_bytes": 2000 * 131072, "breakdown": step, "events": []}
+
+
+def test_part_ttft_runs_layerwise_beside_native_and_ours():
+    from benchmarks.gpu_e2e import device
+
+    procs = {"off": _TtftEngine("off", 0.01), "native": _TtftEngine("native", 0.03), "ours": _TtftEngine("ours", 0.025),
+             "layerwise": _TtftEngine("layerwise", 0.02)}
+    a = device.build_parser().parse_args(["ttft", "--ttft-lengths", "2048", "--reps", "3", "--off-reps", "1"])
+    res = device.part_ttft(procs, a)
+    (row,) = res["rows"]
+    assert row["layerwise_s"]["median"] == 0.02 and row["layerwise_host_tokens"] == [2000] * 3
+    assert row["layerwise_load_s"] == 0.004 and res["layerwise"] == {"loads": 3, "full_graph_steps": 0}
+    text = tables.ttft_table(res)
+    assert "reload layerwise ms" in text and "layerwise - ours" in text and "loads 3, full_graph_steps 0" in text
+    assert "0.80x" in text  # layerwise / ours
+    del procs["layerwise"]
+    assert "reload layerwise ms" not in tables.ttft_table(device.part_ttft(procs, a))

@@ -169,6 +169,12 @@ def test_engine_kv_configs_and_mode():
     assert pl["kv_connector_module_path"] == "benchmarks.gpu_e2e.perlayer"
     assert pl["kv_connector_extra_config"]["spec_name"] == "NPUOffloadingSpec"
     assert "kv_connector_module_path" not in engine.kv_transfer_config("native", GiB, 64)
+    lw = engine.kv_transfer_config("layerwise", GiB, 64)  # only our connector reads the layerwise keys
+    assert (lw["kv_connector"], lw["kv_connector_module_path"]) == engine.NPU_CONNECTOR
+    assert lw["kv_connector_extra_config"] == {"cpu_bytes_to_use": GiB, "block_size": 64, **engine.LAYERWISE_EXTRA,
+                                               "spec_name": "NPUOffloadingSpec", "spec_module_path": engine.SPEC_MODULE}
+    lw = engine.kv_transfer_config("layerwise", GiB, 64, kv_layouts.LAYOUTS["perlayer"].connector)
+    assert lw["kv_connector"] == "PerLayerOffloadingConnector" and lw["kv_connector_extra_config"]["layerwise_load"]
     assert engine.kv_transfer_config("off", GiB, 64, ("X", "y")) is None
     kw = engine.EngineSpec("a", "native", "m").llm_kwargs()
     assert kw["enforce_eager"] is False and kw["attention_backend"] == "TRITON_ATTN"  # vLLM's default mode
@@ -298,7 +304,7 @@ def test_plan_servers_memory_and_labels():
             serve.plan_servers("uniform", [bad], serve.LOADS[8], 0, 0)
     with pytest.raises(serve.PlanError, match="one model per run"):
         serve.plan_servers("uniform", ["off", "mla:ours"], serve.LOADS[8], 0, 0)
-    with pytest.raises(serve.PlanError, match="only native/ours/null"):
+    with pytest.raises(serve.PlanError, match="only native/ours/layerwise/null"):
         serve.plan_servers("uniform", ["perlayer:simple"], serve.LOADS[8], 0, 0)
     with pytest.raises(serve.PlanError, match="twice"):
         serve.plan_servers("perlayer", ["ours", "perlayer:ours"], serve.LOADS[8], 0, 0)
@@ -629,8 +635,11 @@ def test_correctness_plan_and_checks():
     labels = [x[0] for x in device.correctness_plan(["uniform", "perlayer", "multigroup", "mla"])]
     assert "uniform/vsimple-fp32" in labels and "perlayer/off-fp32" not in labels  # shares uniform's
     assert [x for x in labels if x.startswith("mla/")] == ["mla/off-bf16", "mla/native-bf16", "mla/ours-bf16",
-                                                            "mla/ours-staged-bf16"]
-    assert len(labels) == 8 + 5 + 6 + 4
+                                                            "mla/ours-staged-bf16", "mla/layerwise-bf16"]
+    assert len(labels) == 10 + 7 + 6 + 5  # layerwise where the layout has one KV-cache group (not multigroup)
+    assert not [x for x in labels if x.startswith("multigroup/layerwise")]
+    assert device.negatives("uniform") == ("uniform/ours-fp32", "uniform/layerwise-fp32")
+    assert device.negatives("multigroup") == ("multigroup/ours-fp32",)
     assert device.engine_kind("ours-staged") == ("ours", {"NPU_OFFLOAD_STAGED": "1"})
     assert device.engine_kind("native") == ("native", {})
     assert "perlayer/off-fp32" in [x[0] for x in device.correctness_plan(["perlayer"])]
@@ -640,11 +649,19 @@ def test_correctness_plan_and_checks():
 
     A, B = [[1, 2], [3, 4]], [[9, 9], [3, 4]]
     staged = {"cores": [{"staged_from_blocks": {"H2D": "1", "D2H": "1"}}]}
+    layerwise = {"cores": [], "layerwise": {"loads": 4, "steps": 4, "full_graph_steps": 0, "failed_loads": 0}}
     runs = {"mla/off-bf16": {"r1": gen(A), "r2": gen(A)}, "mla/native-bf16": {"r1": gen(A), "r2": gen(B, 500)},
             "mla/ours-bf16": {"r1": gen(A), "r2": gen(B, 500), "r3": gen(A, 500)},
-            "mla/ours-staged-bf16": {"r1": gen(A), "r2": gen(B, 500), "worker": staged}}
+            "mla/ours-staged-bf16": {"r1": gen(A), "r2": gen(B, 500), "worker": staged},
+            "mla/layerwise-bf16": {"r1": gen(A), "r2": gen(B, 500), "r3": gen(A, 500), "worker": layerwise}}
     checks = device.correctness_checks("mla", runs, ["mla"])
-    assert all(c["pass"] for c in checks) and len(checks) == 7
+    assert all(c["pass"] for c in checks) and len(checks) == 10
+    # equal tokens, but its reloads never went layer by layer (or failed): not the check it claims to be
+    for lw in ({"loads": 0, "failed_loads": 0}, {"loads": 4, "failed_loads": 1}, None):
+        runs["mla/layerwise-bf16"]["worker"] = {"cores": [], "layerwise": lw}
+        bad = [c for c in device.correctness_checks("mla", runs, ["mla"]) if not c["pass"]]
+        assert len(bad) == 1 and "layer-wise path not taken cleanly" in bad[0]["error"]
+    runs["mla/layerwise-bf16"]["worker"] = layerwise
     runs["mla/ours-bf16"]["r3"] = gen(B, 500)  # the corrupted page changed nothing: the control fails
     assert not all(c["pass"] for c in device.correctness_checks("mla", runs, ["mla"]))
     runs["mla/ours-bf16"]["r3"] = gen(A, 500)
@@ -657,11 +674,17 @@ def test_correctness_plan_and_checks():
             **{f"uniform/{k}-fp32": {"r1": gen(A), "r2": gen(A, 900)} for k in ("native", "simple", "vsimple")},
             "uniform/ours-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900)},
             "uniform/ours-staged-fp32": {"r1": gen(A), "r2": gen(A, 900), "worker": staged},
+            "uniform/layerwise-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900), "worker": layerwise},
             "uniform/native-bf16": {"r1": gen(A), "r2": gen(B, 900)},
             "uniform/ours-bf16": {"r1": gen(A), "r2": gen(B, 900)},
+            "uniform/layerwise-bf16": {"r1": gen(A), "r2": gen(B, 900), "worker": layerwise},
             "perlayer/native-fp32": {"error": "boom"}}
     checks = device.correctness_checks("uniform", runs, ["uniform", "perlayer"])
-    assert all(c["pass"] for c in checks) and len(checks) == 1 + 10 + 1 + 2
+    assert all(c["pass"] for c in checks) and len(checks) == 1 + 12 + 2 + 1 + 2 + 1
+    runs["uniform/layerwise-bf16"]["r2"] = gen(A, 900)  # bf16 layer-wise must equal the asynchronous path
+    assert [c["engine"] for c in device.correctness_checks("uniform", runs, ["uniform"]) if not c["pass"]] == [
+        "uniform/layerwise-bf16 (after reset)"]
+    runs["uniform/layerwise-bf16"]["r2"] = gen(B, 900)
     pl = device.correctness_checks("perlayer", runs, ["uniform", "perlayer"])
     assert any(c.get("error") == "boom" for c in pl) and any("uniform/off-fp32" in c["against"] for c in pl)
     runs["uniform/ours-fp32"]["r2"] = gen(A, 0)  # equal tokens but nothing came from host: not a pass
@@ -693,9 +716,10 @@ class _FakeEngine:
         if op == "worker_info":
             n = "1" if self.spec.env.get("NPU_OFFLOAD_STAGED") == "1" else "32"
             node = "2 nodes; device 0000:3b:00.0 on node 1 (host KV bound there)"
+            lw = {"loads": 4, "failed_loads": 0} if self.spec.kind == "layerwise" else None
             return {"cores": [{"staged_from_blocks": {"H2D": n, "D2H": n}, "rank": r, "host_bytes": (1 << 30) // self.spec.tp,
                                "numa_info": node, "numa": "NUMA node 1 of 2", "host_page_nodes": {1: 64}}
-                              for r in range(self.spec.tp)]}
+                              for r in range(self.spec.tp)], "layerwise": lw}
         return {}
 
     def close(self):
@@ -723,6 +747,9 @@ def test_part_correctness_and_smoke_with_fake_engines(monkeypatch, tmp_path):
     assert specs["uniform/ours-fp32"].connector is None and specs["mla/ours-bf16"].attention_backend == "TRITON_MLA"
     assert specs["uniform/ours-fp32"].model == "tiny-llama8b" and not specs["uniform/ours-fp32"].eager
     assert "r3" in res["layouts"]["mla"]["runs"]["mla/ours-bf16"]  # MLA's negative control runs in bf16
+    assert "r3" in res["layouts"]["mla"]["runs"]["mla/layerwise-bf16"]
+    assert specs["perlayer/layerwise-fp32"].connector[0] == "PerLayerOffloadingConnector"
+    assert specs["uniform/layerwise-fp32"].kind == "layerwise" and specs["uniform/layerwise-fp32"].connector is None
     assert specs["perlayer/ours-staged-fp32"].kind == "ours" and specs["perlayer/ours-staged-fp32"].env == {
         "NPU_OFFLOAD_STAGED": "1"} and specs["perlayer/ours-fp32"].env == {}
     eng = seen["engines"]  # bf16: one prompt per generate (4 prompts x r1, r2, r3), fp32: the batch of 4
@@ -990,7 +1017,8 @@ def test_tensor_parallel_engines_servers_and_rank_table(monkeypatch, tmp_path):
     assert all(e.spec.tp == 2 for e in seen["engines"].values())
     ranks = res["layouts"]["uniform"]["ranks"]
     assert res["ok"] and {r["engine"] for r in ranks} == {"uniform/ours-fp32", "uniform/ours-staged-fp32",
-                                                          "uniform/simple-fp32", "uniform/ours-bf16"}
+                                                          "uniform/simple-fp32", "uniform/ours-bf16",
+                                                          "uniform/layerwise-fp32", "uniform/layerwise-bf16"}
     assert sorted({r["rank"] for r in ranks}) == [0, 1]
     text = tables.FORMATTERS["correctness"]({**res, "meta": {"device": "x"}})
     assert "per rank (tensor_parallel_size 2)" in text and "FAIL" not in text

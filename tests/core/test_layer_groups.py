@@ -87,3 +87,26 @@ def test_gemma2_shape_two_groups_round_trip(monkeypatch):
             others = np.setdiff1d(np.arange(blocks), ids[g])
             assert not kv[r.tensor_idx][others].any(), (g, r)  # a group's load writes only its blocks
     core.shutdown()
+
+
+def test_layer_group_load_moves_only_its_span(monkeypatch):
+    """A staged load of one layer group copies that group's span of each record, one link copy per
+    block (a whole run of records would move every other group's bytes too: G times the bytes)."""
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 1 << 40)  # one slice
+    kv = [torch.zeros(BLOCKS, PAGE, dtype=torch.uint8) for _ in range(2 * LAYERS)]
+    whole = [GroupRef(i, PAGE) for i in range(2 * LAYERS)]
+    halves = [whole[:LAYERS], whole[LAYERS:]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [whole, *halves], BPC, CHUNKS,
+                             CpuPlatform(), staging_bytes=2 * 2 * 8 * BPC * 2 * LAYERS * PAGE)
+    n, span = 6, LAYERS * PAGE
+    ids, chunks = np.arange(n, dtype=np.int64), np.arange(3, dtype=np.int64)  # consecutive host blocks
+    plan = core.plan(Direction.H2D, ids, [0, 0, n], [0, 0, 0], chunks, staged=True).plan
+    assert len(plan.link) == n and plan.link.sizes.tolist() == [span] * n
+    assert plan.link.src.tolist() == [core.host.base + b * core.layout.record_bytes + span for b in range(n)]
+    core.pool.release(plan.buffers)
+    whole_plan = core.plan(Direction.H2D, ids, [n, 0, 0], [0, 0, 0], chunks, staged=True).plan
+    assert len(whole_plan.link) == 1 and whole_plan.link.sizes.tolist() == [n * core.layout.record_bytes]
+    core.pool.release(whole_plan.buffers)
+    core.shutdown()

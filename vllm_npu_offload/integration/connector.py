@@ -7,7 +7,10 @@ with ``storage_offset() == 0``, so it rejects them; vLLM-Ascend main swaps in it
 connector for that, vLLM-Ascend 0.23.0.post1 does not. This subclass canonicalises such caches
 with ``device_kv.canonicalize`` into ``CanonicalKVCaches`` and hands them to the spec exactly where
 upstream would; caches upstream can read (plain tensors, Mamba state lists) take the upstream
-path unchanged. Everything else is inherited.
+path unchanged. Everything else is inherited, unless ``layerwise_load`` is on: then a host hit
+of at least ``layerwise_min_tokens`` tokens is loaded inside the step that computes the rest of its
+prompt, one transfer per layer group, each layer's attention waiting (on the device) for its group
+(``layerwise_scheduler`` / ``layerwise_worker``; docs/layerwise.md).
 
 Use: ``"kv_connector": "NPUOffloadingConnector", "kv_connector_module_path":
 "vllm_npu_offload.integration.connector"``.
@@ -15,8 +18,10 @@ Use: ``"kv_connector": "NPUOffloadingConnector", "kv_connector_module_path":
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
@@ -24,6 +29,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 from ..errors import OffloadConfigError
 from ..device_kv import DeviceKVTensor, canonicalize
 from . import compat
+from .layerwise_worker import LayerwiseLoader, LoadJob, StepOutcome
+from .options import layerwise_options, npu_connector_context
 
 
 def _layer_specs(kv_cache_config) -> dict:
@@ -84,16 +91,147 @@ def canonical_kv_caches(kv_caches: Mapping, kv_cache_config):
     return compat.CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
+def load_job(job_id: int, entry) -> LoadJob:
+    """A scheduler load ``TransferJob`` of the one KV group as the layer-wise loader takes it."""
+    cpu, gpu = compat.load_job_specs(entry)
+    return LoadJob(job_id, np.asarray(gpu.block_ids, dtype=np.int64), int(gpu.block_indices[0]),
+                   np.asarray(cpu.block_ids, dtype=np.int64))
+
+
 class NPUOffloadingConnector(OffloadingConnector):
-    """``OffloadingConnector`` plus K/V-tuple canonicalisation in ``register_kv_caches``."""
+    """``OffloadingConnector`` plus K/V-tuple canonicalisation in ``register_kv_caches`` and the
+    opt-in layer-wise loads."""
+
+    def __init__(self, vllm_config, role, *args, **kwargs):
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._layerwise = layerwise_options(extra)
+        self._lw_sched = None  # LayerwiseScheduler, scheduler role with layerwise_load
+        self._lw_loader: LayerwiseLoader | None = None
+        self._lw_outcome = StepOutcome()
+        with npu_connector_context():  # our spec reads the layerwise_* keys only inside this connector
+            super().__init__(vllm_config, role, *args, **kwargs)
+        if self._layerwise.enabled:
+            self._check_layerwise(extra)
+            if self.connector_scheduler is not None:
+                # imported here: only layer-wise mode subclasses vLLM's offloading metadata
+                from .layerwise_scheduler import LayerwiseScheduler
+
+                self._lw_sched = LayerwiseScheduler(self.connector_scheduler, self._layerwise)
+
+    def _check_layerwise(self, extra: Mapping) -> None:
+        why = compat.layerwise_unsupported()
+        if why:
+            raise OffloadConfigError(why)
+        if extra.get("spec_name") != "NPUOffloadingSpec":
+            raise OffloadConfigError(
+                "kv_connector_extra_config['layerwise_load']=True needs our spec (\"spec_name\": "
+                "\"NPUOffloadingSpec\", \"spec_module_path\": \"vllm_npu_offload.integration.spec\"), "
+                f"not {extra.get('spec_name')!r}"
+            )
+        groups = self._kv_cache_config.kv_cache_groups  # all of them: vLLM's recovery reads group 0 only
+        if len(groups) != 1:
+            raise OffloadConfigError(
+                f"kv_connector_extra_config['layerwise_load']=True needs a model with one KV-cache group; this one "
+                f"has {len(groups)} ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): vLLM recovers "
+                "from a failed load for one group only (scheduler._update_requests_with_invalid_blocks). "
+                "Set 'layerwise_load' to false"
+            )
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        # A page holding every layer of a block cannot be loaded layer by layer (vLLM 0.23 asks for one).
+        return not self._layerwise.enabled and getattr(super(), "prefer_cross_layer_blocks", False)
 
     def register_kv_caches(self, kv_caches) -> None:
         worker = self.connector_worker
         assert worker is not None, "register_kv_caches runs on the worker-role connector"
         kv_cache_config = self._kv_cache_config  # set by KVConnectorBase_V1 (0.21+)
+        if self._layerwise.enabled:
+            (group,) = compat.offloaded_groups(kv_cache_config)
+            worker.spec.use_layer_groups(group.layer_names, self._layerwise.groups)
         if not needs_canonicalizing(kv_caches, kv_cache_config):
-            return super().register_kv_caches(kv_caches)
-        compat.hand_canonical_to_spec(worker, canonical_kv_caches(kv_caches, kv_cache_config))
+            super().register_kv_caches(kv_caches)
+        else:
+            compat.hand_canonical_to_spec(worker, canonical_kv_caches(kv_caches, kv_cache_config))
+        if self._layerwise.enabled:
+            self._lw_loader = LayerwiseLoader(worker.spec.npu_router, worker.spec.layer_groups, first_group=1)
+
+    # -- layer-wise loads: scheduler side -------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)
+        if self._lw_sched is None:
+            return hit, is_async
+        return self._lw_sched.matched(request, num_computed_tokens, hit, is_async)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if self._lw_sched is None:
+            return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        before = self._lw_sched.jobs_before_alloc()
+        view = self._lw_sched.before_alloc(request, blocks, num_external_tokens)
+        out = super().update_state_after_alloc(request, view, num_external_tokens)
+        self._lw_sched.after_alloc(request, before)
+        return out
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        return meta if self._lw_sched is None else self._lw_sched.ship(meta, scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._lw_sched is not None:
+            self._lw_sched.on_output(connector_output.kv_connector_worker_meta)
+        super().update_connector_output(connector_output)
+
+    def reset_cache(self):
+        if self._lw_sched is not None:
+            self._lw_sched.reset()
+        return super().reset_cache()
+
+    # -- layer-wise loads: worker side ----------------------------------------------------
+    def layerwise_stats(self) -> dict | None:
+        """This worker's layer-wise counters (``LayerwiseStats``), None when the mode is off."""
+        return None if self._lw_loader is None else dataclasses.asdict(self._lw_loader.stats)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._connector_metadata
+        ids = getattr(meta, "layerwise_jobs", None)
+        if self._lw_loader is None or not ids:
+            return super().start_load_kv(forward_context, **kwargs)
+        # ours first: they gate this step's forward; vLLM's asynchronous loads queue behind them
+        self._lw_loader.start([load_job(j, meta.load_jobs[j]) for j in sorted(ids)],
+                              full_graph=compat.replays_full_graph(forward_context))
+        rest = {j: e for j, e in meta.load_jobs.items() if j not in ids}
+        self.connector_worker.start_kv_transfers(dataclasses.replace(meta, load_jobs=rest))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._lw_loader is not None:
+            self._lw_loader.wait_layer(layer_name)
+
+    def get_finished(self, finished_req_ids):
+        out = super().get_finished(finished_req_ids)
+        if self._lw_loader is not None and self._lw_loader.active:
+            step = self._lw_loader.finish()
+            self._lw_outcome.done |= step.done
+            self._lw_outcome.invalid_blocks |= step.invalid_blocks
+            self._lw_outcome.loaded += step.loaded
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad = set(super().get_block_ids_with_load_errors() or ())
+        bad |= self._lw_outcome.invalid_blocks
+        self._lw_outcome.invalid_blocks = set()
+        return bad
+
+    def build_connector_worker_meta(self):
+        meta = super().build_connector_worker_meta()
+        out, self._lw_outcome = self._lw_outcome, StepOutcome(invalid_blocks=self._lw_outcome.invalid_blocks)
+        if self._lw_loader is None or (meta is None and not out.done):
+            return meta
+        from .layerwise_meta import LayerwiseWorkerMetadata
+
+        meta = LayerwiseWorkerMetadata.extend(meta, {j: 1 for j in out.done})
+        for nbytes, seconds in out.loaded:
+            compat.record_load_stats(self.connector_worker, meta, nbytes, seconds)
+        return meta
 
 
 __all__ = ["NPUOffloadingConnector", "canonical_kv_caches", "needs_canonicalizing"]

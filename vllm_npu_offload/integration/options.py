@@ -12,6 +12,9 @@ Pure Python (no vLLM import) so it is tested directly. Keys keep upstream's mean
 - ``eviction_policy``: a registered cache policy (``lru``, ``arc``) unless
   ``cache_policy_module_path`` names an out-of-tree one.
 - ``staging_bytes``: device staging memory for staged copies (a positive integer).
+- ``layerwise_load`` / ``layerwise_min_tokens`` / ``layerwise_groups`` (``NPUOffloadingConnector``
+  only): load a host hit of at least that many tokens inside the step that computes the rest of
+  its prompt, in that many layer groups (``LayerwiseOptions``; docs/layerwise.md).
 
 Keys are strict: a key that neither we nor the installed vLLM read for the connector in use
 is an error naming the nearest known key (``reject_unknown_keys``; vLLM's own keys per
@@ -20,6 +23,8 @@ version are listed in ``compat``), so a misspelt size is never silently replaced
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import logging
 from dataclasses import dataclass
@@ -36,6 +41,8 @@ SIZE_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks")
 # Keys our own code reads, per connector; vLLM's keys (which it reads itself) come from compat.
 SPEC_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size", "blocks_per_chunk", "eviction_policy", "staging_bytes")
 SIMPLE_KEYS = ("cpu_bytes_to_use", "kv_offload_backend", "staging_bytes")
+# Read by NPUOffloadingConnector only: vLLM's OffloadingConnector never calls the layer hooks.
+LAYERWISE_KEYS = ("layerwise_load", "layerwise_min_tokens", "layerwise_groups")
 SIMPLE_BACKENDS = ("cpu",)
 
 # Escape hatch for a newer vLLM that reads a key we do not list yet: warn instead of failing.
@@ -145,6 +152,56 @@ def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alig
             f"block ({chunk} bytes across all ranks); use at least {chunk}"
         )
     return opts.cpu_bytes_to_use
+
+
+@dataclass(frozen=True)
+class LayerwiseOptions:
+    """Layer-wise reload (docs/layerwise.md): off by default; a hit of ``min_tokens`` or more loads
+    in ``groups`` layer groups inside the step that computes it, shorter hits stay asynchronous."""
+
+    enabled: bool = False
+    min_tokens: int = 256  # below it the copies are short and the asynchronous path is as good
+    groups: int = 4  # per group one stream wait per step; a few groups hide most of the copy
+
+
+_IN_NPU_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar("npu_offloading_connector", default=False)
+
+
+@contextlib.contextmanager
+def npu_connector_context():
+    """Marks specs built inside ``NPUOffloadingConnector.__init__``: the only connector that reads
+    the ``layerwise_*`` keys (vLLM's ``OffloadingConnector`` builds the same spec)."""
+    token = _IN_NPU_CONNECTOR.set(True)
+    try:
+        yield
+    finally:
+        _IN_NPU_CONNECTOR.reset(token)
+
+
+def check_layerwise_owner(extra: Mapping[str, Any]) -> None:
+    """A ``layerwise_*`` key outside ``NPUOffloadingConnector`` would do nothing: an error naming it."""
+    used = [k for k in LAYERWISE_KEYS if k in extra]
+    if used and not _IN_NPU_CONNECTOR.get():
+        raise OffloadConfigError(
+            f"kv_connector_extra_config[{used[0]!r}]={extra[used[0]]!r} is read only by NPUOffloadingConnector "
+            "(\"kv_connector\": \"NPUOffloadingConnector\", \"kv_connector_module_path\": "
+            "\"vllm_npu_offload.integration.connector\"); vLLM's OffloadingConnector does not load layer by layer"
+        )
+
+
+def layerwise_options(extra: Mapping[str, Any]) -> LayerwiseOptions:
+    """The ``layerwise_*`` keys, checked: ``layerwise_load`` a JSON boolean, the others positive integers."""
+    raw = extra.get("layerwise_load", False)
+    if not isinstance(raw, bool):
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['layerwise_load']={raw!r} must be true or false (a JSON boolean)"
+        )
+    default = LayerwiseOptions()
+    return LayerwiseOptions(
+        raw,
+        _positive_int(extra, "layerwise_min_tokens") or default.min_tokens,
+        _positive_int(extra, "layerwise_groups") or default.groups,
+    )
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,41 @@ serves vLLM 0.21-0.24 (``get_handlers``), 0.25 (``get_worker``) and >= 0.26
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..errors import OffloadConfigError
 from ..host_limits import check_host_allocation
 from ..memory import round_up
 from ..device_kv import DeviceKVTensor, GroupRef, device_platform
 from ..offload_worker import OffloadWorkerCore
 from . import compat
-from .options import SPEC_KEYS, reject_unknown_keys, resolve_cpu_bytes, staging_bytes_option, validate_extra_config
+from .job_router import ResultRouter
+from .layer_groups import LayerGroups, split_layer_groups
+from .options import (
+    LAYERWISE_KEYS,
+    SPEC_KEYS,
+    check_layerwise_owner,
+    layerwise_options,
+    reject_unknown_keys,
+    resolve_cpu_bytes,
+    staging_bytes_option,
+    validate_extra_config,
+)
 from .workers import NPUOffloadingWorker, handler_pair
 
 
-def core_from_canonical(kv_caches, blocks_per_chunk: int, num_chunks: int,
-                        staging_bytes: int | None = None) -> OffloadWorkerCore:
-    """Build the version-independent worker from vLLM's ``CanonicalKVCaches``."""
+def canonical_refs(kv_caches) -> list[list[GroupRef]]:
+    """Per vLLM KV group, its pages in ``CanonicalKVCaches`` as the core's ``GroupRef``s."""
+    return [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in group] for group in kv_caches.group_data_refs]
+
+
+def core_from_canonical(kv_caches, blocks_per_chunk: int, num_chunks: int, staging_bytes: int | None = None,
+                        extra_groups: Sequence[Sequence[GroupRef]] = ()) -> OffloadWorkerCore:
+    """Build the version-independent worker from vLLM's ``CanonicalKVCaches``; ``extra_groups`` (layer
+    groups) follow vLLM's groups as more core groups over the same blocks."""
     tensors = [t.tensor for t in kv_caches.tensors]
     device = [DeviceKVTensor.from_block_view(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]
-    refs = [[GroupRef(r.tensor_idx, r.page_size_bytes) for r in group] for group in kv_caches.group_data_refs]
+    refs = canonical_refs(kv_caches) + [list(g) for g in extra_groups]
     return OffloadWorkerCore(device, refs, blocks_per_chunk, num_chunks, device_platform(tensors),
                              staging_bytes=staging_bytes)
 
@@ -39,11 +58,13 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
 
     def __init__(self, *args, **kwargs):
         inp = compat.spec_inputs(args, kwargs)
+        check_layerwise_owner(inp.extra)
         reject_unknown_keys(
             inp.extra,
-            SPEC_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
+            SPEC_KEYS + LAYERWISE_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
             f"NPUOffloadingSpec on vLLM {compat.VLLM_VERSION}",
         )
+        layerwise_options(inp.extra)  # checked at start-up; NPUOffloadingConnector acts on it
         opts = validate_extra_config(
             inp.extra,
             engine_block_size=inp.engine_block_size,
@@ -60,6 +81,9 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         compat.init_base(self, args, kwargs, extra)
         self._npu_worker = None
         self._npu_handlers = None
+        self.npu_router: ResultRouter | None = None  # the worker core's results (set with the core)
+        self._layer_plan: tuple[tuple[str, ...], int] | None = None
+        self.layer_groups: LayerGroups | None = None
         # The setting that sized the host buffer, for the memory check's message.
         size_key = "cpu_bytes_to_use" if opts.num_cpu_blocks is None else "num_cpu_blocks"
         self._npu_size_setting = (size_key, inp.extra[size_key])
@@ -79,7 +103,12 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         # Each rank owns an exact-size private host buffer (no shared mmap region).
         return False
 
-    def _new_core(self, kv_caches) -> OffloadWorkerCore:
+    def use_layer_groups(self, layer_names: Sequence[str], groups: int) -> None:
+        """Layer-wise mode (``NPUOffloadingConnector``, before registration): the core also gets the
+        one KV group's layers, in ``layer_names`` order (vLLM's), as ``groups`` layer groups."""
+        self._layer_plan = (tuple(layer_names), groups)
+
+    def _new_core(self, kv_caches) -> ResultRouter:
         # Only workers build a core, right before allocating this rank's host buffer: the
         # scheduler's spec never allocates (and may run after the workers took their memory).
         bpc, chunks = self.geometry
@@ -89,7 +118,14 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             per_block * bpc * chunks, key, value,
             f"{chunks} chunks x {bpc} blocks x {per_block} bytes of KV per block on this rank",
         )
-        return core_from_canonical(kv_caches, bpc, chunks, staging_bytes=self._staging_bytes)
+        extra: tuple = ()
+        if self._layer_plan is not None:
+            names, groups = self._layer_plan
+            self.layer_groups = split_layer_groups(names, canonical_refs(kv_caches)[0], groups)
+            extra = self.layer_groups.refs
+        core = core_from_canonical(kv_caches, bpc, chunks, staging_bytes=self._staging_bytes, extra_groups=extra)
+        self.npu_router = ResultRouter(core)
+        return self.npu_router
 
     def get_worker(self, kv_caches):
         """vLLM >= 0.25: one worker for both directions."""
@@ -106,4 +142,4 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         yield compat.CPULoadStoreSpec, compat.GPULoadStoreSpec, load
 
 
-__all__ = ["NPUOffloadingSpec", "core_from_canonical"]
+__all__ = ["NPUOffloadingSpec", "canonical_refs", "core_from_canonical"]

@@ -3,7 +3,8 @@
 vLLM >= 0.25 asks the spec for one ``OffloadingWorker`` (``submit_store`` / ``submit_load``);
 0.21-0.24 ask for one ``OffloadingHandler`` per direction, routed by medium pair. Both only
 translate vLLM's load/store specs into ``OffloadWorkerCore.submit`` and its results back into
-vLLM's ``TransferResult``; the copying itself is the same code on every version.
+vLLM's ``TransferResult``; the copying itself is the same code on every version. Results come
+through a ``ResultRouter``, which keeps the layer-wise loads' own jobs away from vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from ..copy.base import Direction
 from ..offload_worker import OffloadWorkerCore
 from . import compat
+from .job_router import ResultRouter
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +22,14 @@ DIRECTION_NAMES = {Direction.D2H: ("GPU", "CPU"), Direction.H2D: ("CPU", "GPU")}
 
 
 def submit(core: OffloadWorkerCore, job_id: int, direction: Direction, gpu_spec, cpu_spec) -> bool:
+    # vLLM names its own KV groups; the core's layer groups (layer-wise mode) come after them, empty here
+    pad = [0] * (core.num_groups - len(gpu_spec.group_sizes))
     core.submit(
         job_id,
         direction,
         gpu_spec.block_ids,
-        list(gpu_spec.group_sizes),
-        list(gpu_spec.block_indices),
+        list(gpu_spec.group_sizes) + pad,
+        list(gpu_spec.block_indices) + pad,
         cpu_spec.block_ids,
     )
     return True
@@ -44,8 +48,9 @@ def to_vllm_results(results) -> list:
 class NPUOffloadingWorker(compat.OffloadingWorker or object):
     """vLLM >= 0.25: both directions through one worker object."""
 
-    def __init__(self, core: OffloadWorkerCore):
-        self.core = core
+    def __init__(self, router: ResultRouter):
+        self.router = router
+        self.core = router.core
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         return submit(self.core, job_id, Direction.D2H, src_spec, dst_spec)
@@ -54,7 +59,7 @@ class NPUOffloadingWorker(compat.OffloadingWorker or object):
         return submit(self.core, job_id, Direction.H2D, dst_spec, src_spec)
 
     def get_finished(self) -> list:
-        return to_vllm_results(self.core.poll())
+        return to_vllm_results(self.router.poll())
 
     def wait(self, job_ids) -> None:
         self.core.wait(job_ids)
@@ -67,8 +72,9 @@ class NPUTransferHandler(compat.OffloadingHandler or object):
     """vLLM 0.21-0.24: one direction of a core shared with the other direction's handler;
     ``get_finished`` returns only this direction's jobs (the core keeps the other's)."""
 
-    def __init__(self, core: OffloadWorkerCore, direction: Direction):
-        self.core = core
+    def __init__(self, router: ResultRouter, direction: Direction):
+        self.router = router
+        self.core = router.core
         self.direction = direction
 
     def transfer_async(self, job_id: int, spec) -> bool:
@@ -77,7 +83,7 @@ class NPUTransferHandler(compat.OffloadingHandler or object):
         return submit(self.core, job_id, self.direction, gpu, cpu)
 
     def get_finished(self) -> list:
-        return to_vllm_results(self.core.poll(self.direction))
+        return to_vllm_results(self.router.poll(self.direction))
 
     def wait(self, job_ids) -> None:
         self.core.wait(job_ids)
@@ -86,9 +92,9 @@ class NPUTransferHandler(compat.OffloadingHandler or object):
         self.core.shutdown()
 
 
-def handler_pair(core: OffloadWorkerCore) -> tuple[NPUTransferHandler, NPUTransferHandler]:
+def handler_pair(router: ResultRouter) -> tuple[NPUTransferHandler, NPUTransferHandler]:
     """(store handler, load handler) over one core."""
-    return NPUTransferHandler(core, Direction.D2H), NPUTransferHandler(core, Direction.H2D)
+    return NPUTransferHandler(router, Direction.D2H), NPUTransferHandler(router, Direction.H2D)
 
 
 __all__ = ["NPUOffloadingWorker", "NPUTransferHandler", "handler_pair"]
