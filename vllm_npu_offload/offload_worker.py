@@ -22,13 +22,13 @@ import torch
 
 from . import env
 from .copy.backend import NPUDmaCopyBackend, staged_paths
-from .copy.base import Direction
+from .copy.base import Direction, as_direction
 from .device_kv import DeviceKVTensor, GroupRef
 from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .memory import HostKVBuffer
-from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair
+from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, max_unsigned
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
@@ -82,6 +82,7 @@ class OffloadWorkerCore:
                                        order)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
+        self._sub_blocks = np.arange(blocks_per_chunk, dtype=np.int64)[None, :]  # a chunk's blocks, as a row
         for refs in self.group_refs:
             for r in refs:
                 if not 0 < r.page_bytes <= self.device_tensors[r.tensor_idx].page_bytes:
@@ -129,7 +130,9 @@ class OffloadWorkerCore:
             d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
             src, dst = (d, other) if direction is Direction.D2H else (other, d)
             pairs.append(TensorPair(src, dst, ref.page_bytes))
-        return CopyPlanner(pairs, merge=staging is None)  # staged: one gather descriptor per page
+        # staged: one gather descriptor per page; the far side's ids (host blocks of checked chunks,
+        # staging positions) are in range by construction, only device block ids are checked
+        return CopyPlanner(pairs, merge=staging is None, trusted="dst" if direction is Direction.D2H else "src")
 
     def _staged_paths(self, page_sizes: list[int], mode: bool | None):
         """(local, link) paths of staged transfers, None when this core stays direct."""
@@ -185,7 +188,7 @@ class OffloadWorkerCore:
         bpc = self.blocks_per_chunk
         if bpc == 1:
             return chunk_ids[:count]
-        expanded = (chunk_ids[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).ravel()
+        expanded = (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         return expanded[skip : skip + count]
 
     def split_groups(self, device_block_ids, group_sizes, block_indices,
@@ -200,7 +203,7 @@ class OffloadWorkerCore:
             )
         if sum(group_sizes) != len(device_block_ids):
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
-        if chunk_ids.size and (chunk_ids.min() < 0 or chunk_ids.max() >= self.num_chunks):
+        if chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
         out = []
         dev_off = chunk_off = 0
@@ -220,26 +223,24 @@ class OffloadWorkerCore:
         return out
 
     def _direct_descriptors(self, direction: Direction, parts) -> Descriptors:
+        """Every group's descriptors in one pooled set, sized for no merging (counting the merged
+        runs first would find them twice)."""
         work = []
         for g, dev, host in parts:
             planner = self._direct[(g, direction)]
-            if planner is None:
-                continue
-            src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
-            work.append((planner, src, dst, planner.count(src, dst)))
-        total = sum(w[3] for w in work)
-        bufs = self.pool.acquire(total)
+            if planner is not None:
+                work.append((planner, *((dev, host) if direction is Direction.D2H else (host, dev))))
+        bufs = self.pool.acquire(sum(planner.max_count(len(src)) for planner, src, _ in work))
         pos = nbytes = 0
         try:
-            for planner, src, dst, cnt in work:
-                end = pos + cnt
-                n, b = planner.plan_into(src, dst, bufs.src_np[pos:end], bufs.dst_np[pos:end], bufs.sizes_np[pos:end])
+            for planner, src, dst in work:
+                n, b = planner.plan_into(src, dst, bufs.src_np[pos:], bufs.dst_np[pos:], bufs.sizes_np[pos:])
                 pos += n
                 nbytes += b
         except BaseException:
             self.pool.release([bufs])
             raise
-        return Descriptors(bufs.src_np[:pos], bufs.dst_np[:pos], bufs.sizes_np[:pos], nbytes, bufs)
+        return bufs.head(pos, nbytes)
 
     def _staged_plan(self, direction: Direction, parts) -> StagedPlan:
         groups = []
@@ -251,11 +252,11 @@ class OffloadWorkerCore:
 
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""
-        n = self.staged_min_blocks[Direction(direction)]
+        n = self.staged_min_blocks[as_direction(direction)]
         return "never" if self.stager is None or n >= NEVER else str(n)
 
     def uses_staging(self, direction: Direction, num_blocks: int) -> bool:
-        return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]
+        return self.stager is not None and num_blocks >= self.staged_min_blocks[as_direction(direction)]
 
     # -- transfers ----------------------------------------------------------------------
     def plan(self, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
@@ -263,7 +264,7 @@ class OffloadWorkerCore:
         """One transfer, planned: staged or direct by its size against the calibrated threshold
         (``staged`` overrides it: benchmarks, tests). Its buffers are pooled: hand it to the
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
-        direction = Direction(direction)
+        direction = as_direction(direction)
         parts = self.split_groups(device_block_ids, group_sizes, block_indices, chunk_ids)
         n = sum(len(dev) for _, dev, _ in parts)
         if staged is None:
