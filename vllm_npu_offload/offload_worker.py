@@ -28,7 +28,7 @@ from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .memory import HostKVBuffer
-from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, max_unsigned
+from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, check_range, max_unsigned
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
@@ -101,6 +101,11 @@ class OffloadWorkerCore:
         self.engine = TransferEngine(platform, self.pool)
         self._closed = False
         self.num_groups = len(self.group_refs)
+        # device block ids must fit every tensor of their group (one limit when the groups agree)
+        self._group_limits = [min((self.device_tensors[r.tensor_idx].num_blocks for r in refs), default=0)
+                              for refs in self.group_refs]
+        limits = set(self._group_limits)
+        self._device_limit = limits.pop() if len(limits) == 1 and all(self.group_refs) else None
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
         self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
@@ -130,9 +135,8 @@ class OffloadWorkerCore:
             d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
             src, dst = (d, other) if direction is Direction.D2H else (other, d)
             pairs.append(TensorPair(src, dst, ref.page_bytes))
-        # staged: one gather descriptor per page; the far side's ids (host blocks of checked chunks,
-        # staging positions) are in range by construction, only device block ids are checked
-        return CopyPlanner(pairs, merge=staging is None, trusted="dst" if direction is Direction.D2H else "src")
+        # staged: one gather descriptor per page; ``plan`` checks the ids (``_split``)
+        return CopyPlanner(pairs, merge=staging is None, check=())
 
     def _staged_paths(self, page_sizes: list[int], mode: bool | None):
         """(local, link) paths of staged transfers, None when this core stays direct."""
@@ -193,7 +197,15 @@ class OffloadWorkerCore:
 
     def split_groups(self, device_block_ids, group_sizes, block_indices,
                      chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Per non-empty group: (group, device block ids, host block ids); validates the transfer."""
+        """Per non-empty group: (group, device block ids, host block ids); validates the transfer
+        (``plan`` also checks the device block ids against the device tensors)."""
+        return self._split(None, device_block_ids, group_sizes, block_indices, chunk_ids)
+
+    def _split(self, side: str | None, device_block_ids, group_sizes, block_indices,
+               chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``split_groups``; with ``side`` ("src" for stores, "dst" for loads), the device block ids
+        are range-checked too: the planners check nothing (host blocks of checked chunks and
+        staging positions are in range by construction)."""
         device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
@@ -205,17 +217,25 @@ class OffloadWorkerCore:
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
         if chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
+        if side is not None and self._device_limit is not None:  # one limit for every group: one check
+            check_range(side, device_block_ids, self._device_limit)
+        bpc = self.blocks_per_chunk
+        host_ids = chunk_ids if bpc == 1 else (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         out = []
         dev_off = chunk_off = 0
         for g, (size, idx) in enumerate(zip(group_sizes, block_indices)):
             if size == 0:
                 continue
-            skip = idx % self.blocks_per_chunk
-            n_chunks = -(-(size + skip) // self.blocks_per_chunk)
-            chunks = chunk_ids[chunk_off : chunk_off + n_chunks]
-            if len(chunks) != n_chunks:
-                raise ValueError(f"group {g} needs {n_chunks} host chunks, transfer gives {len(chunks)}")
-            out.append((g, device_block_ids[dev_off : dev_off + size], self._host_blocks(chunks, skip, size)))
+            skip = idx % bpc
+            n_chunks = -(-(size + skip) // bpc)
+            if chunk_off + n_chunks > len(chunk_ids):
+                raise ValueError(f"group {g} needs {n_chunks} host chunks, transfer gives "
+                                 f"{max(0, len(chunk_ids) - chunk_off)}")
+            dev = device_block_ids[dev_off : dev_off + size]
+            if side is not None and self._device_limit is None and self.group_refs[g]:
+                check_range(side, dev, self._group_limits[g])
+            first = chunk_off * bpc + skip
+            out.append((g, dev, host_ids[first : first + size]))
             dev_off += size
             chunk_off += n_chunks
         if chunk_off != len(chunk_ids):
@@ -265,8 +285,9 @@ class OffloadWorkerCore:
         (``staged`` overrides it: benchmarks, tests). Its buffers are pooled: hand it to the
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
         direction = as_direction(direction)
-        parts = self.split_groups(device_block_ids, group_sizes, block_indices, chunk_ids)
-        n = sum(len(dev) for _, dev, _ in parts)
+        side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
+        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)
+        n = sum(group_sizes)
         if staged is None:
             staged = self.uses_staging(direction, n)
         if staged and self.stager is None:

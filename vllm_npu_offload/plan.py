@@ -85,7 +85,8 @@ def max_unsigned(ids: np.ndarray) -> int:
     return int(np.maximum.reduce(ids.view(np.uint64)))
 
 
-def _check_ids(name: str, ids: np.ndarray, limit: int) -> None:
+def check_range(name: str, ids: np.ndarray, limit: int) -> None:
+    """ValueError naming the first id of ``ids`` (``name`` block ids) outside ``[0, limit)``."""
     if ids.size and max_unsigned(ids) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][0]
         raise ValueError(f"{name} block id {int(bad)} out of range [0, {limit})")
@@ -161,16 +162,17 @@ class CopyPlanner:
     writes them block-major.
     """
 
-    def __init__(self, pairs: Sequence[TensorPair], merge: bool = True, trusted: str = ""):
-        """``trusted``: "src" or "dst", a side whose ids the caller always computes in range itself
-        (the worker core's host blocks of checked chunks, staging positions): not checked again."""
+    def __init__(self, pairs: Sequence[TensorPair], merge: bool = True, check: Sequence[str] = ("src", "dst")):
+        """``check``: the sides whose block ids are range-checked here; the worker core checks its
+        device ids once per transfer itself (host blocks of checked chunks and staging positions
+        are in range by construction) and passes none."""
         if not pairs:
             raise ValueError("CopyPlanner needs at least one tensor pair")
-        if trusted not in ("", "src", "dst"):
-            raise ValueError(f"trusted must be '', 'src' or 'dst', got {trusted!r}")
+        if not set(check) <= {"src", "dst"}:
+            raise ValueError(f"check names sides 'src' / 'dst', got {tuple(check)}")
         self.pairs = list(pairs)
         self.merge = merge
-        self._check = (trusted != "src", trusted != "dst")
+        self._check = ("src" in check, "dst" in check)
         self.src_limit = min(p.src.num_blocks for p in pairs)
         self.dst_limit = min(p.dst.num_blocks for p in pairs)
         mergeable = [p for p in pairs if merge and p.mergeable]
@@ -188,9 +190,9 @@ class CopyPlanner:
                 f"src and dst block ids must be 1-D of equal length, got {src_ids.shape} and {dst_ids.shape}"
             )
         if self._check[0]:
-            _check_ids("src", src_ids, self.src_limit)
+            check_range("src", src_ids, self.src_limit)
         if self._check[1]:
-            _check_ids("dst", dst_ids, self.dst_limit)
+            check_range("dst", dst_ids, self.dst_limit)
         return src_ids, dst_ids
 
     def check_ids(self, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:

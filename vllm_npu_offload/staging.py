@@ -143,7 +143,7 @@ class StagedPlan:
                 if b is not None]
 
 
-@dataclass(frozen=True)
+@dataclass
 class GroupBlocks:
     """One KV group's part of a transfer: its planner (device <-> staging) and block ids."""
 
@@ -348,7 +348,7 @@ class Stager:
         name their stream explicitly, so no per-slice context switch is needed.
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
-        direction = Direction(direction)
+        direction = as_direction(direction)
         aux = self._aux[direction]
         if self._fused is not None:
             self._fused.run(plan, direction, stream, aux, link=link)
