@@ -81,8 +81,9 @@ class Descriptors:
 
 def max_unsigned(ids: np.ndarray) -> int:
     """The largest id, negatives counting as huge (viewed as unsigned): one range check is one
-    reduction (the ufunc's own, without ``ndarray.max``'s wrapper)."""
-    return int(np.maximum.reduce(ids.view(np.uint64)))
+    reduction; a few ids go through Python's max, which costs less than a numpy reduction then."""
+    unsigned = ids.view(np.uint64)
+    return max(unsigned.tolist()) if len(unsigned) <= 32 else int(np.maximum.reduce(unsigned))
 
 
 def check_range(name: str, ids: np.ndarray, limit: int) -> None:

@@ -175,6 +175,7 @@ class Stager:
         self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
         self.table_form = bool(getattr(self._fused, "table_form", False))
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
+        self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
                     local_path.name, link_path.name, "native" if self._fused is not None else "python")
@@ -269,7 +270,7 @@ class Stager:
         except BaseException:
             self.pool.release([bufs])
             raise
-        if len(groups) == 1:
+        if len(set(widths)) == 1:  # descriptors per block alike: an edge's first is edge x width
             bounds = lay.edge_array * widths[0]
         else:  # an edge in group g: g's first descriptor plus its blocks before the edge
             g = np.asarray(firsts[1:-1]).searchsorted(lay.edge_array, "right")
@@ -311,19 +312,15 @@ class Stager:
         host = groups[0].host_ids if len(groups) == 1 else np.concatenate([gb.host_ids for gb in groups])
         brk = lay.first_of_slice.copy()  # a run ends with its slice
         brk[1:] |= host[1:] != host[:-1] + 1
-        if len(groups) > 1:
-            brk[firsts[1:-1]] = True  # and with its group
+        for a in firsts[1:-1]:
+            brk[a] = True  # and with its group
         if direction is Direction.D2H:
             for gb, a, b in zip(groups, firsts, firsts[1:]):
-                if gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1]:
+                if gb.span != self._whole_record and gb.span[0] != gb.span[1]:
                     brk[a:b] = True  # part of a record: every block is a copy of its own
         starts = brk.nonzero()[0]
         m = len(starts)
-        if len(groups) == 1:
-            lo, hi = groups[0].span
-        else:  # each run's group span
-            spans = np.array([gb.span for gb in groups], np.int64)[np.asarray(firsts[1:-1]).searchsorted(starts, "right")]
-            lo, hi = spans[:, 0], spans[:, 1]
+        lo, width = self._run_spans(groups, firsts, starts)
         bufs = self.pool.acquire(m)
         stg, hst = (bufs.src_np, bufs.dst_np) if direction is Direction.D2H else (bufs.dst_np, bufs.src_np)
         size = bufs.sizes_np[:m]
@@ -335,9 +332,22 @@ class Stager:
         np.subtract(starts[1:], starts[:-1], out=size[:-1])  # records per run
         size[-1] = n - starts[-1]
         size *= rec
-        size += hi - lo - rec  # the last record of a run copies only the span
-        nbytes = (n - m) * rec + m * (hi - lo) if len(groups) == 1 else int(size.sum())
+        size += width - rec  # the last record of a run copies only the span
+        nbytes = (n - m) * rec + (m * width if isinstance(width, int) else int(width.sum()))
         return bufs.head(m, nbytes), starts.searchsorted(lay.edge_array)
+
+    @staticmethod
+    def _run_spans(groups: Sequence[GroupBlocks], firsts: list[int], starts: np.ndarray):
+        """(start, width) of the record span each run copies: its group's; ints when one fits all."""
+        if len(groups) == 1:
+            lo, hi = groups[0].span
+            return lo, hi - lo
+        g = np.asarray(firsts[1:-1]).searchsorted(starts, "right")  # each run's group
+        lo = np.array([gb.span[0] for gb in groups], np.int64)[g]
+        widths = {gb.span[1] - gb.span[0] for gb in groups}
+        if len(widths) == 1:
+            return lo, widths.pop()
+        return lo, np.array([gb.span[1] - gb.span[0] for gb in groups], np.int64)[g]
 
     # -- execution ------------------------------------------------------------------------------
     def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True) -> None:
