@@ -13,6 +13,7 @@ returned to the pool only after the copy that reads it has finished.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import operator
 import threading
 from dataclasses import dataclass
@@ -75,8 +76,17 @@ class Descriptors:
         """Data pointers of src, dst and sizes for a native call (reading ``.ctypes`` costs ~2 us
         an array on a slow host: a pooled set's are taken once, when it is made)."""
         if self.addrs is None:
-            self.addrs = (self.src.ctypes.data, self.dst.ctypes.data, self.sizes.ctypes.data)
+            self.addrs = (address(self.src), address(self.dst), address(self.sizes))
         return self.addrs
+
+
+def address(a: np.ndarray) -> int:
+    """Data pointer of an array: ``ctypes.c_char.from_buffer`` costs ~0.8 us where ``a.ctypes.data``
+    costs ~2.7 us on a slow host; it takes only writable, C-contiguous, non-empty arrays."""
+    flags = a.flags
+    if flags.writeable and flags.c_contiguous and a.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return a.ctypes.data
 
 
 def max_unsigned(ids: np.ndarray) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._native import acl
 from ..errors import CopyError
-from ..plan import Descriptors
+from ..plan import Descriptors, address
 from .base import Direction, SliceRanges, as_direction
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ class AclStagedPipeline:
             int(direction is Direction.D2H), int(link), int(self.local.batch), 0, self.local.max_batch,
             self.local.stream_handle(stream), self.local.stream_handle(aux) if link else None,
             self.events[direction], self.slots, plan.num_slices,
-            *_contiguous(local).pointers(), bounds.ctypes.data, *_contiguous(plan.link).pointers(),
-            link_bounds.ctypes.data)
+            *_contiguous(local).pointers(), address(bounds), *_contiguous(plan.link).pointers(),
+            address(link_bounds))
         acl.staged_run(job, self.lib)
 
     def close(self) -> None:
