@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 import numpy as np
 import torch
@@ -136,20 +137,6 @@ def python_side_only(pkg: ModuleType = vllm_npu_offload) -> Iterator[None]:
         acl.staged_run, host.memmove_batch = saved
 
 
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def emulated_npu(pkg: ModuleType):
     """A CPU platform posing as 'npu' (the tests' fake_npu_platform), of ``pkg``'s own classes."""
 
@@ -179,7 +166,7 @@ class StepRig:
         refs = [[kv_mod.GroupRef(i, pages[i]) for i in range(g, len(pages), shape.groups)]
                 for g in range(shape.groups)]
         self.num_chunks = -(-3 * shape.groups * -(-max_blocks // bpc) // 2)  # room for random chunks
-        with _env(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_COPY_PATH="host"):
+        with mock.patch.dict(os.environ, NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_COPY_PATH="host"):
             self.core = _module(pkg, "offload_worker").OffloadWorkerCore(
                 [kv_mod.DeviceKVTensor.from_block_view(t) for t in self.kv], refs, bpc, self.num_chunks,
                 emulated_npu(pkg), staging_bytes=staging_bytes)
