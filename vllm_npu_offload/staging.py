@@ -47,7 +47,7 @@ MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs
 RAMP = 16
 MIN_SLICE_BYTES = 512 * 1024
 GROWTH = 4
-SLICE_LAYOUTS = 128  # slice layouts kept per Stager, by (blocks, direction): 8 bytes a block each
+SLICE_LAYOUTS = 128  # slice layouts kept per Stager, by (blocks, direction): about 17 bytes a block each
 
 
 @dataclass(frozen=True)
