@@ -207,7 +207,8 @@ class CopyPlanner:
         return src_ids, dst_ids
 
     def check_ids(self, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
-        """The ids as int64 arrays, or ValueError naming the first out-of-range id."""
+        """The ids as int64 arrays, or ValueError naming the first out-of-range id (of the sides
+        this planner checks)."""
         return self._ids(src_ids, dst_ids)
 
     def pair_table(self) -> np.ndarray:

@@ -91,7 +91,7 @@ class SliceLayout:
     """Where the blocks of an ``n``-block transfer go: slice ``i`` is blocks
     ``[edges[i], edges[i + 1])`` and fills slot ``i % slots`` from its start; ``pos`` is each
     block's staging record. A pure function of (n, direction), so the Stager keeps the last
-    few hundred (transfer sizes repeat from step to step); the arrays are read-only."""
+    ``SLICE_LAYOUTS`` (transfer sizes repeat from step to step); the arrays are read-only."""
 
     edges: tuple[int, ...]
     edge_array: np.ndarray  # edges as int64
