@@ -79,7 +79,9 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            stream = self._streams.get(direction) or self.stream(direction)
+            stream = self._streams.get(direction)
+            if stream is None:
+                stream = self.stream(direction)
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
             stream.wait_stream(self.platform.current_stream())  # earlier jobs: stream order
