@@ -18,11 +18,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .copy.base import Direction
+from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
 from .stats import TOTALS
 from .transfer import Transfer
+
+
+_DIRECTIONS = tuple(Direction)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class TransferEngine:
         """Enqueue one transfer after the compute stream's work and this direction's earlier
         jobs. Never blocks on the device; a failed submit is reported by ``poll``. The
         transfer's pooled buffers go back to the pool once it has finished."""
-        direction = Direction(transfer.direction)
+        direction = as_direction(transfer.direction)
         t_submit = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -76,7 +79,9 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            stream = self.stream(direction)
+            stream = self._streams.get(direction)
+            if stream is None:
+                stream = self.stream(direction)
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
             stream.wait_stream(self.platform.current_stream())  # earlier jobs: stream order
@@ -123,9 +128,10 @@ class TransferEngine:
         handler per direction)."""
         with self._lock:
             out: list[TransferResult] = []
-            for d in (Direction(direction),) if direction is not None else tuple(Direction):
-                out += self._done[d]
-                self._done[d] = []
+            for d in (as_direction(direction),) if direction is not None else _DIRECTIONS:
+                if self._done[d]:
+                    out += self._done[d]
+                    self._done[d] = []
                 q = self._queues[d]
                 while q and q[0].end.query():
                     out.append(self._finish(q.popleft()))

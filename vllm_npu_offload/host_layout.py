@@ -15,6 +15,7 @@ its own pages: a store copies a group's span whole, and must not write another g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,7 +57,7 @@ class HostLayout:
             pos += page_bytes[t]
         return cls(tuple(page_bytes), tuple(offsets), round_up(pos, PAGE_ALIGNMENT), blocks_per_chunk, num_chunks)
 
-    @property
+    @functools.cached_property
     def pages_end(self) -> int:
         """Where the last page of a record ends (the rest is alignment padding nobody owns)."""
         return max(o + p for o, p in zip(self.page_offsets, self.page_bytes))

@@ -22,13 +22,13 @@ import torch
 
 from . import env
 from .copy.backend import NPUDmaCopyBackend, staged_paths
-from .copy.base import Direction
+from .copy.base import Direction, as_direction
 from .device_kv import DeviceKVTensor, GroupRef
 from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .memory import HostKVBuffer
-from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair
+from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, check_range, max_unsigned
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
@@ -82,6 +82,7 @@ class OffloadWorkerCore:
                                        order)
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
+        self._sub_blocks = np.arange(blocks_per_chunk, dtype=np.int64)[None, :]  # a chunk's blocks, as a row
         for refs in self.group_refs:
             for r in refs:
                 if not 0 < r.page_bytes <= self.device_tensors[r.tensor_idx].page_bytes:
@@ -100,6 +101,11 @@ class OffloadWorkerCore:
         self.engine = TransferEngine(platform, self.pool)
         self._closed = False
         self.num_groups = len(self.group_refs)
+        # device block ids must fit every tensor of their group (one limit when the groups agree)
+        self._group_limits = [min((self.device_tensors[r.tensor_idx].num_blocks for r in refs), default=0)
+                              for refs in self.group_refs]
+        limits = set(self._group_limits)
+        self._device_limit = limits.pop() if len(limits) == 1 and all(self.group_refs) else None
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
         self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
@@ -129,7 +135,8 @@ class OffloadWorkerCore:
             d = BlockLayout(dev.base, dev.block_stride, dev.num_blocks)
             src, dst = (d, other) if direction is Direction.D2H else (other, d)
             pairs.append(TensorPair(src, dst, ref.page_bytes))
-        return CopyPlanner(pairs, merge=staging is None)  # staged: one gather descriptor per page
+        # staged: one gather descriptor per page; ``plan`` checks the ids (``_split``)
+        return CopyPlanner(pairs, merge=staging is None, check=())
 
     def _staged_paths(self, page_sizes: list[int], mode: bool | None):
         """(local, link) paths of staged transfers, None when this core stays direct."""
@@ -185,12 +192,20 @@ class OffloadWorkerCore:
         bpc = self.blocks_per_chunk
         if bpc == 1:
             return chunk_ids[:count]
-        expanded = (chunk_ids[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).ravel()
+        expanded = (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         return expanded[skip : skip + count]
 
     def split_groups(self, device_block_ids, group_sizes, block_indices,
                      chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Per non-empty group: (group, device block ids, host block ids); validates the transfer."""
+        """Per non-empty group: (group, device block ids, host block ids); validates the transfer
+        (``plan`` also checks the device block ids against the device tensors)."""
+        return self._split(None, device_block_ids, group_sizes, block_indices, chunk_ids)
+
+    def _split(self, side: str | None, device_block_ids, group_sizes, block_indices,
+               chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``split_groups``; with ``side`` ("src" for stores, "dst" for loads), the device block ids
+        are range-checked too: the planners check nothing (host blocks of checked chunks and
+        staging positions are in range by construction)."""
         device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
@@ -200,19 +215,27 @@ class OffloadWorkerCore:
             )
         if sum(group_sizes) != len(device_block_ids):
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
-        if chunk_ids.size and (chunk_ids.min() < 0 or chunk_ids.max() >= self.num_chunks):
+        if chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
+        if side is not None and self._device_limit is not None:  # one limit for every group: one check
+            check_range(side, device_block_ids, self._device_limit)
+        bpc = self.blocks_per_chunk
+        host_ids = chunk_ids if bpc == 1 else (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         out = []
         dev_off = chunk_off = 0
         for g, (size, idx) in enumerate(zip(group_sizes, block_indices)):
             if size == 0:
                 continue
-            skip = idx % self.blocks_per_chunk
-            n_chunks = -(-(size + skip) // self.blocks_per_chunk)
-            chunks = chunk_ids[chunk_off : chunk_off + n_chunks]
-            if len(chunks) != n_chunks:
-                raise ValueError(f"group {g} needs {n_chunks} host chunks, transfer gives {len(chunks)}")
-            out.append((g, device_block_ids[dev_off : dev_off + size], self._host_blocks(chunks, skip, size)))
+            skip = idx % bpc
+            n_chunks = -(-(size + skip) // bpc)
+            if chunk_off + n_chunks > len(chunk_ids):
+                raise ValueError(f"group {g} needs {n_chunks} host chunks, transfer gives "
+                                 f"{max(0, len(chunk_ids) - chunk_off)}")
+            dev = device_block_ids[dev_off : dev_off + size]
+            if side is not None and self._device_limit is None and self.group_refs[g]:
+                check_range(side, dev, self._group_limits[g])
+            first = chunk_off * bpc + skip
+            out.append((g, dev, host_ids[first : first + size]))
             dev_off += size
             chunk_off += n_chunks
         if chunk_off != len(chunk_ids):
@@ -220,26 +243,24 @@ class OffloadWorkerCore:
         return out
 
     def _direct_descriptors(self, direction: Direction, parts) -> Descriptors:
+        """Every group's descriptors in one pooled set, sized for no merging (counting the merged
+        runs first would find them twice)."""
         work = []
         for g, dev, host in parts:
             planner = self._direct[(g, direction)]
-            if planner is None:
-                continue
-            src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
-            work.append((planner, src, dst, planner.count(src, dst)))
-        total = sum(w[3] for w in work)
-        bufs = self.pool.acquire(total)
+            if planner is not None:
+                work.append((planner, *((dev, host) if direction is Direction.D2H else (host, dev))))
+        bufs = self.pool.acquire(sum(planner.max_count(len(src)) for planner, src, _ in work))
         pos = nbytes = 0
         try:
-            for planner, src, dst, cnt in work:
-                end = pos + cnt
-                n, b = planner.plan_into(src, dst, bufs.src_np[pos:end], bufs.dst_np[pos:end], bufs.sizes_np[pos:end])
+            for planner, src, dst in work:
+                n, b = planner.plan_into(src, dst, bufs.src_np[pos:], bufs.dst_np[pos:], bufs.sizes_np[pos:])
                 pos += n
                 nbytes += b
         except BaseException:
             self.pool.release([bufs])
             raise
-        return Descriptors(bufs.src_np[:pos], bufs.dst_np[:pos], bufs.sizes_np[:pos], nbytes, bufs)
+        return bufs.head(pos, nbytes)
 
     def _staged_plan(self, direction: Direction, parts) -> StagedPlan:
         groups = []
@@ -251,11 +272,11 @@ class OffloadWorkerCore:
 
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""
-        n = self.staged_min_blocks[Direction(direction)]
+        n = self.staged_min_blocks[as_direction(direction)]
         return "never" if self.stager is None or n >= NEVER else str(n)
 
     def uses_staging(self, direction: Direction, num_blocks: int) -> bool:
-        return self.stager is not None and num_blocks >= self.staged_min_blocks[Direction(direction)]
+        return self.stager is not None and num_blocks >= self.staged_min_blocks[as_direction(direction)]
 
     # -- transfers ----------------------------------------------------------------------
     def plan(self, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
@@ -263,9 +284,10 @@ class OffloadWorkerCore:
         """One transfer, planned: staged or direct by its size against the calibrated threshold
         (``staged`` overrides it: benchmarks, tests). Its buffers are pooled: hand it to the
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
-        direction = Direction(direction)
-        parts = self.split_groups(device_block_ids, group_sizes, block_indices, chunk_ids)
-        n = sum(len(dev) for _, dev, _ in parts)
+        direction = as_direction(direction)
+        side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
+        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)
+        n = sum(group_sizes)
         if staged is None:
             staged = self.uses_staging(direction, n)
         if staged and self.stager is None:

@@ -12,6 +12,9 @@ returned to the pool only after the copy that reads it has finished.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -64,14 +67,38 @@ class Descriptors:
     sizes: np.ndarray
     total_bytes: int
     buffers: "DescriptorBuffers | None" = None
+    addrs: tuple[int, int, int] | None = None  # data pointers of src, dst, sizes, when known
 
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def pointers(self) -> tuple[int, int, int]:
+        """Data pointers of src, dst and sizes for a native call (reading ``.ctypes`` costs ~2 us
+        an array on a slow host: a pooled set's are taken once, when it is made)."""
+        if self.addrs is None:
+            self.addrs = (address(self.src), address(self.dst), address(self.sizes))
+        return self.addrs
 
-def _check_ids(name: str, ids: np.ndarray, limit: int) -> None:
-    # one reduction: negatives wrap to huge values when viewed as unsigned
-    if ids.size and int(ids.view(np.uint64).max()) >= limit:
+
+def address(a: np.ndarray) -> int:
+    """Data pointer of an array: ``ctypes.c_char.from_buffer`` costs ~0.8 us where ``a.ctypes.data``
+    costs ~2.7 us on a slow host; it takes only writable, C-contiguous, non-empty arrays."""
+    flags = a.flags
+    if flags.writeable and flags.c_contiguous and a.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return a.ctypes.data
+
+
+def max_unsigned(ids: np.ndarray) -> int:
+    """The largest id, negatives counting as huge (viewed as unsigned): one range check is one
+    reduction; a few ids go through Python's max, which costs less than a numpy reduction then."""
+    unsigned = ids.view(np.uint64)
+    return max(unsigned.tolist()) if len(unsigned) <= 32 else int(np.maximum.reduce(unsigned))
+
+
+def check_range(name: str, ids: np.ndarray, limit: int) -> None:
+    """ValueError naming the first id of ``ids`` (``name`` block ids) outside ``[0, limit)``."""
+    if ids.size and max_unsigned(ids) >= limit:
         bad = ids[(ids < 0) | (ids >= limit)][0]
         raise ValueError(f"{name} block id {int(bad)} out of range [0, {limit})")
 
@@ -89,16 +116,18 @@ def _run_starts(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray | None:
 
 
 def _affine(base: np.ndarray, stride: np.ndarray, uniform: int | None, ids: np.ndarray, out: np.ndarray) -> None:
-    """out[i, j] = base[i] + ids[j] * stride[i]."""
+    """out = base + ids * stride, broadcast: ``ids`` a row and ``base``/``stride`` columns
+    (tensor-major, out[i, j] for tensor i, block j) or the reverse (block-major)."""
     if uniform is not None:
-        np.add(base, (ids * uniform)[None, :], out=out)
+        np.add(base, ids * uniform, out=out)
     else:
-        np.multiply(ids[None, :], stride, out=out)
+        np.multiply(ids, stride, out=out)
         out += base
 
 
 class _PairGroup:
-    """Pairs that share a strategy, as (m, 1) columns ready for broadcasting."""
+    """Pairs that share a strategy, as (m, 1) columns (and their (1, m) row views) ready for
+    broadcasting."""
 
     def __init__(self, pairs: Sequence[TensorPair]):
         m = len(pairs)
@@ -113,30 +142,48 @@ class _PairGroup:
         # One stride for every tensor (the usual case) lets each output be a single pass.
         self._src_uniform = int(self.src_stride[0, 0]) if (self.src_stride == self.src_stride[0, 0]).all() else None
         self._dst_uniform = int(self.dst_stride[0, 0]) if (self.dst_stride == self.dst_stride[0, 0]).all() else None
+        self._rows = tuple(a.T for a in (self.src_base, self.src_stride, self.dst_base, self.dst_stride, self.page))
 
     def fill(self, s_ids, d_ids, run_lens, o_src, o_dst, o_sz) -> None:
+        """Tensor-major: row i = pair i, column j = block j (or run j, ``run_lens`` long)."""
         m, k = self.m, len(s_ids)
         o_src, o_dst, o_sz = o_src.reshape(m, k), o_dst.reshape(m, k), o_sz.reshape(m, k)
-        _affine(self.src_base, self.src_stride, self._src_uniform, s_ids, o_src)
-        _affine(self.dst_base, self.dst_stride, self._dst_uniform, d_ids, o_dst)
+        _affine(self.src_base, self.src_stride, self._src_uniform, s_ids[None, :], o_src)
+        _affine(self.dst_base, self.dst_stride, self._dst_uniform, d_ids[None, :], o_dst)
         if run_lens is None:
             o_sz[:] = self.page
         else:  # src stride == dst stride for mergeable pairs
             np.multiply((run_lens - 1)[None, :], self.src_stride, out=o_sz)
             o_sz += self.page
 
+    def fill_blocks(self, s_ids, d_ids, o_src, o_dst, o_sz) -> None:
+        """Block-major: row j = block j, column i = pair i (every page of a block together)."""
+        k, m = len(s_ids), self.m
+        src_base, src_stride, dst_base, dst_stride, page = self._rows
+        o_src, o_dst, o_sz = o_src.reshape(k, m), o_dst.reshape(k, m), o_sz.reshape(k, m)
+        _affine(src_base, src_stride, self._src_uniform, s_ids[:, None], o_src)
+        _affine(dst_base, dst_stride, self._dst_uniform, d_ids[:, None], o_dst)
+        o_sz[:] = page
+
 
 class CopyPlanner:
     """Precomputed per-tensor layouts; turns block id lists into descriptors.
 
-    Descriptors are tensor-major (all blocks of pair 0, then pair 1, ...).
+    Descriptors are tensor-major (all blocks of pair 0, then pair 1, ...); ``plan_blocks_into``
+    writes them block-major.
     """
 
-    def __init__(self, pairs: Sequence[TensorPair], merge: bool = True):
+    def __init__(self, pairs: Sequence[TensorPair], merge: bool = True, check: Sequence[str] = ("src", "dst")):
+        """``check``: the sides whose block ids are range-checked here; the worker core checks its
+        device ids once per transfer itself (host blocks of checked chunks and staging positions
+        are in range by construction) and passes none."""
         if not pairs:
             raise ValueError("CopyPlanner needs at least one tensor pair")
+        if not set(check) <= {"src", "dst"}:
+            raise ValueError(f"check names sides 'src' / 'dst', got {tuple(check)}")
         self.pairs = list(pairs)
         self.merge = merge
+        self._check = ("src" in check, "dst" in check)
         self.src_limit = min(p.src.num_blocks for p in pairs)
         self.dst_limit = min(p.dst.num_blocks for p in pairs)
         mergeable = [p for p in pairs if merge and p.mergeable]
@@ -153,12 +200,15 @@ class CopyPlanner:
             raise ValueError(
                 f"src and dst block ids must be 1-D of equal length, got {src_ids.shape} and {dst_ids.shape}"
             )
-        _check_ids("src", src_ids, self.src_limit)
-        _check_ids("dst", dst_ids, self.dst_limit)
+        if self._check[0]:
+            check_range("src", src_ids, self.src_limit)
+        if self._check[1]:
+            check_range("dst", dst_ids, self.dst_limit)
         return src_ids, dst_ids
 
     def check_ids(self, src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
-        """The ids as int64 arrays, or ValueError naming the first out-of-range id."""
+        """The ids as int64 arrays, or ValueError naming the first out-of-range id (of the sides
+        this planner checks)."""
         return self._ids(src_ids, dst_ids)
 
     def pair_table(self) -> np.ndarray:
@@ -171,6 +221,10 @@ class CopyPlanner:
         if self._runs is None or len(src_ids) < 2:
             return None
         return _run_starts(src_ids, dst_ids)
+
+    def max_count(self, n: int) -> int:
+        """Descriptors of ``n`` blocks at most (none merged): enough room for ``plan_into``."""
+        return self._all.m * n
 
     def count(self, src_ids, dst_ids) -> int:
         src_ids, dst_ids = self._ids(src_ids, dst_ids)
@@ -196,11 +250,22 @@ class CopyPlanner:
             k = self._plain.m * n
             self._plain.fill(src_ids, dst_ids, None, out_src[:k], out_dst[:k], out_sizes[:k])
             pos = k
-        lens = np.diff(np.append(starts, n))
+        lens = np.empty(len(starts), np.int64)
+        np.subtract(starts[1:], starts[:-1], out=lens[:-1])
+        lens[-1] = n - starts[-1]
         k = self._runs.m * len(starts)
         sl = slice(pos, pos + k)
         self._runs.fill(src_ids[starts], dst_ids[starts], lens, out_src[sl], out_dst[sl], out_sizes[sl])
         return pos + k, self.bytes_per_block * n
+
+    def plan_blocks_into(self, src_ids, dst_ids, out_src, out_dst, out_sizes) -> tuple[int, int]:
+        """Like ``plan_into``, block-major and never merged (staged gathers): block j's pages are
+        descriptors ``[j * m, (j + 1) * m)``, so any range of blocks is one range of descriptors."""
+        src_ids, dst_ids = self._ids(src_ids, dst_ids)
+        k = self._all.m * len(src_ids)
+        if k:
+            self._all.fill_blocks(src_ids, dst_ids, out_src[:k], out_dst[:k], out_sizes[:k])
+        return k, self.bytes_per_block * len(src_ids)
 
     def plan(self, src_ids, dst_ids, pool: "DescriptorPool | None" = None) -> Descriptors:
         """Descriptors for one transfer, in pooled buffers when ``pool`` is given."""
@@ -222,7 +287,16 @@ class DescriptorBuffers:
         self.src_np = self.src.numpy()
         self.dst_np = self.dst.numpy()
         self.sizes_np = self.sizes.numpy()
+        self.flat_np = self.packed.view(-1).numpy()  # all three rows back to back
+        self.addrs = tuple(int(a.ctypes.data) for a in (self.src_np, self.dst_np, self.sizes_np))
         self.device_cols = None  # a device mirror for paths that upload the rows (kept with the set)
+
+    def head(self, n: int, total_bytes: int) -> Descriptors:
+        """The first ``n`` descriptors of the set (its rows' heads: their pointers are known)."""
+        return Descriptors(self.src_np[:n], self.dst_np[:n], self.sizes_np[:n], total_bytes, self, self.addrs)
+
+
+_CAPACITY = operator.attrgetter("capacity")
 
 
 class DescriptorPool:
@@ -246,8 +320,8 @@ class DescriptorPool:
 
     def release(self, bufs: "Iterable[DescriptorBuffers]") -> None:
         with self._lock:
-            self._free.extend(bufs)
-            self._free.sort(key=lambda b: b.capacity)
+            for b in bufs:  # kept sorted by capacity; equal ones in the order they came back
+                bisect.insort(self._free, b, key=_CAPACITY)
 
     @property
     def num_free(self) -> int:

@@ -17,6 +17,8 @@ hand each slot back and forth. Staging memory is allocated once, per direction.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from . import env
-from .copy.base import CopyPath, DescriptorRange, Direction
+from .copy.base import CopyPath, DescriptorRange, Direction, SliceRanges, as_direction
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .plan import CopyPlanner, DescriptorBuffers, DescriptorPool, Descriptors
@@ -45,6 +47,7 @@ MIN_SLOT_BYTES = 4 * 1024 * 1024  # smaller DMA copies lose link bandwidth (docs
 RAMP = 16
 MIN_SLICE_BYTES = 512 * 1024
 GROWTH = 4
+SLICE_LAYOUTS = 128  # slice layouts kept per Stager, by (blocks, direction): about 17 bytes a block each
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,24 @@ class TableRange:
     blocks: int
 
 
+@dataclass(frozen=True)
+class SliceLayout:
+    """Where the blocks of an ``n``-block transfer go: slice ``i`` is blocks
+    ``[edges[i], edges[i + 1])`` and fills slot ``i % slots`` from its start; ``pos`` is each
+    block's staging record. A pure function of (n, direction), so the Stager keeps the last
+    ``SLICE_LAYOUTS`` (transfer sizes repeat from step to step); the arrays are read-only."""
+
+    edges: tuple[int, ...]
+    edge_array: np.ndarray  # edges as int64
+    first_of_slice: np.ndarray  # per block: whether a slice starts there (a link run must)
+    pos: np.ndarray
+    staging_addr: np.ndarray  # per block: where its staging record starts
+
+    @property
+    def n(self) -> int:
+        return self.edges[-1]
+
+
 @dataclass
 class StagedPlan:
     """One transfer's copies; slice i copies its local part, then links ``link_bounds[i]:[i+1]``.
@@ -91,10 +112,12 @@ class StagedPlan:
     ``local_ranges``; any local path) or, for paths that address pages themselves from
     per-group pair tables, the transfer's block ids (``ids``: src ids then dst ids, ``n_ids``
     each, in one pinned buffer) and ``table_ranges``, which plans nothing per page.
+    ``Stager.plan`` lays page descriptors block-major, slice after slice (``local_ranges`` is
+    then a ``SliceRanges``: one contiguous range per slice); any ranges are accepted.
     """
 
-    local: Descriptors | None  # device pages <-> staging positions, tensor-major per group
-    local_ranges: list[list[DescriptorRange]]  # per slice, the descriptors its gather/scatter copies
+    local: Descriptors | None  # device pages <-> staging positions
+    local_ranges: Sequence[list[DescriptorRange]]  # per slice, the descriptors its gather/scatter copies
     link: Descriptors  # staging runs <-> host runs
     link_bounds: np.ndarray
     ids: DescriptorBuffers | None = None
@@ -120,7 +143,7 @@ class StagedPlan:
                 if b is not None]
 
 
-@dataclass(frozen=True)
+@dataclass
 class GroupBlocks:
     """One KV group's part of a transfer: its planner (device <-> staging) and block ids."""
 
@@ -128,18 +151,6 @@ class GroupBlocks:
     span: tuple[int, int]  # [lo, hi) of a record that the group's tensors occupy
     device_ids: np.ndarray
     host_ids: np.ndarray
-
-
-def _link_runs(host: np.ndarray, group: np.ndarray, alone: np.ndarray | None = None) -> np.ndarray:
-    """Start indices of runs of consecutive host blocks of one group; a block marked ``alone``
-    is a run of its own."""
-    if len(host) == 0:
-        return np.empty(0, np.int64)
-    brk = np.ones(len(host), bool)
-    brk[1:] = (host[1:] != host[:-1] + 1) | (group[1:] != group[:-1])
-    if alone is not None:
-        brk |= alone
-    return np.flatnonzero(brk)
 
 
 class Stager:
@@ -163,6 +174,8 @@ class Stager:
         # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
         self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
         self.table_form = bool(getattr(self._fused, "table_form", False))
+        self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
+        self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
                     local_path.name, link_path.name, "native" if self._fused is not None else "python")
@@ -191,126 +204,150 @@ class Stager:
             sizes.append(take)
             left -= take
             cur *= GROWTH
-        return sizes if Direction(direction) is Direction.D2H else sizes[::-1]
+        return sizes if as_direction(direction) is Direction.D2H else sizes[::-1]
+
+    def _slice_layout(self, n: int, direction: Direction) -> SliceLayout:
+        """The uncached ``slice_layout`` (memoised per (n, direction) in ``__init__``)."""
+        g, edges, shift = self.geometry, [0], []
+        sizes = self.slice_sizes(n, direction)
+        for i, size in enumerate(sizes):
+            shift.append((i % g.slots) * g.slot_blocks - edges[-1])
+            edges.append(edges[-1] + size)
+        pos = np.repeat(np.array(shift, np.int64), sizes)
+        pos += np.arange(n, dtype=np.int64)
+        edge_array = np.array(edges, np.int64)
+        first = np.zeros(n, bool)
+        first[edge_array[:-1]] = True
+        addr = pos * self.layout.record_bytes + self.base[as_direction(direction)]
+        for a in (edge_array, first, pos, addr):
+            a.flags.writeable = False
+        return SliceLayout(tuple(edges), edge_array, first, pos, addr)
 
     def plan(self, direction: Direction, groups: Sequence[GroupBlocks]) -> StagedPlan:
-        direction = Direction(direction)
+        direction = as_direction(direction)
         groups = [gb for gb in groups if len(gb.device_ids)]
         if not groups:
             raise ValueError("a staged transfer needs at least one block")
-        g = self.geometry
-        if len(groups) == 1:  # the usual case: no concatenation, no group key
-            gid, host = None, groups[0].host_ids
-        else:
-            gid = np.concatenate([np.full(len(gb.device_ids), i, np.int64) for i, gb in enumerate(groups)])
-            host = np.concatenate([gb.host_ids for gb in groups])
-        n = len(host)
-        sizes = self.slice_sizes(n, direction)
-        n_slices = len(sizes)
-        edges = np.zeros(n_slices + 1, np.int64)
-        np.cumsum(np.asarray(sizes, np.int64), out=edges[1:])
-        slice_of = np.repeat(np.arange(n_slices, dtype=np.int64), sizes)
-        pos = (slice_of % g.slots) * g.slot_blocks + np.arange(n, dtype=np.int64) - edges[slice_of]
+        firsts = [0]  # each group's first block in the transfer (then the total)
+        for gb in groups:
+            firsts.append(firsts[-1] + len(gb.device_ids))
+        lay = self.slice_layout(firsts[-1], direction)
         local, ranges, ids, tables, nbytes, pages = None, [], None, None, 0, 0
         if self.table_form:
-            ids, tables, nbytes, pages = self._plan_tables(direction, groups, pos, slice_of, edges)
+            ids, tables, nbytes, pages = self._plan_tables(direction, groups, lay)
         else:
-            local, ranges = self._plan_pages(direction, groups, pos, slice_of, edges)
+            local, ranges = self._plan_pages(direction, groups, firsts, lay)
         try:
-            # Link descriptors: runs of consecutive host blocks inside one slice and one group. A
-            # run of several records copies the records between its ends whole, so blocks merge
-            # only for a group whose span is the whole record. A store must not (where groups share
-            # chunks, layer groups, another group's pages in between hold its data on the host, not
-            # in this staging), and a load should not: it would move every other group's bytes too
-            # (G times the bytes for G layer groups); a partial span is one copy per block instead.
-            alone = None
-            partial = np.array([gb.span != (0, self.layout.pages_end) and gb.span[0] != gb.span[1] for gb in groups])
-            if partial.any():
-                alone = np.full(n, True) if gid is None else partial[gid]
-            starts = _link_runs(host, slice_of if gid is None else gid * n_slices + slice_of, alone)
-            ends = np.append(starts[1:], n)
-            if gid is None:
-                lo, hi = groups[0].span
-            else:
-                spans = np.array([gb.span for gb in groups], np.int64)
-                lo, hi = spans[gid[starts], 0], spans[gid[starts], 1]
-            rec = self.layout.record_bytes
-            stg = self.base[direction] + pos[starts] * rec + lo
-            hst = self.host_base + host[starts] * rec + lo
-            size = (ends - starts - 1) * rec + hi - lo
-            m = len(starts)
-            link_bufs = self.pool.acquire(m)
+            link, link_bounds = self._plan_link(direction, groups, firsts, lay)
         except BaseException:
             self.pool.release([local.buffers if local is not None else ids])
             raise
-        src, dst = (stg, hst) if direction is Direction.D2H else (hst, stg)
-        link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m] = src, dst, size
-        link_bounds = np.searchsorted(starts, edges).astype(np.int64)
-        link = Descriptors(link_bufs.src_np[:m], link_bufs.dst_np[:m], link_bufs.sizes_np[:m], int(size.sum()),
-                           link_bufs)
-        return StagedPlan(local, ranges, link, link_bounds, ids, n, tables, nbytes, pages)
+        return StagedPlan(local, ranges, link, link_bounds, ids, lay.n, tables, nbytes, pages)
 
-    def _group_slices(self, blk: int, k_g: int, slice_of: np.ndarray, edges: np.ndarray):
+    def _group_slices(self, blk: int, k_g: int, edges: tuple[int, ...]):
         """(slice, first column, columns) of each slice that blocks [blk, blk + k_g) fall in."""
-        for s_i in range(int(slice_of[blk]), int(slice_of[blk + k_g - 1]) + 1):
-            c0, c1 = max(int(edges[s_i]), blk) - blk, min(int(edges[s_i + 1]), blk + k_g) - blk
+        for s_i in range(bisect.bisect_right(edges, blk) - 1, bisect.bisect_right(edges, blk + k_g - 1)):
+            c0, c1 = max(edges[s_i], blk) - blk, min(edges[s_i + 1], blk + k_g) - blk
             yield s_i, c0, c1 - c0
 
     def _sides(self, direction: Direction, gb: GroupBlocks, p_ids: np.ndarray):
         return (gb.device_ids, p_ids) if direction is Direction.D2H else (p_ids, gb.device_ids)
 
-    def _plan_pages(self, direction: Direction, groups: Sequence[GroupBlocks], pos, slice_of, edges):
-        """Per-page descriptors: one planner call per group, tensor-major (row = tensor, column =
-        block); slice s is the column range [s*per, (s+1)*per) of every row."""
-        n_slices = len(edges) - 1
-        work, blk = [], 0
-        for gb in groups:
-            k_g = len(gb.device_ids)
-            work.append((*self._sides(direction, gb, pos[blk:blk + k_g]), gb.planner))
-            blk += k_g
-        local_bufs = self.pool.acquire(sum(len(w[2].pairs) * len(w[0]) for w in work))  # one per page
-        ranges: list[list[DescriptorRange]] = [[] for _ in range(n_slices)]
-        at = nbytes = blk = 0
+    def _plan_pages(self, direction: Direction, groups: Sequence[GroupBlocks], firsts: list[int],
+                    lay: SliceLayout) -> tuple[Descriptors, SliceRanges]:
+        """Per-page descriptors, block-major within each group: a slice (a range of blocks) is one
+        contiguous range of descriptors, handed to the pipeline as it lies (no reordering)."""
+        widths = [len(gb.planner.pairs) for gb in groups]
+        bufs = self.pool.acquire(sum(w * (b - a) for w, a, b in zip(widths, firsts, firsts[1:])))  # one per page
+        at, nbytes, starts = 0, 0, []  # starts: each group's first descriptor
         try:
-            for src, dst, planner in work:
-                k_g = len(src)
-                w, b = planner.plan_into(src, dst, local_bufs.src_np[at:], local_bufs.dst_np[at:],
-                                         local_bufs.sizes_np[at:])
-                if w != len(planner.pairs) * k_g:  # slices are column ranges of a (tensor, block) table
-                    raise ValueError("staged planners must not merge runs (CopyPlanner(merge=False))")
-                for s_i, c0, cols in self._group_slices(blk, k_g, slice_of, edges):
-                    ranges[s_i].append(DescriptorRange(at + c0, cols, w // k_g, k_g))
+            for gb, a, b in zip(groups, firsts, firsts[1:]):
+                starts.append(at)
+                w, nb = gb.planner.plan_blocks_into(*self._sides(direction, gb, lay.pos[a:b]), bufs.src_np[at:],
+                                                    bufs.dst_np[at:], bufs.sizes_np[at:])
                 at += w
-                nbytes += b
-                blk += k_g
+                nbytes += nb
         except BaseException:
-            self.pool.release([local_bufs])
+            self.pool.release([bufs])
             raise
-        return Descriptors(local_bufs.src_np[:at], local_bufs.dst_np[:at], local_bufs.sizes_np[:at], nbytes,
-                           local_bufs), ranges
+        if len(set(widths)) == 1:  # descriptors per block alike: an edge's first is edge x width
+            bounds = lay.edge_array * widths[0]
+        else:  # an edge in group g: g's first descriptor plus its blocks before the edge
+            g = np.asarray(firsts[1:-1]).searchsorted(lay.edge_array, "right")
+            bounds = np.asarray(starts)[g] + (lay.edge_array - np.asarray(firsts)[g]) * np.asarray(widths)[g]
+        return bufs.head(at, nbytes), SliceRanges(bounds)
 
-    def _plan_tables(self, direction: Direction, groups: Sequence[GroupBlocks], pos, slice_of, edges):
+    def _plan_tables(self, direction: Direction, groups: Sequence[GroupBlocks], lay: SliceLayout):
         """Table form: the block ids of both sides, checked, in one pinned buffer; per slice, one
         range per group. Nothing per page: the kernel forms the addresses."""
-        n = len(pos)
+        n = lay.n
         bufs = self.pool.acquire(-(-2 * n // 3))  # the (3, cap) rows hold [src ids | dst ids] flat
-        flat = bufs.packed.view(-1).numpy()
-        tables: list[list[TableRange]] = [[] for _ in range(len(edges) - 1)]
+        flat = bufs.flat_np
+        tables: list[list[TableRange]] = [[] for _ in range(len(lay.edges) - 1)]
         blk = nbytes = pages = 0
         try:
             for gb in groups:
                 k_g = len(gb.device_ids)
-                src, dst = gb.planner.check_ids(*self._sides(direction, gb, pos[blk:blk + k_g]))
+                src, dst = gb.planner.check_ids(*self._sides(direction, gb, lay.pos[blk:blk + k_g]))
                 flat[blk:blk + k_g], flat[n + blk:n + blk + k_g] = src, dst
-                for s_i, c0, cols in self._group_slices(blk, k_g, slice_of, edges):
+                for s_i, c0, cols in self._group_slices(blk, k_g, lay.edges):
                     tables[s_i].append(TableRange(gb.planner, blk + c0, cols))
                 nbytes += gb.planner.bytes_per_block * k_g
                 pages += len(gb.planner.pairs) * k_g
                 blk += k_g
         except BaseException:
-            self.pool.release(bufs)
+            self.pool.release([bufs])
             raise
         return bufs, tables, nbytes, pages
+
+    def _plan_link(self, direction: Direction, groups: Sequence[GroupBlocks], firsts: list[int],
+                   lay: SliceLayout) -> tuple[Descriptors, np.ndarray]:
+        """Link descriptors: runs of consecutive host blocks inside one slice and one group, and
+        where each slice's runs start. A run of several records copies the records between its
+        ends whole, so blocks merge only for a group whose span is the whole record. A store must
+        not (where groups share chunks, layer groups, another group's pages in between hold its
+        data on the host, not in this staging), and a load should not: it would move every other
+        group's bytes too (G times the bytes for G layer groups); a partial span is one copy per
+        block instead."""
+        n, rec = lay.n, self.layout.record_bytes
+        host = groups[0].host_ids if len(groups) == 1 else np.concatenate([gb.host_ids for gb in groups])
+        brk = lay.first_of_slice.copy()  # a run ends with its slice
+        brk[1:] |= host[1:] != host[:-1] + 1
+        for a in firsts[1:-1]:
+            brk[a] = True  # and with its group
+        for gb, a, b in zip(groups, firsts, firsts[1:]):
+            if gb.span != self._whole_record and gb.span[0] != gb.span[1]:
+                brk[a:b] = True  # part of a record: every block is a copy of its own
+        starts = brk.nonzero()[0]
+        m = len(starts)
+        lo, width = self._run_spans(groups, firsts, starts)
+        bufs = self.pool.acquire(m)
+        stg, hst = (bufs.src_np, bufs.dst_np) if direction is Direction.D2H else (bufs.dst_np, bufs.src_np)
+        size = bufs.sizes_np[:m]
+        lay.staging_addr.take(starts, out=stg[:m])
+        if len(groups) > 1 or lo:
+            stg[:m] += lo
+        np.multiply(host[starts], rec, out=hst[:m])
+        hst[:m] += lo + self.host_base
+        np.subtract(starts[1:], starts[:-1], out=size[:-1])  # records per run
+        size[-1] = n - starts[-1]
+        size *= rec
+        size += width - rec  # the last record of a run copies only the span
+        nbytes = (n - m) * rec + (m * width if isinstance(width, int) else int(width.sum()))
+        return bufs.head(m, nbytes), starts.searchsorted(lay.edge_array)
+
+    @staticmethod
+    def _run_spans(groups: Sequence[GroupBlocks], firsts: list[int], starts: np.ndarray):
+        """(start, width) of the record span each run copies: its group's; ints when one fits all."""
+        if len(groups) == 1:
+            lo, hi = groups[0].span
+            return lo, hi - lo
+        g = np.asarray(firsts[1:-1]).searchsorted(starts, "right")  # each run's group
+        lo = np.array([gb.span[0] for gb in groups], np.int64)[g]
+        widths = {gb.span[1] - gb.span[0] for gb in groups}
+        if len(widths) == 1:
+            return lo, widths.pop()
+        return lo, np.array([gb.span[1] - gb.span[0] for gb in groups], np.int64)[g]
 
     # -- execution ------------------------------------------------------------------------------
     def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True) -> None:
@@ -321,7 +358,7 @@ class Stager:
         name their stream explicitly, so no per-slice context switch is needed.
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
-        direction = Direction(direction)
+        direction = as_direction(direction)
         aux = self._aux[direction]
         if self._fused is not None:
             self._fused.run(plan, direction, stream, aux, link=link)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -70,6 +71,12 @@ class CopyPath(ABC):
         return None
 
 
+def as_direction(d: "Direction | int") -> Direction:
+    """``d`` as a Direction; one is returned as it is (the enum call costs ~0.4 us on a slow host,
+    and the engine thread would pay it several times per transfer)."""
+    return d if d.__class__ is Direction else Direction(d)
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     """The copy path of each direction, by name."""
@@ -114,6 +121,23 @@ class DescriptorRange:
     def indices(self) -> np.ndarray:
         r = np.arange(self.rows, dtype=np.int64)[:, None] * self.stride
         return (self.first + r + np.arange(self.width, dtype=np.int64)[None, :]).ravel()
+
+
+class SliceRanges(Sequence[list[DescriptorRange]]):
+    """Per slice, one contiguous range ``[bounds[i], bounds[i + 1])`` of descriptors (a plan whose
+    descriptors lie slice after slice); the ranges are made only when read (the Python loop)."""
+
+    def __init__(self, bounds: np.ndarray):
+        self.bounds = bounds
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i: int) -> list[DescriptorRange]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"slice {i} of {len(self)}")
+        lo, hi = int(self.bounds[i % len(self)]), int(self.bounds[i % len(self) + 1])
+        return [DescriptorRange(lo, hi - lo)]
 
 
 def check_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> None:

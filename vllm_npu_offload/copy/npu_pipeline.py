@@ -16,7 +16,8 @@ import numpy as np
 
 from .._native import acl
 from ..errors import CopyError
-from .base import Direction
+from ..plan import Descriptors, address
+from .base import Direction, SliceRanges, as_direction
 
 if TYPE_CHECKING:
     from .acl_copy import AclCopyPath
@@ -43,6 +44,26 @@ def slice_indices(local_ranges) -> tuple[np.ndarray, np.ndarray]:
     return idx, bounds
 
 
+def _by_slice(plan) -> "tuple[Descriptors, np.ndarray]":
+    """The plan's page descriptors slice after slice, and the slice bounds in them: as they lie
+    when the planner wrote them so (``SliceRanges``), else gathered from the ranges."""
+    if isinstance(plan.local_ranges, SliceRanges):
+        return plan.local, plan.local_ranges.bounds
+    idx, bounds = slice_indices(plan.local_ranges)
+    loc = plan.local
+    return Descriptors(loc.src[idx], loc.dst[idx], loc.sizes[idx], loc.total_bytes), bounds
+
+
+def _contiguous(d: "Descriptors") -> "Descriptors":
+    """``d`` with C-contiguous int64 rows for the native call (``d`` itself when they are: always
+    for a pooled set's heads, whose pointers are known)."""
+    if d.addrs is not None:
+        return d
+    rows = (d.src, d.dst, d.sizes)
+    out = tuple(np.ascontiguousarray(a, np.int64) for a in rows)
+    return d if all(a is b for a, b in zip(out, rows)) else Descriptors(*out, d.total_bytes)
+
+
 class AclStagedPipeline:
     """Runs page-descriptor staged plans for one stager; owns each direction's slot events
     (entry, filled[slots], drained[slots]), created once in the library, not torch_npu's."""
@@ -56,18 +77,17 @@ class AclStagedPipeline:
 
     def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter, on ``stream`` (benchmarks)."""
-        direction = Direction(direction)
+        direction = as_direction(direction)
         if plan.local is None:
             raise CopyError("staged run: the plan has no page descriptors (table form?)", "npu_offload_acl_staged_run")
-        idx, bounds = slice_indices(plan.local_ranges)
-        loc = [np.ascontiguousarray(a[idx], np.int64) for a in (plan.local.src, plan.local.dst, plan.local.sizes)]
-        lk = [np.ascontiguousarray(a, np.int64) for a in (plan.link.src, plan.link.dst, plan.link.sizes,
-                                                            plan.link_bounds)]
+        local, bounds = _by_slice(plan)
+        bounds, link_bounds = np.ascontiguousarray(bounds, np.int64), np.ascontiguousarray(plan.link_bounds, np.int64)
         job = acl.StagedJob(
             int(direction is Direction.D2H), int(link), int(self.local.batch), 0, self.local.max_batch,
             self.local.stream_handle(stream), self.local.stream_handle(aux) if link else None,
             self.events[direction], self.slots, plan.num_slices,
-            *(a.ctypes.data for a in loc), bounds.ctypes.data, *(a.ctypes.data for a in lk))
+            *_contiguous(local).pointers(), address(bounds), *_contiguous(plan.link).pointers(),
+            address(link_bounds))
         acl.staged_run(job, self.lib)
 
     def close(self) -> None:
