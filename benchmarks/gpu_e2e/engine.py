@@ -120,7 +120,7 @@ class _Engine:
         self.llm = LLM(**kw)
         self.start_s = time.perf_counter() - t0
         self.tp = spec.tp
-        timeline.install(self.llm)
+        timeline.install(self.llm, gpu_events=spec.tp == 1)
         self._profiling = forward_profile.install(self.llm)
         self._flush_seq = 0
 

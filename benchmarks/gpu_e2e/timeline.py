@@ -93,9 +93,11 @@ def engine_core(llm) -> Any:
     return getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
 
 
-def install(llm) -> list[str]:
+def install(llm, gpu_events: bool = True) -> list[str]:
     """Wrap one ``LLM``'s engine step, scheduler and worker-side connector; returns what was
-    wrapped (a vLLM without one of them just records less)."""
+    wrapped (a vLLM without one of them just records less). ``gpu_events`` False: no CUDA events
+    around the executor's calls (tensor parallel: the model runs in worker processes, and events
+    here would only open a CUDA context in the engine's process)."""
     global _installed
     if _installed:
         return []
@@ -114,7 +116,7 @@ def install(llm) -> list[str]:
         ex = getattr(core, "model_executor", None)
         if ex is not None:
             for name, what in (("execute_model", "execute"), ("sample_tokens", "sample")):
-                if _wrap_gpu(ex, name, f"gpu_{what}"):  # inner: the events bracket the call only
+                if gpu_events and _wrap_gpu(ex, name, f"gpu_{what}"):  # inner: the events bracket the call only
                     done.append(f"gpu_{what}")
                 if _wrap(ex, name, what):
                     done.append(what)

@@ -608,3 +608,28 @@ def test_part_ttft_runs_layerwise_beside_native_and_ours():
     assert "0.80x" in text  # layerwise / ours
     del procs["layerwise"]
     assert "reload layerwise ms" not in tables.ttft_table(device.part_ttft(procs, a))
+
+
+def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
+    """TP > 1: the model runs in worker processes; no CUDA events are wrapped around the executor."""
+    import sys
+    from types import ModuleType, SimpleNamespace as NS
+
+    from benchmarks.gpu_e2e import timeline
+
+    kt = ModuleType("vllm.distributed.kv_transfer")
+    kt.get_kv_transfer_group, kt.has_kv_transfer_group = (lambda: None), (lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer", kt)
+    asked = []
+    monkeypatch.setattr(timeline, "_wrap_gpu", lambda obj, name, what: asked.append(what) or True)
+    core = _FakeCore(NS(start_load_kv=lambda ctx: None, get_finished=lambda ids: (set(), set())))
+    llm = NS(llm_engine=NS(engine_core=NS(engine_core=core)))
+    import gc
+
+    n_callbacks = len(gc.callbacks)
+    monkeypatch.setattr(timeline, "_installed", False)
+    done = timeline.install(llm, gpu_events=False)
+    assert "execute" in done and not any(d.startswith("gpu_") for d in done) and asked == []
+    monkeypatch.setattr(timeline, "_installed", False)
+    assert "gpu_execute" in timeline.install(llm) and asked  # one GPU: the events are wanted
+    del gc.callbacks[n_callbacks:]
