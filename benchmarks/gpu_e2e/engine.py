@@ -192,8 +192,12 @@ class _Engine:
 
     def kv_info(self) -> dict:
         """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,
-        and whether vLLM allocated cross-layer blocks (read from the in-process engine)."""
-        return engine_kv_info(self.llm)
+        and whether vLLM allocated cross-layer blocks (read from the in-process engine; with tensor
+        parallelism, from rank 0's worker)."""
+        out = engine_kv_info(self.llm)
+        if self.tp > 1:
+            out.update(ranks.on_ranks(self.llm, self.tp, ranks.runner_info)[0])
+        return out
 
     def bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> dict:
         """One contiguous pinned host <-> device copy of ``nbytes``, median GB/s of ``reps``."""
@@ -233,25 +237,11 @@ def engine_kv_info(llm) -> dict:
     ac = getattr(vc, "attention_config", None)
     if ac is not None:
         out["attention_backend"] = str(getattr(ac, "backend", None))
-    runner = None
     try:
         core = timeline.engine_core(llm)
-        runner = core.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
+        out.update(ranks.runner_info(core.model_executor.driver_worker.worker))
+    except AttributeError:  # tensor parallel: the runners live in the workers (``_Engine.kv_info``)
         pass
-    if runner is not None:
-        out["cross_layer_blocks"] = getattr(runner, "cross_layers_kv_cache", None) is not None
-        kcc = getattr(runner, "kv_cache_config", None)
-        if kcc is not None:
-            out["num_blocks"] = int(getattr(kcc, "num_blocks", 0))
-            groups = []
-            for g in getattr(kcc, "kv_cache_groups", []):
-                spec = g.kv_cache_spec
-                groups.append({"layers": len(g.layer_names), "spec": type(spec).__name__,
-                               "block_size": getattr(spec, "block_size", None),
-                               "page_bytes": getattr(spec, "page_size_bytes", None),
-                               "sliding_window": getattr(spec, "sliding_window", None)})
-            out["kv_cache_groups"] = groups
     return out
 
 

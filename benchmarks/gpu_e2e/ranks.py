@@ -47,6 +47,24 @@ def sum_totals(per_rank: list[dict]) -> dict:
     return out
 
 
+def runner_info(worker) -> dict:
+    """Whether vLLM allocated cross-layer blocks, its KV block count and KV-cache groups, from this
+    worker's model runner (empty where the worker has none)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return {}
+    out: dict[str, Any] = {"cross_layer_blocks": getattr(runner, "cross_layers_kv_cache", None) is not None}
+    kcc = getattr(runner, "kv_cache_config", None)
+    if kcc is not None:
+        out["num_blocks"] = int(getattr(kcc, "num_blocks", 0))
+        out["kv_cache_groups"] = [{"layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
+                                   "block_size": getattr(g.kv_cache_spec, "block_size", None),
+                                   "page_bytes": getattr(g.kv_cache_spec, "page_size_bytes", None),
+                                   "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None)}
+                                  for g in getattr(kcc, "kv_cache_groups", [])]
+    return out
+
+
 def layerwise_stats() -> dict | None:
     """This process's worker connector's layer-wise counters (None: not NPUOffloadingConnector, or the
     mode off)."""

@@ -232,6 +232,11 @@ def test_engine_kv_info_reads_the_running_engine():
     line = tables.engine_report({"native": info, "ours": {**info, "cross_layer_blocks": True}})
     assert "FULL_AND_PIECEWISE" in line and "native no, ours yes" in line and "(window 4096)" in line
     assert engine.engine_kv_info(NS()) == {}  # another vLLM: nothing to read, no error
+    from benchmarks.gpu_e2e import ranks  # tensor parallel: the same fields from a worker over RPC
+
+    wrapper = NS(model_runner=runner, rank=1)  # vLLM's WorkerWrapperBase forwards attributes to the worker
+    assert ranks.runner_info(wrapper) == {k: info[k] for k in ("cross_layer_blocks", "num_blocks", "kv_cache_groups")}
+    assert ranks.runner_info(NS()) == {}
 
 
 # ---------------------------------------------------------------------------- serving: sizes and plans
