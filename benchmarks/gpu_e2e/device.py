@@ -333,11 +333,14 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
     plan = correctness_plan(a.layouts)
     models = {name: build_tiny(work / f"tiny-{LAYOUTS[name].shape}", LAYOUTS[name].shape) for name in a.layouts}
-    specs = [EngineSpec(label, engine_kind(kind)[0], models[name], dtype=dtype, max_model_len=2048,
-                        kv_cache_bytes=GiB, gpu_util=0.03, cpu_bytes=GiB, max_num_seqs=8, eager=a.eager,
-                        attention_backend=LAYOUTS[name].backend(a.attention_backend),
-                        connector=_kind_connector(name, engine_kind(kind)[0]), env=engine_kind(kind)[1], tp=a.tp)
-             for label, name, kind, dtype in plan]
+    cpu_bytes = GiB  # host KV of every offloading engine, all ranks together (the per-rank check's total)
+    specs = []
+    for label, name, kind, dtype in plan:
+        ekind, env = engine_kind(kind)
+        specs.append(EngineSpec(label, ekind, models[name], dtype=dtype, max_model_len=2048, kv_cache_bytes=GiB,
+                                gpu_util=0.03, cpu_bytes=cpu_bytes, max_num_seqs=8, eager=a.eager,
+                                attention_backend=LAYOUTS[name].backend(a.attention_backend),
+                                connector=_kind_connector(name, ekind), env=env, tp=a.tp))
     one_by_one = {label for label, _, _, dtype in plan if dtype == "bfloat16"}
     t0 = time.perf_counter()
     procs = start_all(specs, timeout=max(60.0, min(480.0, budget.left() - 60)), in_waves=a.start_waves)
@@ -375,7 +378,7 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     for name in a.layouts:
         mine = {k: v for k, v in runs.items() if k.startswith(name + "/") or (name == "perlayer" and k == "uniform/off-fp32")}
         checks = correctness_checks(name, runs, a.layouts)
-        ranks = rank_rows({k: v for k, v in mine.items() if k.startswith(name + "/")}, a.tp, GiB)
+        ranks = rank_rows({k: v for k, v in mine.items() if k.startswith(name + "/")}, a.tp, cpu_bytes)
         good = all(c["pass"] for c in checks) and all(r["pass"] for r in ranks)
         ok &= good
         res["layouts"][name] = {"layout": layout_meta(name, a), "model": f"tiny random {LAYOUTS[name].model.arch} "

@@ -39,11 +39,9 @@ def sum_totals(per_rank: list[dict]) -> dict:
     """Totals over ranks: bytes, jobs and failures add up; times are the ranks' mean (each rank
     copies its share on its own link at the same time, so a sum would count that time N times)."""
     out: dict[str, dict[str, Any]] = {}
-    for r in per_rank:
-        for d, vals in r.items():
-            acc = out.setdefault(d, {})
-            for k, v in vals.items():
-                acc[k] = acc.get(k, 0) + (v / len(per_rank) if k in TIMES else v)
+    for d in per_rank[0]:
+        acc = sum_counters(r[d] for r in per_rank) or {}
+        out[d] = {k: v / len(per_rank) if k in TIMES else v for k, v in acc.items()}
     return out
 
 
