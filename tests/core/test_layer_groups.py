@@ -22,16 +22,17 @@ LAYERS, PAGE, BLOCKS, BPC, CHUNKS = 8, 1024, 32, 2, 16
 
 @pytest.mark.parametrize("staged", ["0", "1"])
 @pytest.mark.parametrize("groups", [2, 4])
-def test_group_by_group_load_equals_the_store(monkeypatch, staged, groups):
+@pytest.mark.parametrize("layers, page", [(LAYERS, PAGE), (32, 32768)])  # and Llama-3-8B, K and V apart
+def test_group_by_group_load_equals_the_store(monkeypatch, staged, groups, layers, page):
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", staged)
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
     rng = np.random.default_rng(groups)
-    kv = [torch.from_numpy(rng.integers(0, 256, (BLOCKS, PAGE), dtype=np.uint8)).clone() for _ in range(2 * LAYERS)]
-    per = 2 * LAYERS // groups  # K and V of LAYERS / groups layers
-    refs = [[GroupRef(i, PAGE) for i in range(g * per, (g + 1) * per)] for g in range(groups)]
+    kv = [torch.from_numpy(rng.integers(0, 256, (BLOCKS, page), dtype=np.uint8)).clone() for _ in range(2 * layers)]
+    per = 2 * layers // groups  # K and V of layers / groups layers
+    refs = [[GroupRef(i, page) for i in range(g * per, (g + 1) * per)] for g in range(groups)]
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, BPC, CHUNKS, CpuPlatform(),
-                             staging_bytes=2 * 2 * BPC * 2 * LAYERS * PAGE)
+                             staging_bytes=2 * 2 * BPC * 2 * layers * page)
     assert (core.stager is not None) == (staged == "1")
     n = 6
     ids = rng.choice(BLOCKS, n, replace=False).astype(np.int64)
