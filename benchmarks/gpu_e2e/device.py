@@ -413,7 +413,8 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
         eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind),
         tp=a.tp)
     # plus more engines of our spec, each with its own environment (an A/B in one run)
-    base = (["off", "ours"] if a.no_native else ["off", "native", "ours"]) + (["null"] if a.null else [])
+    base = ([] if a.no_off else ["off"]) + (["ours"] if a.no_native else ["native", "ours"]) \
+        + (["null"] if a.null else [])
     base += ["layerwise"] if a.layerwise and lay.layerwise else []
     specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
     t0 = time.perf_counter()
@@ -463,6 +464,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
                  "kv_bytes_per_token": per_tok, "errors": {}}
     ours = procs["ours"]
+    hit_eng = procs.get("off") or ours
+    res["hit_engine"] = "off" if "off" in procs else "ours"
     try:
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
     except EngineError as e:
@@ -475,11 +478,14 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         row: dict = {"prompt_tokens": L}
         seed = 1000 + L
         # offload off: cold prefill of a new prompt, then the same prompt again (device prefix hit)
+        # (--no-off: on ours' engine, its stores of the cold prompt flushed before the device hit)
         cold, hit = [], []
         for r in range(min(reps, a.off_reps) + 1):
             p = unique_prompts(1, L, seed=seed + 100 + r)
-            c = procs["off"].call("generate", prompts=p, max_tokens=1)["wall_s"]
-            h = procs["off"].call("generate", prompts=p, max_tokens=1)["wall_s"]
+            c = hit_eng.call("generate", prompts=p, max_tokens=1)["wall_s"]
+            if hit_eng is not procs.get("off"):
+                hit_eng.call("flush_reset", reset=False)
+            h = hit_eng.call("generate", prompts=p, max_tokens=1)["wall_s"]
             if r:
                 cold.append(c)
                 hit.append(h)
@@ -755,6 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(ttft, miss) of layouts with one KV-cache group; correctness always runs it there")
     ap.add_argument("--no-native", action="store_true",
                     help="pool without vLLM's native spec (room for one more variant; ttft needs native)")
+    ap.add_argument("--no-off", action="store_true",
+                    help="ttft: pool without offload off; cold and device-hit TTFT come from ours' engine (its "
+                         "stores flushed first): room for --layerwise beside native and ours on an 80 GB card")
     ap.add_argument("--null", action="store_true",
                     help="add vLLM's spec without copies (null_spec.py) to the pool: the miss part then splits "
                          "the cost into vLLM's connector (null vs off) and the copies (native/ours vs null); "
@@ -831,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.no_native and "ttft" in parts:
         print("error: --no-native leaves ttft nothing to compare with; run ttft without it", file=sys.stderr)
+        return 2
+    if a.no_off and ({"miss", "correctness", "smoke"} & set(parts)):
+        print("error: --no-off is for ttft only (miss and correctness compare with offload off)", file=sys.stderr)
         return 2
     if a.cpus and a.mt_reps > 1 and "multiturn" in parts:
         print("error: --cpus with --mt-reps > 1 puts every server, up at once, on the same CPUs; idle vLLM servers "

@@ -190,8 +190,10 @@ def ttft_table(res: dict) -> str:
     bw = res.get("bandwidth", {})
     text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
-            f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix); ours transfer = "
-            f"device time of the loads, load seen = from their submit until a poll saw them done")
+            f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix"
+            + ("; cold and device hit on ours' engine, --no-off" if res.get("hit_engine") == "ours" else "")
+            + "); ours transfer = "
+            "device time of the loads, load seen = from their submit until a poll saw them done")
     lw, steps, prof = layerwise_ttft_table(res), ttft_steps_table(res), forward_profile_table(res)
     return text + "".join("\n\n" + t for t in (lw, steps, prof) if t)
 

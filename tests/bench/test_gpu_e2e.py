@@ -610,6 +610,32 @@ def test_part_ttft_runs_layerwise_beside_native_and_ours():
     assert "reload layerwise ms" not in tables.ttft_table(device.part_ttft(procs, a))
 
 
+def test_part_ttft_without_off_takes_the_device_hit_on_ours(monkeypatch, tmp_path):
+    """--no-off: room for layerwise beside native and ours; cold and hit come from ours, stores flushed first."""
+    from benchmarks.gpu_e2e import device
+
+    seen = {}
+    _fake_pool(monkeypatch, device, seen)
+    a = device.build_parser().parse_args(["ttft", "--no-off", "--layerwise", "--ttft-lengths", "2048", "--reps", "3",
+                                          "--off-reps", "1"])
+    device.start_pool(tmp_path, a, "perlayer", ["ttft"])
+    assert [s.label for s in seen["specs"]] == ["native", "ours", "layerwise"]
+    calls = []
+
+    class Ours(_TtftEngine):
+        def call(self, op, **kw):
+            calls.append((op, kw.get("reset")))
+            return super().call(op, **kw)
+
+    procs = {"native": _TtftEngine("native", 0.03), "ours": Ours("ours", 0.025), "layerwise": _TtftEngine("layerwise", 0.02)}
+    res = device.part_ttft(procs, a)
+    assert res["hit_engine"] == "ours" and res["rows"][0]["device_hit_s"]["n"] == 1
+    # cold generate, flush without a reset, device-hit generate (twice: one warm-up rep)
+    assert calls[1:7] == [("generate", None), ("flush_reset", False), ("generate", None)] * 2
+    assert "--no-off" in tables.ttft_table(res)
+    assert device.main(["miss", "--no-off", "--out", str(tmp_path / "o")]) == 2
+
+
 def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
     """TP > 1: the model runs in worker processes; no CUDA events are wrapped around the executor."""
     import sys
