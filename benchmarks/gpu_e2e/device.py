@@ -394,7 +394,7 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
     """(device KV bytes, host KV bytes) per engine of a layout's pool: --kv-gib/--cpu-gib, else enough
     for the longest TTFT prompt (and the miss batch when miss runs)."""
     per_tok = LAYOUTS[name].model.kv_bytes_per_token()
-    need = (max(a.ttft_lengths) + 2048) * per_tok * 1.15
+    need = (max(a.ttft_lengths) + a.ttft_suffix + 2048) * per_tok * 1.15
     if "miss" in parts:
         need = max(need, a.miss_batch * (a.miss_tokens + a.miss_out) * per_tok * 1.5)
     kv = a.kv_gib * GiB if a.kv_gib else int(math.ceil(need / GiB) + 1) * GiB
@@ -408,7 +408,8 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
     model = build_shape_model(work / lay.shape, lay.shape)
     kv, cpu = pool_sizes(name, a, parts)
     mk = lambda kind, label=None, env=None: EngineSpec(  # noqa: E731
-        label or kind, kind, model, dtype="bfloat16", load_format="dummy", max_model_len=max(a.ttft_lengths) + 64,
+        label or kind, kind, model, dtype="bfloat16", load_format="dummy",
+        max_model_len=max(a.ttft_lengths) + a.ttft_suffix + 64,
         kv_cache_bytes=kv // a.tp, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
         eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind),
         tp=a.tp)
@@ -455,10 +456,16 @@ def _keep_events(runs: list[dict]) -> dict:
 
 
 
+def with_suffix(prompts: list[list[int]], n: int, seed: int) -> list[list[int]]:
+    """Each prompt followed by ``n`` new token ids (none cached anywhere: a seed of their own)."""
+    return [p + unique_prompts(1, n, seed=seed)[0] for p in prompts] if n else prompts
+
+
 def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = None) -> dict:
     """Reload TTFT: off (cold, device hit), then native and ours (and layerwise, with --layerwise)
     taking turns rep by rep (the one going first alternates), each rep with its step timeline
-    (timeline.py)."""
+    (timeline.py). ``--ttft-suffix N``: each timed request is the stored prompt plus N new tokens
+    (a later turn: the hit loads while the new tokens must be computed; the device hit likewise)."""
     reps = a.reps
     per_tok = LAYOUTS[name].model.kv_bytes_per_token()
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
@@ -475,7 +482,7 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         if budget is not None and not budget.allows(60 + L / 1000 * 4):
             res["errors"][f"cut-{L}"] = f"not run: {budget.left():.0f}s left in the call's time budget"
             continue
-        row: dict = {"prompt_tokens": L}
+        row: dict = {"prompt_tokens": L, "suffix_tokens": a.ttft_suffix}
         seed = 1000 + L
         # offload off: cold prefill of a new prompt, then the same prompt again (device prefix hit)
         # (--no-off: on ours' engine, its stores of the cold prompt flushed before the device hit)
@@ -485,7 +492,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
             c = hit_eng.call("generate", prompts=p, max_tokens=1)["wall_s"]
             if hit_eng is not procs.get("off"):
                 hit_eng.call("flush_reset", reset=False)
-            h = hit_eng.call("generate", prompts=p, max_tokens=1)["wall_s"]
+            h = hit_eng.call("generate", prompts=with_suffix(p, a.ttft_suffix, seed + 700 + r),
+                             max_tokens=1)["wall_s"]
             if r:
                 cold.append(c)
                 hit.append(h)
@@ -495,14 +503,15 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         for kind in kinds:  # first run stores the prompt; one reload warms up
             try:
                 row[f"{kind}_first_s"] = procs[kind].call("generate", prompts=prompt, max_tokens=1)["wall_s"]
-                _reload(procs[kind], prompt)
+                _reload(procs[kind], with_suffix(prompt, a.ttft_suffix, seed + 900))
                 live.append(kind)
             except EngineError as e:
                 res["errors"][f"{kind}-{L}"] = str(e)
         for r in range(reps):
+            timed = with_suffix(prompt, a.ttft_suffix, seed + 1000 + r)  # the same request for every kind
             for kind in (live[:] if r % 2 == 0 else live[::-1]):  # a copy: a failing engine leaves ``live``
                 try:
-                    runs[kind].append(_reload(procs[kind], prompt))
+                    runs[kind].append(_reload(procs[kind], timed))
                 except EngineError as e:
                     res["errors"][f"{kind}-{L}"] = str(e)
                     live.remove(kind)
@@ -753,6 +762,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "device KV per GPU is 1/tp of the single-GPU plan, host KV the same total; correctness "
                          "adds a per-rank table (host bytes = the rank's share, NUMA of host KV and GPU)")
     ap.add_argument("--ttft-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
+    ap.add_argument("--ttft-suffix", type=int, default=0,
+                    help="ttft: new tokens after the stored prompt in every timed request (a later turn: the "
+                         "forward that layer-wise loads can overlap); 0: the stored prompt alone")
     ap.add_argument("--variant", action="append", default=[], type=_variant, metavar="LABEL:VAR=VAL[,VAR=VAL]",
                     help="one more engine of our spec in the pool, with these environment variables; the "
                          "miss part runs it beside the others (repeatable)")

@@ -188,6 +188,9 @@ def ttft_table(res: dict) -> str:
     head = ["prompt tok", "cold ms", "device hit ms", "reload native ms", "reload ours ms", "ours transfer ms",
             "ours load seen ms", "ideal ms", "from host tok", "ours/ideal", "ours/native"]
     bw = res.get("bandwidth", {})
+    sfx = max((r.get("suffix_tokens") or 0 for r in res["rows"]), default=0)
+    if sfx:  # a later turn: the stored prompt comes from host, the new tokens are computed
+        head[0] = f"prompt tok (+{sfx} new)"
     text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix"

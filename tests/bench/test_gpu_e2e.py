@@ -636,6 +636,35 @@ def test_part_ttft_without_off_takes_the_device_hit_on_ours(monkeypatch, tmp_pat
     assert device.main(["miss", "--no-off", "--out", str(tmp_path / "o")]) == 2
 
 
+def test_part_ttft_with_a_suffix_times_the_same_new_request_for_every_kind():
+    """--ttft-suffix: every timed request is the stored prompt plus new tokens, the same for each kind
+    in a rep and new in every rep; the device hit is timed with a suffix too."""
+    from benchmarks.gpu_e2e import device
+
+    seen: dict = {}
+
+    class Rec(_TtftEngine):
+        def call(self, op, **kw):
+            if op == "generate":
+                seen.setdefault(self.kind, []).append(kw["prompts"][0])
+            return super().call(op, **kw)
+
+    procs = {k: Rec(k, w) for k, w in (("off", 0.01), ("native", 0.03), ("ours", 0.025), ("layerwise", 0.02))}
+    a = device.build_parser().parse_args(["ttft", "--ttft-lengths", "2048", "--reps", "3", "--off-reps", "1",
+                                          "--ttft-suffix", "256"])
+    res = device.part_ttft(procs, a)
+    assert res["rows"][0]["suffix_tokens"] == 256
+    off = seen["off"]  # (cold, hit) for the warm-up rep and one timed rep
+    assert [len(x) for x in off] == [2048, 2048 + 256] * 2 and off[1][:2048] == off[0]
+    for kind in ("native", "ours", "layerwise"):
+        first, *reloads = seen[kind]
+        assert len(first) == 2048 and [len(x) for x in reloads] == [2048 + 256] * 4
+        assert all(x[:2048] == first for x in reloads)
+        assert len({tuple(x[2048:]) for x in reloads}) == 4  # warm-up + 3 reps, each suffix new
+    assert [x[2048:] for x in seen["ours"][2:]] == [x[2048:] for x in seen["native"][2:]]
+    assert "prompt tok (+256 new)" in tables.ttft_table(res)
+
+
 def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
     """TP > 1: the model runs in worker processes; no CUDA events are wrapped around the executor."""
     import sys
