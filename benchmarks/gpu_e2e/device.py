@@ -33,7 +33,7 @@ from pathlib import Path
 from .engine import CACHE_ENV, ENV, EngineError, EngineSpec, start_all
 from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
-from .serve import LOADS, Budget, Load, PlanError, parse_loads, run_serve
+from .serve import GPU_OVERHEAD, LOADS, Budget, Load, PlanError, parse_loads, run_serve
 from .tables import parse_parts, spread, unique_prompts, write_part
 
 os.environ.update(ENV)
@@ -402,8 +402,33 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
     return kv, cpu
 
 
+def pool_labels(a, name: str) -> list[tuple[str, str, dict]]:
+    """(label, kind, env) of a layout's pool: off, native and ours (plus --null, --layerwise, --variant;
+    less --no-off, --no-native)."""
+    base = ([] if a.no_off else ["off"]) + (["ours"] if a.no_native else ["native", "ours"]) \
+        + (["null"] if a.null else [])
+    base += ["layerwise"] if a.layerwise and LAYOUTS[name].layerwise else []
+    return [(k, k, {}) for k in base] + [(label, "ours", env) for label, env in a.variant]
+
+
+def check_pool_fits(name: str, a, parts: list[str], gpu_bytes: int, headroom: float = 0.94) -> None:
+    """PlanError before any engine starts when the pool's engines (weights + device KV + overhead each,
+    1/tp per GPU) do not fit one GPU: a ttft + miss pool of five 8B engines ran out of memory at start."""
+    if not gpu_bytes:
+        return
+    kv, _ = pool_sizes(name, a, parts)
+    each = (LAYOUTS[name].model.weight_bytes() + kv) // a.tp + GPU_OVERHEAD
+    labels = [label for label, _, _ in pool_labels(a, name)]
+    if len(labels) * each > headroom * gpu_bytes:
+        raise PlanError(
+            f"{name} pool for {'+'.join(parts)}: {len(labels)} engines ({', '.join(labels)}) x {each / GiB:.1f} GiB "
+            f"({kv / GiB:.0f} GiB device KV each) need {len(labels) * each / GiB:.1f} GiB, over {headroom:.0%} of "
+            f"{gpu_bytes / GiB:.1f} GiB: run ttft and miss in separate calls, or fewer engines "
+            f"(--no-off for ttft, --no-native, fewer --variant)")
+
+
 def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None = None) -> dict:
-    """off, native and ours (plus --null, --layerwise, --variant) of one layout's real shape, dummy weights."""
+    """The pool's engines (``pool_labels``) of one layout's real shape, dummy weights."""
     lay = LAYOUTS[name]
     model = build_shape_model(work / lay.shape, lay.shape)
     kv, cpu = pool_sizes(name, a, parts)
@@ -413,11 +438,8 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
         kv_cache_bytes=kv // a.tp, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
         eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind),
         tp=a.tp)
-    # plus more engines of our spec, each with its own environment (an A/B in one run)
-    base = ([] if a.no_off else ["off"]) + (["ours"] if a.no_native else ["native", "ours"]) \
-        + (["null"] if a.null else [])
-    base += ["layerwise"] if a.layerwise and lay.layerwise else []
-    specs = [mk(k) for k in base] + [mk("ours", label, env) for label, env in a.variant]
+    # variants: more engines of our spec, each with its own environment (an A/B in one run)
+    specs = [mk(kind, label, env) for label, kind, env in pool_labels(a, name)]
     t0 = time.perf_counter()
     timeout = 480.0 if budget is None else max(60.0, min(480.0, budget.left() - 120))
     procs = start_all(specs, timeout=timeout, in_waves=a.start_waves)
@@ -916,6 +938,7 @@ def run_pools(work: Path, a, pool_parts: list[str], budget: Budget, meta: dict) 
                 out[p]["layouts"][name] = {"layout": lm, "error": f"cut: {budget.left():.0f}s left in the call's budget"}
             continue
         try:
+            check_pool_fits(name, a, pool_parts, meta.get("gpu_bytes") or 0)
             got = run_pool_parts(work, a, name, pool_parts, budget)
             for p in pool_parts:
                 out[p]["layouts"][name] = {**got[p], "layout": lm, "kv_info": got["kv_info"]}

@@ -665,6 +665,26 @@ def test_part_ttft_with_a_suffix_times_the_same_new_request_for_every_kind():
     assert "prompt tok (+256 new)" in tables.ttft_table(res)
 
 
+def test_pool_fit_refuses_what_ran_out_of_memory_on_the_h200():
+    """Both pools that ran out of GPU memory at start on an H200 (2026-11-26) are refused before any
+    engine starts; the pools that ran there pass."""
+    from benchmarks.gpu_e2e import device
+
+    h200 = 150_754_820_096
+    args = lambda *xs: device.build_parser().parse_args(list(xs))  # noqa: E731
+    with pytest.raises(device.PlanError, match=r"5 engines \(off, native, ours, layerwise, dstore\).*separate calls"):
+        device.check_pool_fits("uniform", args("ttft", "miss", "--layerwise", "--variant", "dstore:X=0"),
+                               ["ttft", "miss"], h200)
+    with pytest.raises(device.PlanError, match="4 engines"):
+        device.check_pool_fits("uniform", args("miss", "--variant", "dstore:X=0"), ["miss"], h200)
+    device.check_pool_fits("perlayer", args("miss"), ["miss"], h200)
+    device.check_pool_fits("perlayer", args("ttft", "--layerwise"), ["ttft"], h200)
+    device.check_pool_fits("multigroup", args("ttft"), ["ttft"], h200)
+    device.check_pool_fits("uniform", args("ttft", "--layerwise", "--no-off"), ["ttft"], 85_520_809_984)  # H100
+    with pytest.raises(device.PlanError):
+        device.check_pool_fits("uniform", args("ttft", "--layerwise"), ["ttft"], 85_520_809_984)
+
+
 def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
     """TP > 1: the model runs in worker processes; no CUDA events are wrapped around the executor."""
     import sys
