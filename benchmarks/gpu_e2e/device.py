@@ -33,7 +33,7 @@ from pathlib import Path
 from .engine import CACHE_ENV, ENV, EngineError, EngineSpec, start_all
 from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
-from .serve import GPU_OVERHEAD, LOADS, Budget, Load, PlanError, parse_loads, run_serve
+from .serve import GPU_HEADROOM, LOADS, Budget, Load, PlanError, engine_gpu_bytes, parse_loads, run_serve
 from .tables import parse_parts, spread, unique_prompts, write_part
 
 os.environ.update(ENV)
@@ -411,13 +411,13 @@ def pool_labels(a, name: str) -> list[tuple[str, str, dict]]:
     return [(k, k, {}) for k in base] + [(label, "ours", env) for label, env in a.variant]
 
 
-def check_pool_fits(name: str, a, parts: list[str], gpu_bytes: int, headroom: float = 0.94) -> None:
+def check_pool_fits(name: str, a, parts: list[str], gpu_bytes: int, headroom: float = GPU_HEADROOM) -> None:
     """PlanError before any engine starts when the pool's engines (weights + device KV + overhead each,
     1/tp per GPU) do not fit one GPU: a ttft + miss pool of five 8B engines ran out of memory at start."""
     if not gpu_bytes:
         return
     kv, _ = pool_sizes(name, a, parts)
-    each = (LAYOUTS[name].model.weight_bytes() + kv) // a.tp + GPU_OVERHEAD
+    each = engine_gpu_bytes(LAYOUTS[name].model.weight_bytes(), kv, a.tp)
     labels = [label for label, _, _ in pool_labels(a, name)]
     if len(labels) * each > headroom * gpu_bytes:
         raise PlanError(
@@ -493,8 +493,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
                  "kv_bytes_per_token": per_tok, "errors": {}}
     ours = procs["ours"]
-    hit_eng = procs.get("off") or ours
-    res["hit_engine"] = "off" if "off" in procs else "ours"
+    res["hit_engine"] = hit_kind = "off" if "off" in procs else "ours"  # --no-off: ours' engine
+    hit_eng = procs[hit_kind]
     try:
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
     except EngineError as e:
@@ -512,7 +512,7 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         for r in range(min(reps, a.off_reps) + 1):
             p = unique_prompts(1, L, seed=seed + 100 + r)
             c = hit_eng.call("generate", prompts=p, max_tokens=1)["wall_s"]
-            if hit_eng is not procs.get("off"):
+            if hit_kind != "off":
                 hit_eng.call("flush_reset", reset=False)
             h = hit_eng.call("generate", prompts=with_suffix(p, a.ttft_suffix, seed + 700 + r),
                              max_tokens=1)["wall_s"]

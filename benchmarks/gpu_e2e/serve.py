@@ -52,6 +52,14 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB
+GPU_HEADROOM = 0.94  # of one GPU's memory that the engines or servers of one call may plan to take
+
+
+def engine_gpu_bytes(weights: int, kv: int, tp: int = 1) -> int:
+    """Planned GPU memory of one engine or server on each of its ``tp`` GPUs: its share of the
+    weights and device KV plus the per-process overhead."""
+    return (weights + kv) // tp + GPU_OVERHEAD
+
 HOST_PER_SERVER = 6 * GiB  # an API server + engine core process, besides pinned KV
 HOST_SHARE = 0.85  # of the machine's memory: processes and pinned KV of one call's servers
 # ... of which pinned KV at most: two Gemma-2 servers at 47.5 GiB each on a 126 GiB H200 host did not
@@ -175,7 +183,7 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
 
 
 def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host_bytes: int,
-                 headroom: float = 0.94, layers: int | None = None, tp: int = 1) -> list[ServerPlan]:
+                 headroom: float = GPU_HEADROOM, layers: int | None = None, tp: int = 1) -> list[ServerPlan]:
     """The servers of one (layout, load) with their memory; PlanError when they do not fit together.
     ``layers``: the model's layer count when it runs with fewer (smoke). ``tp``: every server spans
     ``tp`` GPUs, each holding 1/tp of the weights and KV (``gpu_bytes``: one GPU's memory); the host
@@ -195,7 +203,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
-        plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, (weights + kv) // tp + GPU_OVERHEAD,
+        plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
                                 tuple(VARIANTS.get(variant, {}).items()), tp))
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:

@@ -191,12 +191,11 @@ def ttft_table(res: dict) -> str:
     sfx = max((r.get("suffix_tokens") or 0 for r in res["rows"]), default=0)
     if sfx:  # a later turn: the stored prompt comes from host, the new tokens are computed
         head[0] = f"prompt tok (+{sfx} new)"
+    hit_where = "; cold and device hit on ours' engine, --no-off" if res.get("hit_engine") == "ours" else ""
     text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
-            f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix"
-            + ("; cold and device hit on ours' engine, --no-off" if res.get("hit_engine") == "ours" else "")
-            + "); ours transfer = "
-            "device time of the loads, load seen = from their submit until a poll saw them done")
+            f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix{hit_where}); ours "
+            f"transfer = device time of the loads, load seen = from their submit until a poll saw them done")
     lw, steps, prof = layerwise_ttft_table(res), ttft_steps_table(res), forward_profile_table(res)
     return text + "".join("\n\n" + t for t in (lw, steps, prof) if t)
 
