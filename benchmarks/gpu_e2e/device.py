@@ -609,6 +609,8 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         print(f"[miss] round {r}: " + ", ".join(f"{k} {got[k]['wall_s']:.3f}s" for k in kinds if r and k in got),
               flush=True)
         walls.append(time.perf_counter() - t_round)
+    if a.miss_profile_step and (budget is None or budget.allows(2 * max(walls, default=10) + 20)):
+        _miss_profiles(procs, kinds, a, res)
     for k in procs:
         if procs[k].error:
             res["errors"][k] = procs[k].error
@@ -619,6 +621,26 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
                 res["errors"][f"worker_info-{k}"] = str(e)
     return res
 
+
+
+def _miss_profiles(procs: dict, kinds: list[str], a, res: dict, rounds: int = 2) -> None:
+    """After the timed rounds: ``rounds`` more, each engine profiling the forward of step
+    ``--miss-profile-step`` (torch.profiler; its kernels by device time). Why: ours' steady decode
+    steps, long after the stores, ran ~1.6% longer on the device than off's, native's and the
+    direct-store variant's (docs/benchmarks.md); the kernel lists say which kernels or extra work."""
+    for r in range(rounds):
+        prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=60_000 + r)
+        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            try:
+                g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240,
+                                  profile=True, profile_skip=a.miss_profile_step, profile_top=30)
+            except EngineError as e:
+                res["errors"][f"{k}-profile-{r}"] = str(e)
+                continue
+            if g.get("profile"):
+                res.setdefault("profiles", {}).setdefault(k, []).append(g["profile"])
+    print(f"[miss] profiled step {a.miss_profile_step}: "
+          + ", ".join(f"{k} {len(v)}" for k, v in (res.get("profiles") or {}).items()), flush=True)
 
 
 # ---------------------------------------------------------------------------- multi-turn (the project's own client)
@@ -775,6 +797,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ttft: offload-off reps (cold prefill + device hit; a 32k cold prefill takes seconds)")
     ap.add_argument("--miss-reps", type=int, default=12,
                     help="timed miss rounds after one warm-up (engines take turns going first)")
+    ap.add_argument("--miss-profile-step", type=int, default=0,
+                    help="miss: after the timed rounds, two more in which each engine profiles the forward of "
+                         "this step (counted from the round's first; e.g. 40: a steady decode step)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
     ap.add_argument("--grow-host-gib", type=int, default=0,
                     help="touch this much host memory (then free it) before planning: machines whose memory "

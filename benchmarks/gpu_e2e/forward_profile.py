@@ -6,7 +6,8 @@ is CPU-bound in eager mode, so its host operators and device kernels (torch.prof
 say whether our process does more work there, or waits.
 
 ``install(llm)`` wraps the executor's ``execute_model`` once; ``arm()`` makes the next call that
-runs tokens a profiled one; ``take()`` returns its summary (``summarize``).
+runs tokens a profiled one (``arm(skip=k)``: the one after k more such calls, e.g. a steady decode
+step of a no-reuse round); ``take()`` returns its summary (``summarize``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from . import timeline
 
-_state: dict[str, Any] = {"armed": False, "last": None, "installed": False}
+_state: dict[str, Any] = {"armed": False, "skip": 0, "top": 12, "last": None, "installed": False}
 
 
 def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> dict:
@@ -72,6 +73,9 @@ def install(llm) -> bool:
     def profiled(*args, **kw):
         if not (_state["armed"] and _tokens(args)):
             return fn(*args, **kw)
+        if _state["skip"] > 0:
+            _state["skip"] -= 1
+            return fn(*args, **kw)
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -83,7 +87,7 @@ def install(llm) -> bool:
             t1, c1 = time.perf_counter(), time.thread_time()
             if cuda:
                 torch.cuda.synchronize()  # the kernels it launched, for CUPTI
-        _state["last"] = summarize(list(prof.events()), t1 - t0, c1 - c0)
+        _state["last"] = summarize(list(prof.events()), t1 - t0, c1 - c0, top=_state["top"])
         return out
 
     ex.execute_model = profiled
@@ -91,8 +95,9 @@ def install(llm) -> bool:
     return True
 
 
-def arm() -> None:
-    _state["armed"], _state["last"] = True, None
+def arm(skip: int = 0, top: int = 12) -> None:
+    """Profile the next call that runs tokens after ``skip`` such calls; keep ``top`` operators."""
+    _state.update(armed=True, skip=max(0, skip), top=top, last=None)
 
 
 def take() -> dict | None:

@@ -403,6 +403,58 @@ def test_part_miss_drops_a_round_an_engine_failed_in():
     assert len(res["step_rows"]["off"]) == len(res["step_rows"]["ours"]) == 2
 
 
+def test_part_miss_profiles_one_step_per_engine_after_the_timed_rounds():
+    """--miss-profile-step: two extra rounds, each engine asked to profile that step's forward;
+    the timed rounds stay unprofiled and the table names the kernels that differ from off's."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_e2e import device
+
+    def prof(extra_ms):
+        return {"wall_ms": 9.0, "cpu_ms": 1.0, "device_ops": 100, "device_busy_ms": 8.0 + extra_ms,
+                "device_span_ms": 9.0, "top_device": [["gemv", 60, 6.0 + extra_ms], ["attn", 32, 2.0]]}
+
+    class Proc:
+        def __init__(self, kind, extra):
+            self.spec, self.error, self.extra, self.kw = SimpleNamespace(kind=kind), None, extra, []
+
+        def call(self, op, **kw):
+            if op == "worker_info":
+                return {}
+            self.kw.append(kw)
+            out = {"wall_s": 1.0, "totals": {}, "step_rows": [], "store_s": 0.0, "store_bytes": 0}
+            return {**out, "profile": prof(self.extra)} if kw.get("profile") else out
+
+    procs = {"off": Proc("off", 0.0), "ours": Proc("ours", 0.25)}
+    a = device.build_parser().parse_args(["miss", "--miss-reps", "2", "--miss-profile-step", "40"])
+    res = device.part_miss(procs, a)
+    assert [k.get("profile", False) for k in procs["ours"].kw] == [False] * 3 + [True] * 2
+    assert procs["ours"].kw[-1]["profile_skip"] == 40 and len(res["runs"]["ours"]) == 2
+    assert len(res["profiles"]["off"]) == len(res["profiles"]["ours"]) == 2
+    text = tables.step_profile_table(res["profiles"])
+    assert "ours - off: gemv +0.250; attn +0.000" in text and "8.25" in text
+    assert tables.step_profile_table({}) == ""
+    a0 = device.build_parser().parse_args(["miss", "--miss-reps", "1"])
+    procs0 = {"off": Proc("off", 0.0)}
+    assert "profiles" not in device.part_miss(procs0, a0) and not any(k.get("profile") for k in procs0["off"].kw)
+
+
+def test_forward_profile_skips_the_calls_it_is_told_to(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from benchmarks.gpu_e2e import forward_profile as fp
+
+    monkeypatch.setitem(fp._state, "installed", False)
+    ex = NS(execute_model=lambda out: out.total_num_scheduled_tokens)
+    assert fp.install(NS(llm_engine=NS(engine_core=NS(engine_core=NS(model_executor=ex)))))
+    fp.arm(skip=2)
+    for n in (4, 0, 4):  # two calls with tokens pass unprofiled (the empty one does not count)
+        ex.execute_model(NS(total_num_scheduled_tokens=n))
+        assert fp._state["last"] is None and fp._state["armed"]
+    ex.execute_model(NS(total_num_scheduled_tokens=4))
+    assert fp.take() is not None
+
+
 def test_forward_profile_summarizes_one_armed_forward(monkeypatch):
     import torch
     from types import SimpleNamespace as NS
