@@ -623,17 +623,22 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
 
 
 
+PROFILE_STEPS = 4  # engine steps in one miss profile: the device's idle gaps between steps show
+
+
 def _miss_profiles(procs: dict, kinds: list[str], a, res: dict, rounds: int = 2) -> None:
-    """After the timed rounds: ``rounds`` more, each engine profiling the forward of step
-    ``--miss-profile-step`` (torch.profiler; its kernels by device time). Why: ours' steady decode
-    steps, long after the stores, ran ~1.6% longer on the device than off's, native's and the
-    direct-store variant's (docs/benchmarks.md); the kernel lists say which kernels or extra work."""
+    """After the timed rounds: ``rounds`` more, each engine profiling ``PROFILE_STEPS`` engine steps
+    from step ``--miss-profile-step`` on (torch.profiler; kernels by device time, device busy time
+    against its span). Why: ours' steady decode steps, long after the stores, ran ~1.6% longer on
+    the device than off's, native's and the direct-store variant's (docs/benchmarks.md), while
+    one profiled forward alone showed the same kernels and busy time: the gaps between them count."""
     for r in range(rounds):
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=60_000 + r)
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             try:
                 g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240,
-                                  profile=True, profile_skip=a.miss_profile_step, profile_top=30)
+                                  profile=True, profile_skip=a.miss_profile_step, profile_top=30,
+                                  profile_steps=PROFILE_STEPS)
             except EngineError as e:
                 res["errors"][f"{k}-profile-{r}"] = str(e)
                 continue
@@ -799,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed miss rounds after one warm-up (engines take turns going first)")
     ap.add_argument("--miss-profile-step", type=int, default=0,
                     help="miss: after the timed rounds, two more in which each engine profiles the forward of "
-                         "this step (counted from the round's first; e.g. 40: a steady decode step)")
+                         "this step and the 3 after it (counted from the round's first; e.g. 40: steady decode steps)")
     ap.add_argument("--max-tokens", type=int, default=16, help="correctness: generated tokens per prompt")
     ap.add_argument("--grow-host-gib", type=int, default=0,
                     help="touch this much host memory (then free it) before planning: machines whose memory "

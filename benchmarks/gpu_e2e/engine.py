@@ -125,18 +125,19 @@ class _Engine:
         self._flush_seq = 0
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False,
-                 profile: bool = False, profile_skip: int = 0, profile_top: int = 12) -> dict:
+                 profile: bool = False, profile_skip: int = 0, profile_top: int = 12,
+                 profile_steps: int = 1) -> dict:
         """Run ``prompts``; the wall time, tokens, transfer totals and, with ``steps``, the
         step timeline of this call (``timeline.breakdown`` plus the raw events); with
         ``profile``, a profile of its first forward that runs tokens, or of the one after
-        ``profile_skip`` more (``forward_profile``)."""
+        ``profile_skip`` more, over ``profile_steps`` engine steps (``forward_profile``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         t0_totals = self._totals()
         if profile and self._profiling:
-            forward_profile.arm(profile_skip, profile_top)
+            forward_profile.arm(profile_skip, profile_top, profile_steps)
         m = timeline.mark()
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)

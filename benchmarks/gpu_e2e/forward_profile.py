@@ -18,7 +18,8 @@ from typing import Any
 
 from . import timeline
 
-_state: dict[str, Any] = {"armed": False, "skip": 0, "top": 12, "last": None, "installed": False}
+_state: dict[str, Any] = {"armed": False, "skip": 0, "top": 12, "steps": 1, "open": None, "last": None,
+                          "installed": False}
 
 
 def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> dict:
@@ -71,6 +72,11 @@ def install(llm) -> bool:
         return False
 
     def profiled(*args, **kw):
+        if _state.get("open") is not None and _tokens(args):
+            _state["left"] -= 1
+            if _state["left"] <= 0:
+                _close()  # the window ends where the next step's forward begins
+            return fn(*args, **kw)
         if not (_state["armed"] and _tokens(args)):
             return fn(*args, **kw)
         if _state["skip"] > 0:
@@ -81,13 +87,15 @@ def install(llm) -> bool:
 
         _state["armed"] = False
         cuda = torch.cuda.is_available()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            out = fn(*args, **kw)
-            t1, c1 = time.perf_counter(), time.thread_time()
-            if cuda:
-                torch.cuda.synchronize()  # the kernels it launched, for CUPTI
-        _state["last"] = summarize(list(prof.events()), t1 - t0, c1 - c0, top=_state["top"])
+        # a window of steps traces the device only (and the runtime calls CUPTI reports): tracing
+        # every host operator would slow the host enough to open gaps of its own between steps
+        window = _state["steps"] > 1 and cuda
+        prof = profile(activities=([] if window else [ProfilerActivity.CPU]) + ([ProfilerActivity.CUDA] if cuda else []))
+        prof.__enter__()
+        _state.update(open=prof, left=_state["steps"], t0=(time.perf_counter(), time.thread_time()))
+        out = fn(*args, **kw)
+        if _state["steps"] <= 1:
+            _close()
         return out
 
     ex.execute_model = profiled
@@ -95,11 +103,29 @@ def install(llm) -> bool:
     return True
 
 
-def arm(skip: int = 0, top: int = 12) -> None:
-    """Profile the next call that runs tokens after ``skip`` such calls; keep ``top`` operators."""
-    _state.update(armed=True, skip=max(0, skip), top=top, last=None)
+def _close() -> None:
+    """End the open profile: wait for the kernels launched in it (for CUPTI), then summarize."""
+    import torch
+
+    prof, (t0, c0) = _state["open"], _state["t0"]
+    t1, c1 = time.perf_counter(), time.thread_time()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    _state["open"] = None
+    _state["last"] = summarize(list(prof.events()), t1 - t0, c1 - c0, top=_state["top"])
+
+
+def arm(skip: int = 0, top: int = 12, steps: int = 1) -> None:
+    """Profile the next call that runs tokens after ``skip`` such calls; keep ``top`` operators.
+    ``steps`` > 1: one profile over that many engine steps (from this forward to the start of
+    the forward ``steps`` later, host work between them included), so the device's idle gaps
+    between steps show (device span minus busy time)."""
+    _state.update(armed=True, skip=max(0, skip), top=top, steps=max(1, steps), last=None)
 
 
 def take() -> dict | None:
+    if _state.get("open") is not None:  # the run ended inside the window
+        _close()
     out, _state["last"], _state["armed"] = _state["last"], None, False
     return out

@@ -337,28 +337,33 @@ def miss_table(res: dict) -> str:
 
 
 def step_profile_table(profiles: dict[str, list[dict]], base: str = "off", top: int = 6) -> str:
-    """The profiled forward of one step per engine (``--miss-profile-step``): device busy time and
-    operations, then per engine the kernels whose device time differs most from ``base``'s
-    (mean ms per forward; a kernel only one side ran shows as all of its time)."""
+    """The profiled engine steps per engine (``--miss-profile-step``): device busy time against its
+    span (the difference: the device idle, waiting for the host), then per engine the kernels and
+    host operators whose time differs most from ``base``'s (mean ms per window; one that only one
+    side ran shows as all of its time)."""
     if not profiles:
         return ""
     keys = ("wall_ms", "cpu_ms", "device_ops", "device_busy_ms", "device_span_ms")
-    rows = [[k, len(ps)] + [_f(_med([p[x] for p in ps]), "{:,.2f}") for x in keys] for k, ps in profiles.items() if ps]
-    mean = lambda ps: {n: sum(t for p in ps for m, _, t in p["top_device"] if m == n) / len(ps)  # noqa: E731
-                       for p in ps for n, _, _ in p["top_device"]}
+    idle = lambda p: p["device_span_ms"] - p["device_busy_ms"]  # noqa: E731
+    rows = [[k, len(ps)] + [_f(_med([p[x] for p in ps]), "{:,.2f}") for x in keys] + [_f(_med([idle(p) for p in ps]), "{:,.2f}")]
+            for k, ps in profiles.items() if ps]
+    mean = lambda ps, part: {n: sum(t for p in ps for m, _, t in p.get(part, []) if m == n) / len(ps)  # noqa: E731
+                             for p in ps for n, _, _ in p.get(part, [])}
     notes = []
     if profiles.get(base):
-        b = mean(profiles[base])
         for k, ps in profiles.items():
             if k == base or not ps:
                 continue
-            o = mean(ps)
-            d = sorted(((o.get(n, 0.0) - b.get(n, 0.0), n) for n in set(o) | set(b)), key=lambda x: -abs(x[0]))[:top]
-            notes.append(f"{k} - {base}: " + "; ".join(f"{n} {x:+.3f}" for x, n in d))
-    return (table(["engine", "forwards", "wall ms", "CPU ms", "device ops", "device busy ms", "device span ms"], rows)
-            + "\nprofiled forward of one step per extra round (torch.profiler, after the timed rounds), medians; "
-              "kernels whose device time differs most (ms per forward, among each side's top kernels):\n"
-            + "\n".join(notes))
+            for part, what in (("top_device", "kernels"), ("top_host", "host self")):
+                o, b = mean(ps, part), mean(profiles[base], part)
+                d = sorted(((o.get(n, 0.0) - b.get(n, 0.0), n) for n in set(o) | set(b)), key=lambda x: -abs(x[0]))[:top]
+                if d:
+                    notes.append(f"{k} - {base}, {what}: " + "; ".join(f"{n} {x:+.3f}" for x, n in d))
+    return (table(["engine", "windows", "wall ms", "CPU ms", "device ops", "device busy ms", "device span ms",
+                   "device idle ms"], rows)
+            + "\nprofiled engine steps (one window per extra round: torch.profiler, after the timed rounds), medians; "
+              "idle = span - busy; the kernels and host operators whose time differs most (ms per window, among "
+              "each side's top ones):\n" + "\n".join(notes))
 
 
 def cost_split_table(runs: dict[str, list[float]]) -> str:

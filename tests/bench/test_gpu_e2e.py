@@ -429,10 +429,11 @@ def test_part_miss_profiles_one_step_per_engine_after_the_timed_rounds():
     a = device.build_parser().parse_args(["miss", "--miss-reps", "2", "--miss-profile-step", "40"])
     res = device.part_miss(procs, a)
     assert [k.get("profile", False) for k in procs["ours"].kw] == [False] * 3 + [True] * 2
-    assert procs["ours"].kw[-1]["profile_skip"] == 40 and len(res["runs"]["ours"]) == 2
+    assert procs["ours"].kw[-1]["profile_skip"] == 40 and procs["ours"].kw[-1]["profile_steps"] == 4
+    assert len(res["runs"]["ours"]) == 2
     assert len(res["profiles"]["off"]) == len(res["profiles"]["ours"]) == 2
     text = tables.step_profile_table(res["profiles"])
-    assert "ours - off: gemv +0.250; attn +0.000" in text and "8.25" in text
+    assert "ours - off, kernels: gemv +0.250; attn +0.000" in text and "8.25" in text and " 0.75 |" in text and " 1.00 |" in text
     assert tables.step_profile_table({}) == ""
     a0 = device.build_parser().parse_args(["miss", "--miss-reps", "1"])
     procs0 = {"off": Proc("off", 0.0)}
@@ -453,6 +454,15 @@ def test_forward_profile_skips_the_calls_it_is_told_to(monkeypatch):
         assert fp._state["last"] is None and fp._state["armed"]
     ex.execute_model(NS(total_num_scheduled_tokens=4))
     assert fp.take() is not None
+    fp.arm(steps=3)  # one profile over three steps: closed where the fourth step's forward begins
+    for _ in range(3):
+        ex.execute_model(NS(total_num_scheduled_tokens=4))
+        assert fp._state["open"] is not None and fp._state["last"] is None
+    ex.execute_model(NS(total_num_scheduled_tokens=4))
+    assert fp._state["open"] is None and fp.take() is not None
+    fp.arm(steps=5)  # the run ends inside the window: take() closes it
+    ex.execute_model(NS(total_num_scheduled_tokens=4))
+    assert fp.take() is not None and fp._state["open"] is None
 
 
 def test_forward_profile_summarizes_one_armed_forward(monkeypatch):
