@@ -330,6 +330,9 @@ def miss_table(res: dict) -> str:
     sr = res.get("step_rows") or {}
     if sr.get("off"):
         text += "\n\n" + step_kind_table(sr, res["batch"])
+        steady = steady_decode_table(sr, res["batch"])
+        if steady:
+            text += "\n\n" + steady
     prof = step_profile_table(res.get("profiles") or {})
     if prof:
         text += "\n\n" + prof
@@ -431,7 +434,7 @@ def round_split(rows: list[list[float]], batch: int) -> dict[str, float]:
     ms of the steps and device ms of their forwards."""
     out = {"prefill_n": 0, "prefill_ms": 0.0, "prefill_gpu_ms": 0.0, "decode_n": 0, "decode_ms": 0.0,
            "decode_gpu_ms": 0.0}
-    for tokens, step_ms, gpu_ms, _sample in rows:
+    for tokens, step_ms, gpu_ms, *_ in rows:
         if not tokens:
             continue
         kind = "prefill" if tokens > batch else "decode"
@@ -460,6 +463,40 @@ def step_kind_table(step_rows: dict[str, list], batch: int) -> str:
                    "decode device ms", "decode step ms"], rows)
             + "\nper round, medians (paired change vs off): device ms = CUDA-event time of the forwards the "
               "steps launched; step ms = the engine steps' wall time")
+
+
+def steady_decode_table(step_rows: dict[str, list], batch: int, skip: int = 8) -> str:
+    """Decode steps after the first ``skip`` (those the last prefill's stores overlap): per step,
+    medians over rounds of the step's wall, its forward's device time and the host parts
+    (``timeline.HOST_COLUMNS``), with the difference from off's median. Why: ours' steady decode
+    steps ran ~0.15 ms longer than off's with the same kernels (a profile showed the device idle
+    that much longer), so the question is which host part grew. Rows from before the host
+    columns existed are left out."""
+    from .timeline import HOST_COLUMNS
+
+    def per_step(rows: list[list[float]]) -> list[float] | None:
+        dec = [r for r in rows if r[0] and r[0] <= batch][skip:]
+        if not dec or len(dec[0]) < 4 + len(HOST_COLUMNS):
+            return None
+        return [sum(r[k] for r in dec) / len(dec) for k in [1, 2] + list(range(4, 4 + len(HOST_COLUMNS)))]
+
+    per = {k: [x for x in map(per_step, v) if x] for k, v in step_rows.items()}
+    if not per.get("off"):
+        return ""
+    head = ["step", "device"] + list(HOST_COLUMNS)
+    rows = []
+    for k, v in per.items():
+        if not v:
+            continue
+        row = [k, len(v)]
+        for i in range(len(head)):
+            xs, base = [r[i] for r in v], [r[i] for r in per["off"]]
+            row.append(f"{_med(xs):.3f}" + (f" ({(_med(xs) - _med(base)) * 1e3:+.0f} us)" if k != "off" else ""))
+        rows.append(row)
+    return (table(["engine", "rounds"] + [f"{h} ms" for h in head], rows)
+            + f"\ndecode steps after the first {skip} of each round, ms per step (medians over rounds; in brackets "
+              "the difference from off's median): step = wall, device = the forward's CUDA-event time, the rest host "
+              "wall time of the step's parts (connector = its wrapped worker calls: start_load, finished, preempt)")
 
 
 def multiturn_table(res: dict) -> str:

@@ -186,23 +186,35 @@ def totals(events: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+HOST_COLUMNS = ("schedule", "execute", "sample", "update", "connector")  # step_rows' host ms, after the 4 first
+CONNECTOR_CALLS = ("start_load", "finished", "preempt")
+
+
 def step_rows(events: list[dict]) -> list[list[float]]:
     """One row per engine step: [tokens scheduled, step ms, device ms of the forward, device ms
-    of sampling] (the calls that started inside the step). Compact enough to keep every step
-    of a no-reuse round, so prefill and decode steps can be compared on their own."""
+    of sampling] (the calls that started inside the step), then the host ms of its parts
+    (``HOST_COLUMNS``: the wall time of schedule, execute_model, sample_tokens, update, and of the
+    connector's wrapped worker calls). Compact enough to keep every step of a no-reuse round, so
+    prefill and decode steps can be compared on their own, and a slower step split into device
+    time and which host part."""
     steps = [e for e in events if e["what"] == "step"]
-    inner = [e for e in events if e["what"] in ("schedule", "gpu_execute", "gpu_sample")]
+    host = {w: 4 + i for i, w in enumerate(HOST_COLUMNS)}
+    host.update({w: host["connector"] for w in CONNECTOR_CALLS})
+    inner = [e for e in events if e["what"] in ("schedule", "gpu_execute", "gpu_sample") or e["what"] in host]
     rows, j = [], 0
     for s in steps:
         end = s["t_ms"] + s["ms"]
-        row = [0, s["ms"], 0.0, 0.0]
+        row = [0, s["ms"], 0.0, 0.0] + [0.0] * len(HOST_COLUMNS)
         while j < len(inner) and inner[j]["t_ms"] < s["t_ms"]:
             j += 1
         while j < len(inner) and inner[j]["t_ms"] <= end:
             e = inner[j]
             if e["what"] == "schedule":
                 row[0] += e["tokens"]
-            else:
+            if e["what"] in host:
+                k = host[e["what"]]
+                row[k] = round(row[k] + e["ms"], 3)
+            elif e["what"] != "schedule":
                 k = 2 if e["what"] == "gpu_execute" else 3
                 row[k] = round(row[k] + e["ms"], 3)
             j += 1

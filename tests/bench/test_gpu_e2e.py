@@ -298,16 +298,23 @@ def test_step_rows_and_step_kind_table():
           {"t_ms": 12.0, "what": "step", "ms": 4.0}, {"t_ms": 12.1, "what": "schedule", "ms": 0.1, "tokens": 2},
           {"t_ms": 12.5, "what": "gpu_execute", "ms": 3.0}, {"t_ms": 17.0, "what": "step", "ms": 0.1},
           {"t_ms": 17.01, "what": "schedule", "ms": 0.01, "tokens": 0}]
+    ev[4:4] = [{"t_ms": 9.5, "what": "update", "ms": 0.4}, {"t_ms": 9.6, "what": "finished", "ms": 0.05},
+               {"t_ms": 9.7, "what": "preempt", "ms": 0.1}]
+    ev.insert(9, {"t_ms": 12.4, "what": "execute", "ms": 0.9})
     rows = timeline.step_rows(ev)
-    assert rows == [[300, 10.0, 8.0, 0.3], [2, 4.0, 3.0, 0.0], [0, 0.1, 0.0, 0.0]]
+    assert rows == [[300, 10.0, 8.0, 0.3, 0.2, 0.0, 0.0, 0.4, 0.15], [2, 4.0, 3.0, 0.0, 0.1, 0.9, 0.0, 0.0, 0.0],
+                    [0, 0.1, 0.0, 0.0, 0.01, 0.0, 0.0, 0.0, 0.0]]
     assert tables.round_split(rows, batch=2) == {"prefill_n": 1, "prefill_ms": 10.0, "prefill_gpu_ms": 8.0,
                                                  "decode_n": 1, "decode_ms": 4.0, "decode_gpu_ms": 3.0}
-    slow = [[300, 11.0, 8.8, 0.3], [2, 4.0, 3.0, 0.0]]
+    slow = [[300, 11.0, 8.8, 0.3, 0.2, 0.0, 0.0, 0.4, 0.15], [2, 4.2, 3.0, 0.0, 0.1, 1.1, 0.0, 0.0, 0.0]]
     text = tables.step_kind_table({"off": [rows, rows], "ours": [slow, slow]}, batch=2)
     assert "8.8 (+10.0%)" in text and "3.0 (+0.0%)" in text and " 1/1 |" in text
     res = {"batch": 2, "prompt_tokens": 8, "max_tokens": 1, "runs": {"off": [1.0], "ours": [1.1]},
            "step_rows": {"off": [rows], "ours": [slow]}}
     assert "prefill device ms" in tables.miss_table(res)
+    steady = tables.steady_decode_table({"off": [rows, rows], "ours": [slow, slow]}, batch=2, skip=0)
+    assert "1.100 (+200 us)" in steady and "4.200 (+200 us)" in steady and "0.900 |" in steady
+    assert tables.steady_decode_table({"off": [[r[:4] for r in rows]]}, batch=2, skip=0) == ""  # old rows
 
 
 def test_median_ci_order_statistics():
