@@ -401,7 +401,14 @@ def load_miss_runs(path: str | Path) -> dict[str, list[float]]:
     p = Path(path)
     raw = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
     if raw.lstrip().startswith("{"):
-        return {k: list(v) for k, v in json.loads(raw)["runs"].items()}
+        data = json.loads(raw)
+        if "runs" not in data:  # device.py's miss.json: {"layouts": {name: part}, "meta": ...}
+            parts = {n: d for n, d in (data.get("layouts") or {}).items() if "runs" in d}
+            if len(parts) != 1:
+                raise ValueError(f"{p}: a miss.json needs exactly one layout with rounds to pool, it has "
+                                 f"{sorted(parts) or 'none'}")
+            data = next(iter(parts.values()))
+        return {k: list(v) for k, v in data["runs"].items()}
     rounds = []
     for line in raw.splitlines():
         m = re.match(r"\[miss\] round (\d+): (.+)$", line.strip())

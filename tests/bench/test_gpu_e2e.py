@@ -373,6 +373,13 @@ def test_pool_miss_runs_from_json_and_log(tmp_path):
                       "null": [4.0, 4.3, 4.087, 4.901]}  # native: not in every run
     with pytest.raises(ValueError, match="no engine is in every run"):
         tables.pool_miss_runs([{"off": [1.0]}, {"ours": [1.0]}])
+    nested = {"layouts": {"perlayer": {"runs": {"off": [3.4], "ours": [3.43]}, "batch": 48}}, "meta": {}}
+    (tmp_path / "d.json").write_text(json.dumps(nested))  # device.py writes each layout's part under "layouts"
+    assert tables.load_miss_runs(tmp_path / "d.json") == {"off": [3.4], "ours": [3.43]}
+    nested["layouts"]["uniform"] = nested["layouts"]["perlayer"]
+    (tmp_path / "d.json").write_text(json.dumps(nested))
+    with pytest.raises(ValueError, match=r"exactly one layout .*\['perlayer', 'uniform'\]"):
+        tables.load_miss_runs(tmp_path / "d.json")
     (tmp_path / "c.txt").write_text("nothing here\n")
     with pytest.raises(ValueError, match="neither a miss.json nor a log"):
         tables.load_miss_runs(tmp_path / "c.txt")
