@@ -604,6 +604,8 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
                 res["runs"][k].append(g["wall_s"])
                 res.setdefault("step_totals", {}).setdefault(k, []).append(g["totals"])
                 res.setdefault("step_rows", {}).setdefault(k, []).append(g.get("step_rows", []))
+                if g.get("threads"):
+                    res.setdefault("threads", {}).setdefault(k, []).append(g["threads"])
                 if k == "ours" and g["store_s"] > 0:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {got[k]['wall_s']:.3f}s" for k in kinds if r and k in got),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -139,10 +140,12 @@ class _Engine:
         if profile and self._profiling:
             forward_profile.arm(profile_skip, profile_top, profile_steps)
         m = timeline.mark()
+        cpu0 = timeline.thread_cpu() if steps else None
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         events = timeline.since(m, t0) if steps else None
+        threads = timeline.thread_cpu_delta(cpu0, timeline.thread_cpu(), threading.get_native_id()) if steps else None
         t1_totals = self._totals()
         load0, store0, load1, store1 = t0_totals["load"], t0_totals["store"], t1_totals["load"], t1_totals["store"]
         rows = []
@@ -159,7 +162,7 @@ class _Engine:
                 "store_bytes": d(store0, store1, "bytes"), "store_s": d(store0, store1, "seconds"),
                 "store_failed": d(store0, store1, "failed"),
                 **({"profile": forward_profile.take()} if profile else {}),
-                **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3),
+                **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3), "threads": threads,
                     "totals": timeline.totals(events), "step_rows": timeline.step_rows(events)} if steps else {})}
 
     def flush_reset(self, reset: bool = True, tries: int = 60) -> dict:

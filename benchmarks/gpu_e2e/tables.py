@@ -333,10 +333,37 @@ def miss_table(res: dict) -> str:
         steady = steady_decode_table(sr, res["batch"])
         if steady:
             text += "\n\n" + steady
+    thr = thread_cpu_table(res.get("threads") or {})
+    if thr:
+        text += "\n\n" + thr
     prof = step_profile_table(res.get("profiles") or {})
     if prof:
         text += "\n\n" + prof
     return text
+
+
+def thread_cpu_table(threads: dict[str, list[dict]]) -> str:
+    """Per engine, medians over rounds of the engine thread's CPU ms, the other threads' CPU ms,
+    and the busiest other threads (by name, summed over rounds' medians)."""
+    rows = []
+    for k, v in threads.items():
+        if not v:
+            continue
+        names: dict[str, list[float]] = {}
+        for r in v:
+            for n, ms in r.get("busiest", []):
+                names.setdefault(n, []).append(ms)
+        busiest = sorted(((statistics.median(ms + [0.0] * (len(v) - len(ms))), n) for n, ms in names.items()),
+                         reverse=True)[:4]
+        rows.append([k, len(v), _f(_med([r["main_ms"] for r in v])), _f(_med([r["others_ms"] for r in v])),
+                     _f(_med([r["threads"] for r in v]), "{:.0f}"),
+                     ", ".join(f"{n} {ms:,.1f}" for ms, n in busiest if ms > 0) or "-"])
+    if not rows:
+        return ""
+    return (table(["engine", "rounds", "engine thread CPU ms", "other threads CPU ms", "threads",
+                   "busiest others (ms)"], rows)
+            + "\nper round, medians: CPU time (user + system, /proc) of the engine's own thread and of every other "
+              "thread of its process")
 
 
 def step_profile_table(profiles: dict[str, list[dict]], base: str = "off", top: int = 6) -> str:

@@ -784,3 +784,33 @@ def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
     monkeypatch.setattr(timeline, "_installed", False)
     assert "gpu_execute" in timeline.install(llm) and asked  # one GPU: the events are wanted
     del gc.callbacks[n_callbacks:]
+
+
+def test_thread_cpu_sees_a_busy_thread_and_the_table_names_it():
+    import threading as th
+    import time
+
+    from benchmarks.gpu_e2e import timeline
+
+    stop = th.Event()
+
+    def spin():
+        with open(f"/proc/self/task/{th.get_native_id()}/comm", "w") as f:
+            f.write("spinner")  # the OS thread name /proc reports (Python's own name is not it)
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = th.Thread(target=spin, name="spinner")
+    before = timeline.thread_cpu()
+    t.start()
+    time.sleep(0.3)
+    after = timeline.thread_cpu()  # while it lives: /proc lists living threads only
+    stop.set()
+    t.join()
+    d = timeline.thread_cpu_delta(before, after, th.get_native_id())
+    assert timeline.thread_cpu_delta(before, timeline.thread_cpu(), th.get_native_id())["others_ms"] >= 30  # ended
+    assert d["others_ms"] >= 30 and d["busiest"][0][0] == "spinner" and d["main_ms"] < d["others_ms"]
+    text = tables.thread_cpu_table({"ours": [d, d], "off": [{"main_ms": 5.0, "others_ms": 0.0, "threads": 3,
+                                                            "busiest": []}]})
+    assert "spinner" in text and "| off " in text and " - |" in text
+    assert tables.thread_cpu_table({}) == ""
