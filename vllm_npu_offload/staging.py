@@ -35,6 +35,7 @@ from .platform import Platform
 
 logger = logging.getLogger(__name__)
 ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
+ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # 0: store gathers on the store's own stream
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
 MAX_SLOTS = 4
@@ -169,6 +170,9 @@ class Stager:
         self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
         self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
         self._aux = {d: platform.new_stream() for d in Direction}
+        # With aux = the job's stream, every gather and link copy of a store runs in issue order
+        # on that one stream (the slot events then order nothing): a diagnosis switch.
+        self._store_on_own_stream = env.get(ENV_STORE_AUX) is False
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
@@ -359,7 +363,7 @@ class Stager:
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
         direction = as_direction(direction)
-        aux = self._aux[direction]
+        aux = stream if direction is Direction.D2H and self._store_on_own_stream else self._aux[direction]
         if self._fused is not None:
             self._fused.run(plan, direction, stream, aux, link=link)
             return

@@ -172,8 +172,13 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_pipeline_reuses_slots_across_many_slices(device):
+@pytest.mark.parametrize("store_aux", ["1", "0"])
+def test_pipeline_reuses_slots_across_many_slices(device, store_aux, monkeypatch):
+    """Byte-exact through more slices than slots; with NPU_OFFLOAD_STAGE_STORE_AUX=0 the store's
+    gathers run on its own stream, in order with its link copies."""
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
+    assert core.stager._store_on_own_stream == (store_aux == "0")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
@@ -194,7 +199,9 @@ def test_pipeline_reuses_slots_across_many_slices(device):
     core.shutdown()
 
 
-def test_many_staged_jobs_in_flight_threaded():
+@pytest.mark.parametrize("store_aux", ["1", "0"])
+def test_many_staged_jobs_in_flight_threaded(store_aux, monkeypatch):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)
     core, tensors, refs, rng = random_core(11, 4, staging_chunks=1, threaded=True)
     originals = [t.clone() for t in tensors]
     jobs, plans = [], []

@@ -78,19 +78,22 @@ def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
 
 
 def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
-    """The same transfers through the Python loop: the same bytes in every host page a group owns
-    (a link run also carries the staging bytes between a group's pages: those are nobody's)."""
+    """The same transfers through the Python loop, and with a store's gathers on its own stream
+    (NPU_OFFLOAD_STAGE_STORE_AUX=0): the same bytes in every host page a group owns (a link run
+    also carries the staging bytes between a group's pages: those are nobody's)."""
     hosts = {}
-    for mode in ("native", "python"):
+    for mode, aux in (("native", "1"), ("python", "1"), ("native", "0"), ("python", "0")):
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", mode)
+        monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", aux)
         core, kv, refs, rng = staged_core(built, monkeypatch, "1", 2, seed=11)
         assert (core.stager._fused is None) == (mode == "python")
         emu.acl_emu_reset()
         parts = store_then_load_groups(core, kv, refs, rng, [9, 6])
         assert (emu.acl_emu_count(b"aclrtRecordEvent") > 0) == (mode == "native")
-        hosts[mode] = [core.host_view(r.tensor_idx)[host].clone() for g, _, host in parts for r in refs[g]]
+        hosts[mode, aux] = [core.host_view(r.tensor_idx)[host].clone() for g, _, host in parts for r in refs[g]]
         core.shutdown()
-    assert all(torch.equal(a, b) for a, b in zip(hosts["native"], hosts["python"]))
+    first = hosts["native", "1"]
+    assert all(torch.equal(a, b) for other in hosts.values() for a, b in zip(first, other))
 
 
 @pytest.mark.parametrize("toggle", ["1", "0"])
