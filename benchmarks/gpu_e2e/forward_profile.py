@@ -18,8 +18,8 @@ from typing import Any
 
 from . import timeline
 
-_state: dict[str, Any] = {"armed": False, "skip": 0, "top": 12, "steps": 1, "open": None, "last": None,
-                          "installed": False}
+_state: dict[str, Any] = {"armed": False, "skip": 0, "top": 12, "steps": 1, "open": None, "left": 0, "t0": None,
+                          "last": None, "installed": False}
 
 
 def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> dict:
