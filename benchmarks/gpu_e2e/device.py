@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 
 from .engine import CACHE_ENV, ENV, EngineError, EngineSpec, start_all
+from .gpu_clocks import ClockSampler
 from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
 from .serve import GPU_HEADROOM, LOADS, Budget, Load, PlanError, engine_gpu_bytes, parse_loads, run_serve
@@ -593,7 +594,10 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         got = {}
         for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
             try:
-                got[k] = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240, steps=True)
+                with ClockSampler() as clocks:
+                    got[k] = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240,
+                                           steps=True)
+                got[k]["clocks"] = clocks.summary(tail_s=MISS_DECODE_TAIL_S)
             except EngineError as e:
                 res["errors"][f"{k}-{r}"] = str(e)
         if r and len(got) < len(kinds):  # a round some engine failed in pairs nothing: drop it for all
@@ -606,6 +610,8 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
                 res.setdefault("step_rows", {}).setdefault(k, []).append(g.get("step_rows", []))
                 if g.get("threads"):
                     res.setdefault("threads", {}).setdefault(k, []).append(g["threads"])
+                if g["clocks"]["samples"]:
+                    res.setdefault("clocks", {}).setdefault(k, []).append(g["clocks"])
                 if k == "ours" and g["store_s"] > 0:
                     res["store_gbps"].append(g["store_bytes"] / g["store_s"] / 1e9)
         print(f"[miss] round {r}: " + ", ".join(f"{k} {got[k]['wall_s']:.3f}s" for k in kinds if r and k in got),
@@ -626,6 +632,7 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
 
 
 PROFILE_STEPS = 4  # engine steps in one miss profile: the device's idle gaps between steps show
+MISS_DECODE_TAIL_S = 0.4  # the last part of a miss round: its decode steps (~0.55 s of 3.4 s on an H200)
 
 
 def _miss_profiles(procs: dict, kinds: list[str], a, res: dict, rounds: int = 2) -> None:

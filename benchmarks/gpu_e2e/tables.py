@@ -333,6 +333,9 @@ def miss_table(res: dict) -> str:
         steady = steady_decode_table(sr, res["batch"])
         if steady:
             text += "\n\n" + steady
+    clk = clock_table(res.get("clocks") or {})
+    if clk:
+        text += "\n\n" + clk
     thr = thread_cpu_table(res.get("threads") or {})
     if thr:
         text += "\n\n" + thr
@@ -340,6 +343,19 @@ def miss_table(res: dict) -> str:
     if prof:
         text += "\n\n" + prof
     return text
+
+
+def clock_table(clocks: dict[str, list[dict]]) -> str:
+    """Per engine, medians over rounds of the SM clock, power and temperature (``gpu_clocks``)
+    over the whole round and over its last part (the decode steps)."""
+    cols = ("all_sm_mhz", "tail_sm_mhz", "all_mem_mhz", "all_power_w", "tail_power_w", "tail_temp_c")
+    rows = [[k, len(v), _f(_med([r["samples"] for r in v]), "{:.0f}")]
+            + [_f(_med([r.get(c) for r in v]), "{:,.0f}") for c in cols] for k, v in clocks.items() if v]
+    if not rows:
+        return ""
+    return (table(["engine", "rounds", "samples", "SM MHz", "SM MHz, decode", "memory MHz", "power W",
+                   "power W, decode", "temp C, decode"], rows)
+            + "\nnvidia-smi every 50 ms beside each engine's round, medians; decode = the round's last 0.4 s")
 
 
 def thread_cpu_table(threads: dict[str, list[dict]]) -> str:

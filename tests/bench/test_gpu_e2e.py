@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -788,7 +789,6 @@ def test_timeline_without_gpu_events_for_tensor_parallel(monkeypatch):
 
 def test_thread_cpu_sees_a_busy_thread_and_the_table_names_it():
     import threading as th
-    import time
 
     from benchmarks.gpu_e2e import timeline
 
@@ -814,3 +814,58 @@ def test_thread_cpu_sees_a_busy_thread_and_the_table_names_it():
                                                             "busiest": []}]})
     assert "spinner" in text and "| off " in text and " - |" in text
     assert tables.thread_cpu_table({}) == ""
+
+
+FAKE_SMI = """#!/bin/sh
+# nvidia-smi -lms stand-in: a sample every 20 ms until stopped, with one unreadable field and a header-like line
+echo "clocks.sm [MHz], clocks.mem [MHz], power.draw [W], temperature.gpu"
+while true; do echo "1980, 3201, 450.5, [N/A]"; sleep 0.02; done
+"""
+
+
+def test_clock_sampler_reads_samples_and_summarizes_the_tail(tmp_path):
+    from benchmarks.gpu_e2e import gpu_clocks
+
+    assert gpu_clocks.parse_line("1755, 2619, 312.40, 41") == {"sm_mhz": 1755.0, "mem_mhz": 2619.0, "power_w": 312.4,
+                                                                "temp_c": 41.0}
+    assert gpu_clocks.parse_line("[N/A], 2619, 312.40, 41")["mem_mhz"] == 2619.0
+    assert gpu_clocks.parse_line("garbage") is None and gpu_clocks.parse_line("a, b, c, d") is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    with gpu_clocks.ClockSampler(command=str(smi)) as s:
+        time.sleep(0.4)
+    out = s.summary(tail_s=0.1)
+    assert out["samples"] >= 3 and out["all_sm_mhz"] == 1980.0 and out["tail_power_w"] == 450.5
+    assert out["all_temp_c"] is None  # never readable
+    with gpu_clocks.ClockSampler(command=str(tmp_path / "absent")) as none:
+        pass
+    assert none.summary(0.1) == {"samples": 0, **{f"{p}_{n}": None for p in ("all", "tail") for n in gpu_clocks.NAMES}}
+
+
+def test_part_miss_records_clocks_when_nvidia_smi_answers(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_e2e import device
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    class Proc:
+        def __init__(self, kind):
+            self.spec, self.error = SimpleNamespace(kind=kind), None
+
+        def call(self, op, **kw):
+            if op == "worker_info":
+                return {}
+            time.sleep(0.15)
+            return {"wall_s": 1.0, "totals": {}, "step_rows": [], "store_s": 0.0, "store_bytes": 0}
+
+    a = device.build_parser().parse_args(["miss", "--miss-reps", "1"])
+    res = device.part_miss({"off": Proc("off"), "ours": Proc("ours")}, a)
+    assert len(res["clocks"]["ours"]) == 1 and res["clocks"]["ours"][0]["all_sm_mhz"] == 1980.0
+    text = tables.clock_table(res["clocks"])
+    assert "| ours " in text and "1,980" in text and "450" in text
+    assert tables.clock_table({}) == ""
