@@ -200,7 +200,7 @@ def step_rows(events: list[dict]) -> list[list[float]]:
     steps = [e for e in events if e["what"] == "step"]
     host = {w: 4 + i for i, w in enumerate(HOST_COLUMNS)}
     host.update({w: host["connector"] for w in CONNECTOR_CALLS})
-    inner = [e for e in events if e["what"] in ("schedule", "gpu_execute", "gpu_sample") or e["what"] in host]
+    inner = [e for e in events if e["what"] in ("gpu_execute", "gpu_sample") or e["what"] in host]
     rows, j = [], 0
     for s in steps:
         end = s["t_ms"] + s["ms"]
@@ -211,10 +211,10 @@ def step_rows(events: list[dict]) -> list[list[float]]:
             e = inner[j]
             if e["what"] == "schedule":
                 row[0] += e["tokens"]
-            if e["what"] in host:
+            if e["what"] in host:  # schedule too: its tokens above, its ms here
                 k = host[e["what"]]
                 row[k] = round(row[k] + e["ms"], 3)
-            elif e["what"] != "schedule":
+            else:
                 k = 2 if e["what"] == "gpu_execute" else 3
                 row[k] = round(row[k] + e["ms"], 3)
             j += 1
@@ -228,8 +228,8 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     import os
 
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    t = os.times()
-    out: dict[int, tuple[str, float]] = {0: ("(process)", t.user + t.system)}  # ended threads count here too
+    times = os.times()
+    out: dict[int, tuple[str, float]] = {0: ("(process)", times.user + times.system)}  # ended threads count here
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -249,9 +249,9 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
 def thread_cpu_delta(before: dict, after: dict, main_tid: int, top: int = 6) -> dict:
     """What the process's threads spent between two ``thread_cpu`` snapshots: the calling
     (engine) thread's CPU ms, the other threads' total (the process's less the engine thread's:
-    threads that ended meanwhile count), and the busiest living others [name, ms]. Why:
-    ours' steady decode steps ran every host part ~7% slower than the direct-store variant's,
-    as if the engine thread shared its core, its cache or its turbo budget with a busy thread."""
+    threads that ended meanwhile count), and the busiest living others [name, ms]. Why: a slower
+    engine step may share its core, cache or turbo budget with a busy thread of its own process
+    (checked for ours' steady decode offset, docs/benchmarks.md: no such thread)."""
     d = {t: (n, c - before.get(t, (n, 0.0))[1]) for t, (n, c) in after.items()}
     main = d.get(main_tid, ("", 0.0))[1]
     others = sorted(((n, c) for t, (n, c) in d.items() if t not in (0, main_tid)), key=lambda x: -x[1])
