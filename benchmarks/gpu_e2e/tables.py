@@ -360,7 +360,7 @@ def clock_table(clocks: dict[str, list[dict]]) -> str:
 
 def thread_cpu_table(threads: dict[str, list[dict]]) -> str:
     """Per engine, medians over rounds of the engine thread's CPU ms, the other threads' CPU ms,
-    and the busiest other threads (by name, summed over rounds' medians)."""
+    and the busiest other threads (by name: the median over rounds, a round without it counting 0)."""
     rows = []
     for k, v in threads.items():
         if not v:
@@ -384,7 +384,7 @@ def thread_cpu_table(threads: dict[str, list[dict]]) -> str:
 
 def step_profile_table(profiles: dict[str, list[dict]], base: str = "off", top: int = 6) -> str:
     """The profiled engine steps per engine (``--miss-profile-step``): device busy time against its
-    span (the difference: the device idle, waiting for the host), then per engine the kernels and
+    span (the difference: the device idle between its operations), then per engine the kernels and
     host operators whose time differs most from ``base``'s (mean ms per window; one that only one
     side ran shows as all of its time)."""
     if not profiles:
@@ -520,7 +520,7 @@ def steady_decode_table(step_rows: dict[str, list], batch: int, skip: int = 8) -
     medians over rounds of the step's wall, its forward's device time and the host parts
     (``timeline.HOST_COLUMNS``), with the difference from off's median. Why: ours' steady decode
     steps ran ~0.15 ms longer than off's with the same kernels (a profile showed the device idle
-    that much longer), so the question is which host part grew. Rows from before the host
+    that much longer), so the question is whether a host part grew. Rows from before the host
     columns existed are left out."""
     from .timeline import HOST_COLUMNS
 
