@@ -78,6 +78,11 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     bool inline_first = store && own == 0 && fns.table_inline;
     for (uint64_t g = job->range_off[0]; inline_first && g < job->range_off[1]; ++g)
         inline_first = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
+    // inline_ids: every gather of the store takes its ids that way (each range must fit), so
+    // nothing is uploaded and no gather reads the device copy of the ids.
+    bool inline_all = inline_first && job->inline_ids;
+    for (uint64_t g = job->range_off[1]; inline_all && n > 1 && g < job->range_off[n]; ++g)
+        inline_all = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
     // A load's ids travel as one more descriptor of its first link batch: a copy of their own
     // (another host->device operation) delayed the first link copy by ~4.5 us. Every scatter
     // comes after that batch (aux waits for it, the last one follows it on the stream).
@@ -87,7 +92,7 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     };
     // A one-slice store with inline ids needs no upload at all; any other upload on aux is
     // followed by a gather there that the job stream waits for (or by the final wait below).
-    const bool need_upload = !ids_in_link && !(inline_first && n == 1);
+    const bool need_upload = !ids_in_link && !(inline_first && (n == 1 || inline_all));
     if (store && own == 0 && !inline_first) {
         rc = upload(stream);
     } else {
@@ -136,7 +141,7 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
                                  "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);
-            rc = mine && inline_first
+            rc = (mine && inline_first) || inline_all
                      ? npo_table_inline_launch(drv, fns.table_inline, r[0], r[1], job->host_ids + r[2],
                                                job->host_ids + job->n_ids + r[2], r[3], job->min_page, job->programs,
                                                local, msg, msg_len)

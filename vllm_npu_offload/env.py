@@ -94,6 +94,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "flag", True,
          "0: a staged store's gathers run on the store's own stream, in order with its link copies (no "
          "auxiliary stream, no overlap of gather and link; diagnosis)"),
+    Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
+         "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
+         "most 64 blocks per range), so no id upload runs (diagnosis)"),
     Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
     Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
          "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),

@@ -15,11 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import Direction
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
+# 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
+ENV_INLINE_STORE_IDS = "NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"
 
 
 class StagedJob(ctypes.Structure):
@@ -31,6 +34,7 @@ class StagedJob(ctypes.Structure):
         ("min_page", ctypes.c_uint64), ("n_slices", ctypes.c_uint64), ("slots", ctypes.c_uint64),
         ("range_off", _u64p), ("ranges", _u64p), ("link_src", _u64p), ("link_dst", _u64p), ("link_size", _u64p),
         ("link_bounds", _u64p), ("events", ctypes.POINTER(ctypes.c_void_p)), ("skip_link", ctypes.c_int),
+        ("inline_ids", ctypes.c_int),
     ]
 
 
@@ -48,6 +52,7 @@ class CudaStagedPipeline:
         self.lib, self.platform, self.slots = lib, platform, slots
         self.programs, self.min_page = programs, min_page
         self.events = {d: lib.create_events(1 + 2 * slots) for d in Direction}
+        self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def _table(self, planner) -> torch.Tensor:
@@ -76,7 +81,8 @@ class CudaStagedPipeline:
             self.platform.raw_stream_handle(stream),
             self.platform.raw_stream_handle(aux), ctypes.cast(ids.packed.data_ptr(), _u64p), ids.device_cols.data_ptr(),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
-            _ptr(bounds), self.events[direction], int(not link))
+            _ptr(bounds), self.events[direction], int(not link),
+            int(self.inline_store_ids and Direction(direction) is Direction.D2H))
         self.lib.staged_run(job, rows=plan.pages)
 
     def close(self) -> None:
