@@ -87,7 +87,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
          ("npu", "cuda", "cpu")),
     Knob("NPU_OFFLOAD_STAGE_GATHER", "choice", None,
-         "CUDA staged gather/scatter kernel (unset: native when compiled in, else triton)", ("native", "triton")),
+         "CUDA staged gather/scatter: the native kernel, Triton, or the copy engines (dma: one descriptor per page, "
+         "no SMs; diagnosis) (unset: native when compiled in, else triton)", ("native", "triton", "dma")),
     Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
          "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
          ("native", "python")),

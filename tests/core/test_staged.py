@@ -172,21 +172,25 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
 
 
 STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
-                  "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"}}
+                  "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
+                  "dma_gather": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
 def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
-    """Byte-exact through more slices than slots, also with the store-side diagnosis switches:
-    the store's gathers on its own stream (NPU_OFFLOAD_STAGE_STORE_AUX=0), or every gather of a
-    store with its block ids in its launch parameters (CUDA native pipeline; no id upload)."""
+    """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
+    gathers on its own stream (NPU_OFFLOAD_STAGE_STORE_AUX=0), every gather of a store with its
+    block ids in its launch parameters (CUDA native pipeline; no id upload), or the gather and
+    scatter on the copy engines (CUDA, NPU_OFFLOAD_STAGE_GATHER=dma)."""
     for k, v in STORE_VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
     assert core.stager._store_on_own_stream == (variant == "own_stream")
-    if device == "cuda" and core.stager._fused is not None:
-        assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
+    if device == "cuda":
+        assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
+        if core.stager._fused is not None:
+            assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)

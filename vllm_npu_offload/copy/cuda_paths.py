@@ -169,7 +169,8 @@ def staged_cuda(platform: Platform, page_sizes: list[int]):
     """Gather/scatter as a short burst on at most 16 SMs (device <-> device), link on the copy engines.
 
     The gather is the library's native kernel when it was built with nvcc, else Triton;
-    ``NPU_OFFLOAD_STAGE_GATHER=native|triton`` picks one (benchmarks compare them).
+    ``NPU_OFFLOAD_STAGE_GATHER=native|triton`` picks one (benchmarks compare them), ``dma`` the copy
+    engines instead of SMs (one descriptor per page, device to device; diagnosis).
     """
     why = dma_available()
     if why is not None:
@@ -179,6 +180,10 @@ def staged_cuda(platform: Platform, page_sizes: list[int]):
     kind = env.get("NPU_OFFLOAD_STAGE_GATHER")
     if kind is None:
         kind = "native" if native_gather_built() else "triton"
+    if kind == "dma":
+        from .cuda_dma import CudaDmaCopyPath
+
+        return CudaDmaCopyPath(platform, batch=True, local=True), _dma(platform, [], True)
     if kind == "native":
         from .cuda_gather import NativeGatherPath
 

@@ -202,6 +202,73 @@ def case_staged_one_slice():
     print("staged_one_slice ok")
 
 
+def case_staged_inline_all():
+    """NPU_OFFLOAD_STAGE_STORE_INLINE_IDS=1: a store of several slices launches every gather with
+    its ids inline and uploads nothing; the bytes are the same, and the load back is byte-exact."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_STORE_INLINE_IDS="1")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    pages = [256, 512, 128]
+    rng = np.random.default_rng(13)
+    kv = [torch.from_numpy(rng.integers(0, 256, (48, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 40, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    assert core.stager._fused.inline_store_ids
+    ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
+    slices = len(core.stager.slice_sizes(20, Direction.D2H))
+    assert slices > 3, slices  # more slices than slots
+    copies0, inline0 = counter("fake_memcpy_calls", ctypes.c_longlong), counter("fake_inline_launches", ctypes.c_longlong)
+    tables0 = counter("fake_table_launches", ctypes.c_longlong)
+    core.submit(1, Direction.D2H, ids, [20], [0], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_inline_launches", ctypes.c_longlong) - inline0 == slices  # every gather inline
+    assert counter("fake_table_launches", ctypes.c_longlong) == tables0
+    assert counter("fake_memcpy_calls", ctypes.c_longlong) == copies0  # no id upload
+    for i, t in enumerate(kv):
+        assert torch.equal(core.host_view(i)[core._host_blocks(chunks, 0, 20)], t[ids]), i
+    original = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    back = rng.permutation(48)[:20].astype(np.int64)
+    core.submit(2, Direction.H2D, back, [20], [0], chunks)  # loads are unchanged: ids uploaded
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    for t, o in zip(kv, original):
+        assert torch.equal(t[back], o[ids])
+    core.shutdown()
+    del os.environ["NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"]
+    print("staged_inline_all ok")
+
+
+def case_staged_dma_local():
+    """NPU_OFFLOAD_STAGE_GATHER=dma: the gather and scatter by batch DMA (device to device, in
+    stream order), no kernel launched; the worker core's round trip is byte-exact."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_GATHER="dma")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    rng = np.random.default_rng(17)
+    pages = [2048, 1152, 4096]
+    kv = [torch.from_numpy(rng.integers(0, 256, (40, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 2, 24, FakeCuda(), staging_bytes=2 * 3 * 2 * sum(pages))
+    assert (core.stager.local_path.name, core.stager.link_path.name) == ("dma_local", "dma")
+    assert core.stager._fused is None and not core.stager.table_form
+    launches0 = counter("fake_launches", ctypes.c_longlong)
+    store_then_load(core, kv, rng)
+    assert counter("fake_launches", ctypes.c_longlong) == launches0  # no kernel
+    core.shutdown()
+    del os.environ["NPU_OFFLOAD_STAGE_GATHER"]
+    print("staged_dma_local ok")
+
+
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging
