@@ -578,6 +578,12 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
 
 
 
+def rotated(kinds: list[str], r: int) -> list[str]:
+    """``kinds`` starting at round ``r``'s turn: each engine goes first in turn."""
+    i = r % len(kinds)
+    return kinds[i:] + kinds[:i]
+
+
 def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = None) -> dict:
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "batch": a.miss_batch,
                  "prompt_tokens": a.miss_tokens, "max_tokens": a.miss_out, "runs": {k: [] for k in procs},
@@ -592,7 +598,7 @@ def part_miss(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
             break
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=50_000 + r)
         got = {}
-        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first each round
+        for k in rotated(kinds, r):  # who goes first changes every round
             try:
                 with ClockSampler() as clocks:
                     got[k] = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240,
@@ -643,7 +649,7 @@ def _miss_profiles(procs: dict, kinds: list[str], a, res: dict, rounds: int = 2)
     one profiled forward alone showed the same kernels and busy time: the gaps between them count."""
     for r in range(rounds):
         prompts = unique_prompts(a.miss_batch, a.miss_tokens, seed=60_000 + r)
-        for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+        for k in rotated(kinds, r):
             try:
                 g = procs[k].call("generate", prompts=prompts, max_tokens=a.miss_out, timeout=240,
                                   profile=True, profile_skip=a.miss_profile_step, profile_top=30,

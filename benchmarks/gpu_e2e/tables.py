@@ -9,6 +9,8 @@ from typing import Any
 
 from benchmarks.multiturn.report import _fmt, _table
 
+from .timeline import HOST_COLUMNS
+
 PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the issue's tables need (not the smoke, not the
 # project's own multi-turn client)
@@ -522,8 +524,6 @@ def steady_decode_table(step_rows: dict[str, list], batch: int, skip: int = 8) -
     steps ran ~0.15 ms longer than off's with the same kernels (a profile showed the device idle
     that much longer), so the question is whether a host part grew. Rows from before the host
     columns existed are left out."""
-    from .timeline import HOST_COLUMNS
-
     def per_step(rows: list[list[float]]) -> list[float] | None:
         dec = [r for r in rows if r[0] and r[0] <= batch][skip:]
         if not dec or len(dec[0]) < 4 + len(HOST_COLUMNS):

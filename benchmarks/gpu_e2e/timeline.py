@@ -10,6 +10,7 @@ them can be put on a step. Timestamps are ``time.perf_counter()`` in the engine'
 from __future__ import annotations
 
 import gc
+import os
 import time
 from typing import Any, Callable
 
@@ -225,8 +226,6 @@ def step_rows(events: list[dict]) -> list[list[float]]:
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) of every thread of this process, by thread id, with its name
     (Linux /proc; only the whole process, id 0, elsewhere)."""
-    import os
-
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     times = os.times()
     out: dict[int, tuple[str, float]] = {0: ("(process)", times.user + times.system)}  # ended threads count here
