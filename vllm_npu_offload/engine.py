@@ -84,12 +84,13 @@ class TransferEngine:
                 stream = self.stream(direction)
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
-            stream.wait_stream(self.platform.current_stream())  # earlier jobs: stream order
+            compute = self.platform.current_stream()
+            stream.wait_stream(compute)  # earlier jobs: stream order
             error = None
             with self.platform.stream_context(stream):
                 start.record(stream)
                 try:
-                    transfer.enqueue(stream)
+                    transfer.enqueue(stream, compute)
                 except Exception as e:  # noqa: BLE001 - becomes a failed result
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)

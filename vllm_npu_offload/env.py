@@ -92,9 +92,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
          "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
          ("native", "python")),
-    Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "flag", True,
-         "0: a staged store's gathers run on the store's own stream, in order with its link copies (no "
-         "auxiliary stream, no overlap of gather and link; diagnosis)"),
+    Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
+         "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
+         "its link copies; compute the model's stream, which then waits for the link (both diagnosis)",
+         ("1", "0", "compute")),
     Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
          "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
          "most 64 blocks per range), so no id upload runs (diagnosis)"),

@@ -35,7 +35,7 @@ from .platform import Platform
 
 logger = logging.getLogger(__name__)
 ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
-ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # 0: store gathers on the store's own stream
+ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # where store gathers run: 1 aux, 0 own stream, compute
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
 MAX_SLOTS = 4
@@ -170,9 +170,10 @@ class Stager:
         self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
         self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
         self._aux = {d: platform.new_stream() for d in Direction}
-        # With aux = the job's stream, every gather and link copy of a store runs in issue order
-        # on that one stream (the slot events then order nothing): a diagnosis switch.
-        self._store_on_own_stream = env.get(ENV_STORE_AUX) is False
+        # Diagnosis: "0" runs a store's gathers on the job's stream (every gather and link copy in
+        # issue order; the slot events then order nothing), "compute" on the model's stream, so no
+        # kernel of ours runs on a second stream (the model then waits for the store's link copies).
+        self._store_gathers_on = env.get(ENV_STORE_AUX)
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
@@ -354,8 +355,10 @@ class Stager:
         return lo, np.array([gb.span[1] - gb.span[0] for gb in groups], np.int64)[g]
 
     # -- execution ------------------------------------------------------------------------------
-    def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True) -> None:
-        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy.
+    def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True,
+            compute: Any = None) -> None:
+        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy; ``compute``
+        (the model's stream at submit) hosts a store's gathers under NPU_OFFLOAD_STAGE_STORE_AUX=compute.
 
         Device-local copies are issued under the aux stream's context (one upload of the
         transfer's page descriptors, then one launch per slice); link copies and events
@@ -363,7 +366,9 @@ class Stager:
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
         direction = as_direction(direction)
-        aux = stream if direction is Direction.D2H and self._store_on_own_stream else self._aux[direction]
+        aux = self._aux[direction]
+        if direction is Direction.D2H and self._store_gathers_on != "1":
+            aux = stream if self._store_gathers_on == "0" or compute is None else compute
         if self._fused is not None:
             self._fused.run(plan, direction, stream, aux, link=link)
             return

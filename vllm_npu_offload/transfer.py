@@ -38,9 +38,10 @@ class Transfer(ABC):
         """Descriptors (device pages and link runs) the transfer copies."""
 
     @abstractmethod
-    def enqueue(self, stream: Any) -> None:
-        """Enqueue every copy; ``stream`` passes its end only after the last one. Raises
-        ``CopyError`` when a copy cannot be submitted."""
+    def enqueue(self, stream: Any, compute: Any = None) -> None:
+        """Enqueue every copy; ``stream`` passes its end only after the last one (``compute``: the
+        model's stream, which the engine ordered ``stream`` after). Raises ``CopyError`` when a copy
+        cannot be submitted."""
 
 
 @dataclass
@@ -62,7 +63,7 @@ class DirectTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.descriptors)
 
-    def enqueue(self, stream: Any) -> None:
+    def enqueue(self, stream: Any, compute: Any = None) -> None:
         d = self.descriptors
         self.backend.copy(d.src, d.dst, d.sizes, self.direction, stream, d.buffers)
 
@@ -86,9 +87,9 @@ class StagedTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def enqueue(self, stream: Any, link: bool = True) -> None:
+    def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
-        self.stager.run(self.plan, self.direction, stream, link=link)
+        self.stager.run(self.plan, self.direction, stream, link=link, compute=compute)
 
 
 __all__ = ["DirectTransfer", "StagedTransfer", "Transfer"]

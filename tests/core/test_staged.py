@@ -172,6 +172,7 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
 
 
 STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
+                  "on_compute": {"NPU_OFFLOAD_STAGE_STORE_AUX": "compute"},
                   "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
                   "dma_gather": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
 
@@ -180,13 +181,13 @@ STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "
 @pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
 def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
-    gathers on its own stream (NPU_OFFLOAD_STAGE_STORE_AUX=0), every gather of a store with its
+    gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store with its
     block ids in its launch parameters (CUDA native pipeline; no id upload), or the gather and
     scatter on the copy engines (CUDA, NPU_OFFLOAD_STAGE_GATHER=dma)."""
     for k, v in STORE_VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
-    assert core.stager._store_on_own_stream == (variant == "own_stream")
+    assert core.stager._store_gathers_on == {"own_stream": "0", "on_compute": "compute"}.get(variant, "1")
     if device == "cuda":
         assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
         if core.stager._fused is not None:
@@ -211,7 +212,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     core.shutdown()
 
 
-@pytest.mark.parametrize("store_aux", ["1", "0"])
+@pytest.mark.parametrize("store_aux", ["1", "0", "compute"])
 def test_many_staged_jobs_in_flight_threaded(store_aux, monkeypatch):
     monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)
     core, tensors, refs, rng = random_core(11, 4, staging_chunks=1, threaded=True)

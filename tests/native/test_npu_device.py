@@ -178,7 +178,8 @@ def test_staged_d2d_gather_scatter(platform, name):
     assert not out[~mask].any()
 
 
-@pytest.mark.parametrize("pipeline,store_aux", [("native", "1"), ("python", "1"), ("native", "0"), ("python", "0")])
+@pytest.mark.parametrize("pipeline,store_aux", [("native", "1"), ("python", "1"), ("native", "0"), ("python", "0"),
+                                                   ("native", "compute"), ("python", "compute")])
 def test_staged_pipeline_round_trip(platform, monkeypatch, pipeline, store_aux):
     """A staged store then load through OffloadWorkerCore on the NPU, more slices than slots, the
     slices enqueued by one native call (npu_offload_acl_staged_run, ACL slot events) or by the
@@ -190,7 +191,7 @@ def test_staged_pipeline_round_trip(platform, monkeypatch, pipeline, store_aux):
 
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", pipeline)
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)  # 0: the store's gathers on its own stream
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)  # 0 / compute: the store's gathers on its own / the model's stream
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
     pages, nb, bpc, n = [64 << 10, 64 << 10, 16 << 10], 64, 2, 21

@@ -6,6 +6,7 @@ an injected copy failure in a middle slice, and ``NPU_OFFLOAD_STAGE_PIPELINE=pyt
 # ruff: noqa: F811  (pytest fixtures imported from _npu_build_support are parameters by design)
 from __future__ import annotations
 
+import itertools
 
 import numpy as np
 import pytest
@@ -78,11 +79,11 @@ def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
 
 
 def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
-    """The same transfers through the Python loop, and with a store's gathers on its own stream
-    (NPU_OFFLOAD_STAGE_STORE_AUX=0): the same bytes in every host page a group owns (a link run
+    """The same transfers through the Python loop, and with a store's gathers on its own stream or
+    the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute): the same bytes in every host page a group owns (a link run
     also carries the staging bytes between a group's pages: those are nobody's)."""
     hosts = {}
-    for mode, aux in (("native", "1"), ("python", "1"), ("native", "0"), ("python", "0")):
+    for mode, aux in itertools.product(("native", "python"), ("1", "0", "compute")):
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", mode)
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", aux)
         core, kv, refs, rng = staged_core(built, monkeypatch, "1", 2, seed=11)
