@@ -25,6 +25,7 @@ from . import env
 logger = logging.getLogger(__name__)
 
 DEVICE_KINDS = ("cuda", "npu", "cpu")
+CU_STREAM_LEGACY = 1  # the driver's handle of the legacy default stream
 
 
 class Platform(ABC):
@@ -123,7 +124,9 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         super().__init__(torch.cuda)
 
     def raw_stream_handle(self, stream) -> int:
-        return int(stream.cuda_stream)
+        # vLLM 0.23 computes on the legacy default stream, whose handle torch gives as 0; the
+        # native library names it CU_STREAM_LEGACY (1), as it refuses a null stream
+        return int(stream.cuda_stream) or CU_STREAM_LEGACY
 
     def new_stream(self):
         """A transfer stream of our own: a non-blocking driver stream, kept for the process's
