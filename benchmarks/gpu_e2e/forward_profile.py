@@ -32,7 +32,7 @@ def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> 
     for e in events:
         if "CUDA" in str(getattr(e, "device_type", "")):
             a, b = float(e.time_range.start), float(e.time_range.end)
-            spans.append((a, b))
+            spans.append((a, b, e.name[:40]))
             d = dev[e.name[:70]]
             d[0] += 1
             d[1] += b - a
@@ -41,21 +41,27 @@ def summarize(events: list[Any], wall_s: float, cpu_s: float, top: int = 12) -> 
             h[0] += 1
             h[1] += float(getattr(e, "self_cpu_time_total", 0.0))
     spans.sort()
-    busy, end = 0.0, None
-    for a, b in spans:  # device time covered by at least one activity
+    busy, end, last = 0.0, None, None
+    # idle time by the pair of activities around it: where the device waits, not only how long
+    gaps: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for a, b, name in spans:  # device time covered by at least one activity
         if end is None or a >= end:
+            if end is not None:
+                g = gaps[f"{last} > {name}"]
+                g[0] += 1
+                g[1] += a - end
             busy += b - a
-            end = b
+            end, last = b, name
         elif b > end:
             busy += b - end
-            end = b
+            end, last = b, name
     rank = lambda m: [[k, int(v[0]), round(v[1] / 1e3, 3)] for k, v in sorted(m.items(), key=lambda kv: -kv[1][1])[:top]]
     return {"wall_ms": round(wall_s * 1e3, 3), "cpu_ms": round(cpu_s * 1e3, 3),
             "host_ops": sum(int(v[0]) for v in host.values()),
             "host_self_ms": round(sum(v[1] for v in host.values()) / 1e3, 3),
             "device_ops": len(spans), "device_busy_ms": round(busy / 1e3, 3),
             "device_span_ms": round((spans[-1][1] - spans[0][0]) / 1e3, 3) if spans else 0.0,
-            "top_host": rank(host), "top_device": rank(dev)}
+            "top_host": rank(host), "top_device": rank(dev), "top_gaps": rank(gaps)}
 
 
 def _tokens(args: tuple) -> int:

@@ -386,9 +386,9 @@ def thread_cpu_table(threads: dict[str, list[dict]]) -> str:
 
 def step_profile_table(profiles: dict[str, list[dict]], base: str = "off", top: int = 6) -> str:
     """The profiled engine steps per engine (``--miss-profile-step``): device busy time against its
-    span (the difference: the device idle between its operations), then per engine the kernels and
-    host operators whose time differs most from ``base``'s (mean ms per window; one that only one
-    side ran shows as all of its time)."""
+    span (the difference: the device idle between its operations), then per engine the kernels, the
+    idle gaps (named by the activities before and after them) and host operators whose time differs
+    most from ``base``'s (mean ms per window; one that only one side has shows as all of its time)."""
     if not profiles:
         return ""
     keys = ("wall_ms", "cpu_ms", "device_ops", "device_busy_ms", "device_span_ms")
@@ -402,7 +402,8 @@ def step_profile_table(profiles: dict[str, list[dict]], base: str = "off", top: 
         for k, ps in profiles.items():
             if k == base or not ps:
                 continue
-            for part, what in (("top_device", "kernels"), ("top_host", "host self")):
+            for part, what in (("top_device", "kernels"), ("top_gaps", "device idle before > after"),
+                               ("top_host", "host self")):
                 o, b = mean(ps, part), mean(profiles[base], part)
                 d = sorted(((o.get(n, 0.0) - b.get(n, 0.0), n) for n in set(o) | set(b)), key=lambda x: -abs(x[0]))[:top]
                 if d:

@@ -427,7 +427,8 @@ def test_part_miss_profiles_one_step_per_engine_after_the_timed_rounds():
 
     def prof(extra_ms):
         return {"wall_ms": 9.0, "cpu_ms": 1.0, "device_ops": 100, "device_busy_ms": 8.0 + extra_ms,
-                "device_span_ms": 9.0, "top_device": [["gemv", 60, 6.0 + extra_ms], ["attn", 32, 2.0]]}
+                "device_span_ms": 9.0, "top_device": [["gemv", 60, 6.0 + extra_ms], ["attn", 32, 2.0]],
+                "top_gaps": [["gemv > attn", 32, 0.5 + extra_ms]]}
 
     class Proc:
         def __init__(self, kind, extra):
@@ -448,6 +449,7 @@ def test_part_miss_profiles_one_step_per_engine_after_the_timed_rounds():
     assert len(res["runs"]["ours"]) == 2
     assert len(res["profiles"]["off"]) == len(res["profiles"]["ours"]) == 2
     text = tables.step_profile_table(res["profiles"])
+    assert "ours - off, device idle before > after: gemv > attn +0.250" in text
     assert "ours - off, kernels: gemv +0.250; attn +0.000" in text and "8.25" in text and " 0.75 |" in text and " 1.00 |" in text
     assert tables.step_profile_table({}) == ""
     a0 = device.build_parser().parse_args(["miss", "--miss-reps", "1"])
@@ -525,6 +527,7 @@ def test_forward_profile_summary_and_table():
     assert s["device_ops"] == 3 and s["device_busy_ms"] == 2.0 and s["device_span_ms"] == 3.5  # overlap counted once
     assert s["top_host"][0] == ["aten::mm", 2, 0.4] and s["top_device"][0] == ["gemm", 2, 2.0]
     assert s["host_ops"] == 3 and s["host_self_ms"] == 0.45 and s["wall_ms"] == 10.0 and s["cpu_ms"] == 8.0
+    assert s["top_gaps"] == [["gemm > copy", 1, 1.5]]  # the idle between the last gemm's end and the copy
     slower = fp.summarize(ev + [host("aten::mm", 1000.0)], 0.012, 0.01)
     res = {"rows": [{"prompt_tokens": 2048, "native_profiles": [s, s], "ours_profiles": [slower, slower]}]}
     text = tables.forward_profile_table(res)
