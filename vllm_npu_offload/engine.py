@@ -1,8 +1,11 @@
 """Ordered asynchronous transfers with exactly-once completion.
 
-Per direction, transfers execute in submission order on one stream of that direction,
-created once (a fixed, small set of streams: see ``Platform.new_stream`` for why they are
-never torch's pooled ones). Every job (loads too)
+Per direction, transfers execute in submission order. They take a small ring of that
+direction's streams in turn, each job after the previous one's end event: on one stream,
+jobs of many page copies queued behind a long forward fill its hardware queue and the
+engine thread blocks in the next enqueue (docs/benchmarks.md, sixth session: 2.7 s per
+no-reuse round with direct stores). The streams are created once (see ``Platform.new_stream``
+for why they are never torch's pooled ones). Every job (loads too)
 also waits for the compute stream, which closes both known races: a store reading KV
 that the model is still writing, and a load overwriting a block that attention still
 reads. Completion is detected by polling end events; each job is reported exactly
@@ -18,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from . import env
 from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
@@ -26,6 +30,7 @@ from .transfer import Transfer
 
 
 _DIRECTIONS = tuple(Direction)
+ENV_STREAMS = "NPU_OFFLOAD_TRANSFER_STREAMS"
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,9 @@ class TransferEngine:
         self.pool = pool or DescriptorPool(platform)
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
-        self._streams: dict[Direction, Any] = {}
+        self._streams: dict[Direction, list[Any]] = {}
+        self._ring = env.get(ENV_STREAMS)
+        self._turn = {d: 0 for d in Direction}
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
         self._done: dict[Direction, list[TransferResult]] = {d: [] for d in Direction}
@@ -79,13 +86,15 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            stream = self._streams.get(direction)
-            if stream is None:
-                stream = self.stream(direction)
+            ring = self._streams.get(direction) or self.streams(direction)
+            stream = ring[self._turn[direction] % len(ring)]
+            self._turn[direction] += 1
             start = self._events.pop() if self._events else self.platform.new_event()
             end = self._events.pop() if self._events else self.platform.new_event()
             compute = self.platform.current_stream()
-            stream.wait_stream(compute)  # earlier jobs: stream order
+            stream.wait_stream(compute)
+            if queue and len(ring) > 1:  # earlier jobs of this direction first (on other streams)
+                stream.wait_event(queue[-1].end)
             error = None
             with self.platform.stream_context(stream):
                 start.record(stream)
@@ -97,13 +106,18 @@ class TransferEngine:
             queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
             self._job_ids.add(job_id)
 
-    def stream(self, direction: Direction) -> Any:
-        """The one stream this direction's transfers run on (made on first use)."""
+    def streams(self, direction: Direction) -> list[Any]:
+        """The streams this direction's transfers take in turn (made on first use)."""
         with self._lock:
-            stream = self._streams.get(direction)
-            if stream is None:
-                stream = self._streams[direction] = self.platform.new_stream()
-            return stream
+            ring = self._streams.get(direction)
+            if ring is None:
+                ring = self._streams[direction] = [self.platform.new_stream() for _ in range(self._ring)]
+            return ring
+
+    def stream(self, direction: Direction) -> Any:
+        """The stream this direction's next transfer takes."""
+        with self._lock:
+            return self.streams(direction)[self._turn[direction] % self._ring]
 
     # -- completion -------------------------------------------------------------------
     def _finish(self, item: _InFlight) -> TransferResult:

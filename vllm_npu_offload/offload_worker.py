@@ -309,7 +309,7 @@ class OffloadWorkerCore:
     def streams(self) -> list:
         """Every stream this core enqueues copies on (the engine's per direction, the staging
         aux streams): none may be the model's compute stream (diagnostics, benchmarks)."""
-        out = [self.engine.stream(d) for d in Direction]
+        out = [s for d in Direction for s in self.engine.streams(d)]
         if self.stager is not None:
             out += self.stager.aux_streams()
         return out

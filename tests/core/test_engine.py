@@ -1,6 +1,7 @@
 """Transfer engine: order, exactly-once completion, failures, wait and shutdown."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,8 +165,7 @@ def test_duplicate_job_id_rejected():
     gate = threading.Event()
     stream_block = platform.new_event()
     # hold the stream so job 1 stays in flight
-    eng._streams[Direction.D2H] = platform.new_stream()
-    eng._streams[Direction.D2H].submit(gate.wait)
+    eng.stream(Direction.D2H).submit(gate.wait)  # the stream job 1 takes
     eng.submit(1, Direction.D2H, pl.plan([0], [0]))
     with pytest.raises(ValueError, match="job id 1 is already in flight"):
         eng.submit(1, Direction.D2H, pl.plan([1], [1]))
@@ -174,8 +174,12 @@ def test_duplicate_job_id_rejected():
     eng.shutdown()
 
 
-def test_one_stream_per_direction_however_many_jobs():
-    """Jobs of one direction run in order on one stream made once (a fixed set of transfer streams)."""
+@pytest.mark.parametrize("ring", [1, 4])
+def test_jobs_take_a_fixed_ring_of_streams_in_turn_and_stay_in_order(ring, monkeypatch):
+    """Jobs of one direction take that direction's streams in turn (made once, however many jobs:
+    NPU_OFFLOAD_TRANSFER_STREAMS per direction), each after the previous job: a job held on its
+    stream holds every later one of its direction, on whichever stream, and not the other's."""
+    monkeypatch.setenv("NPU_OFFLOAD_TRANSFER_STREAMS", str(ring))
     platform = CpuPlatform(threaded_streams=True)
     made = []
     new_stream = platform.new_stream
@@ -184,12 +188,23 @@ def test_one_stream_per_direction_however_many_jobs():
     dst = torch.zeros_like(src)
     eng = Engine(platform, NPUDmaCopyBackend(platform))
     pl = planner(src, dst, 16)
+    gate = threading.Event()
+    eng.stream(Direction.D2H).submit(gate.wait)  # the stream the first store takes
+    taken = []
     for job in range(12):
-        eng.submit(job, Direction.D2H if job % 3 else Direction.H2D, pl.plan([job % 4], [job % 4]))
+        d = Direction.D2H if job % 3 else Direction.H2D
+        taken.append(eng.stream(d))
+        eng.submit(job, d, pl.plan([job % 4], [job % 4]))
+    eng.wait([0, 3, 6, 9])  # the loads: not held by the stores
+    time.sleep(0.05)
+    assert sorted(r.job_id for r in eng.poll()) == [0, 3, 6, 9]  # every store waits for the first
+    assert not any(it.end.query() for it in eng._queues[Direction.D2H])  # none ran, on any stream
+    gate.set()
     eng.drain()
     res = eng.poll()
-    assert sorted(r.job_id for r in res) == list(range(12)) and all(r.success for r in res)
-    assert len(made) == 2 and torch.equal(dst, src)
+    assert [r.job_id for r in res] == [j for j in range(12) if j % 3] and all(r.success for r in res)
+    assert len(made) == 2 * ring and len({id(s) for s in taken}) == min(2 * ring, 12)
+    assert torch.equal(dst, src)
     eng.shutdown()
 
 

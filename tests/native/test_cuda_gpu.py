@@ -305,12 +305,12 @@ def test_transfer_streams_are_not_torch_pool_streams():
     host = p.empty_pinned(4 * 4096, torch.uint8).view(4, 4096)
     planner = CopyPlanner([TensorPair(BlockLayout(dev.data_ptr(), 4096, 4), BlockLayout(host.data_ptr(), 4096, 4),
                                       4096)])
-    for job in range(8):  # many jobs in flight: still one stream per direction
+    for job in range(8):  # many jobs in flight: still the direction's fixed ring of streams
         eng.submit(job, DirectTransfer(Direction.D2H, planner.plan([job % 4], [job % 4], eng.pool), backend))
     eng.drain()
     assert all(r.success for r in eng.poll())
-    streams = list(eng._streams.values())
-    assert len(streams) == 1 and streams[0].cuda_stream not in pool
+    streams = [s for ring in eng._streams.values() for s in ring]
+    assert len(streams) == eng._ring and not {s.cuda_stream for s in streams} & pool
     assert torch.equal(host.cpu(), dev.cpu())
     eng.shutdown()
 
