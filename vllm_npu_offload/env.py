@@ -72,8 +72,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "1: every transfer staged, 0: every transfer direct (unset: by size, from the start-up measurement; "
          "CPU-only machines stay direct)", user=True),
     Knob("NPU_OFFLOAD_STAGED_STORES", "flag", None,
-         "0: stores always direct on the copy engines (no device gather beside the model's steps); "
-         "loads as NPU_OFFLOAD_STAGED says", user=True),
+         "0: stores always direct on the copy engines (no device gather beside the model's steps); 1: stores "
+         "staged from the measured size; unset: direct on CUDA for pages of 32 KiB or more, else as 1. "
+         "Loads as NPU_OFFLOAD_STAGED says", user=True),
     Knob("NPU_OFFLOAD_CALIBRATE", "flag", True,
          "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics", user=True),
     Knob("NPU_OFFLOAD_CACHE_DIR", "path", None,

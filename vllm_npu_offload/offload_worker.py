@@ -32,7 +32,7 @@ from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorP
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
-from .staging_choice import NEVER, CalibrationTarget, staged_thresholds
+from .staging_choice import NEVER, CalibrationTarget, staged_thresholds, stores_direct
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def live_workers() -> list["OffloadWorkerCore"]:
 
 
 ENV_STAGED = "NPU_OFFLOAD_STAGED"  # 1: every transfer staged, 0: never, unset: calibrated
-ENV_STAGED_STORES = "NPU_OFFLOAD_STAGED_STORES"  # 0: stores direct whatever their size
+ENV_STAGED_STORES = "NPU_OFFLOAD_STAGED_STORES"  # 0 / 1: stores direct / staged from the measured size
 
 
 class OffloadWorkerCore:
@@ -159,8 +159,9 @@ class OffloadWorkerCore:
             self.staged_min_blocks = {d: 1 for d in Direction}
         else:
             self.staged_min_blocks = staged_thresholds(self.calibration_target())
-        if env.get(ENV_STAGED_STORES) is False:  # stores direct on the copy engines, no SM gather
-            self.staged_min_blocks[Direction.D2H] = NEVER
+        pages = [r.page_bytes for refs in self.group_refs for r in refs]
+        if stores_direct(self.platform.kind, pages, env.get(ENV_STAGED_STORES), mode):
+            self.staged_min_blocks[Direction.D2H] = NEVER  # stores direct on the copy engines, no gather
 
     def calibration_target(self) -> CalibrationTarget:
         """This core as the staged/direct crossover measurement sees it (the first KV group's

@@ -21,6 +21,10 @@ from .copy.base import Direction
 logger = logging.getLogger(__name__)
 
 NEVER = 1 << 62  # "no transfer is large enough": stays direct
+# CUDA stores of pages from this size go direct on the copy engines by default: staged, their SM
+# gather left every later decode step ~0.15 ms longer on an H200, while direct batch DMA of 32 KiB
+# pages costs what vLLM's native offload does (docs/benchmarks.md, sixth session)
+DIRECT_STORE_MIN_PAGE = 32 * 1024
 HEURISTIC_MIN_BLOCKS = 4  # without a measurement (NPU_OFFLOAD_CALIBRATE=0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 REPS = 5
@@ -38,6 +42,16 @@ class CalibrationTarget:
     num_chunks: int
     blocks_per_chunk: int
     time_transfer: Callable[[Direction, np.ndarray, np.ndarray, bool], float]
+
+
+def stores_direct(kind: str, page_sizes: list[int], staged_stores: bool | None, staged: bool | None) -> bool:
+    """Whether every store goes direct, whatever its size. ``staged_stores``: NPU_OFFLOAD_STAGED_STORES
+    (False: always; True: never, stores staged from the measured size); ``staged``: NPU_OFFLOAD_STAGED
+    (True: everything staged). Unset, CUDA stores of pages >= DIRECT_STORE_MIN_PAGE go direct; Ascend
+    keeps staged stores (the decode cost of a device gather beside the model is measured on CUDA only)."""
+    if staged_stores is not None:
+        return not staged_stores
+    return staged is not True and kind == "cuda" and bool(page_sizes) and min(page_sizes) >= DIRECT_STORE_MIN_PAGE
 
 
 def measure(target: CalibrationTarget) -> dict:

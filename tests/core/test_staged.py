@@ -304,6 +304,50 @@ def test_direct_stores_keep_loads_staged(monkeypatch):
     core.shutdown()
 
 
+@pytest.mark.parametrize("kind,pages,staged_stores,staged,direct", [
+    ("cuda", [32 << 10] * 64, None, None, True),  # vLLM-Ascend's per-layer 8B shape on CUDA: direct
+    ("cuda", [64 << 10, 32 << 10], None, None, True),
+    ("cuda", [32 << 10, 2 << 10], None, None, False),  # a small page: staged (per-page DMA is slow there)
+    ("cuda", [16 << 10], None, None, False),
+    ("cuda", [32 << 10], True, None, False),  # NPU_OFFLOAD_STAGED_STORES=1: staged from the measured size
+    ("cuda", [32 << 10], None, True, False),  # NPU_OFFLOAD_STAGED=1: everything staged
+    ("cuda", [2 << 10], False, None, True),  # NPU_OFFLOAD_STAGED_STORES=0: always direct
+    ("npu", [32 << 10] * 64, None, None, False),  # Ascend keeps staged stores (measured on CUDA only)
+    ("npu", [32 << 10], False, None, True),
+    ("cuda", [], None, None, False),
+])
+def test_which_stores_go_direct(kind, pages, staged_stores, staged, direct):
+    assert staging_choice.stores_direct(kind, pages, staged_stores, staged) is direct
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,direct", [(32 << 10, True), (2 << 10, False)])
+def test_cuda_default_stores_direct_from_32k_pages_byte_exact(page, direct, monkeypatch):
+    """On CUDA with nothing set, a core of 32 KiB pages stores direct (no gather) and loads
+    staged; one of 2 KiB pages keeps staged stores. A store then load is byte-exact either way."""
+    platform = _platform("cuda")
+    monkeypatch.delenv("NPU_OFFLOAD_STAGED")
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
+    rng = np.random.default_rng(3)
+    tensors = [torch.from_numpy(rng.integers(0, 256, (DEV_BLOCKS, page), dtype=np.uint8)).cuda() for _ in range(4)]
+    refs = [[GroupRef(i, page) for i in range(4)]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 2, CHUNKS, platform)
+    assert core.stager is not None
+    assert (core.staged_min_blocks[Direction.D2H] == staging_choice.NEVER) is direct
+    n = 24
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 2)
+    want = [t[dev_ids].clone() for t in tensors]
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks)
+    settle(core, [1])
+    for t in tensors:
+        t[dev_ids] = 0
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
+    settle(core, [2])
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
 def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
     slot = core.stager.geometry.slot_blocks
