@@ -304,6 +304,8 @@ def test_plan_servers_memory_and_labels():
     assert [p.label for p in v] == ["native", "ours", "ours/dstore"] and v[2].kind == "ours"
     assert dict(v[2].env) == {"NPU_OFFLOAD_STAGED_STORES": "0"} and v[1].env == ()
     assert v[2].kv_config() == v[1].kv_config()
+    staged = serve.plan_servers("perlayer", ["ours", "ours/sstore"], serve.LOADS[32], 0, 0)[1]
+    assert dict(staged.env) == {"NPU_OFFLOAD_STAGED_STORES": "1"}  # the staged stores of before, beside the default
     for bad in ("native/dstore", "ours/nope"):
         with pytest.raises(serve.PlanError, match="variants are ours/"):
             serve.plan_servers("uniform", [bad], serve.LOADS[8], 0, 0)
