@@ -86,7 +86,7 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            ring = self._streams.get(direction) or self.streams(direction)
+            ring = self.streams(direction)
             stream = ring[self._turn[direction] % len(ring)]
             self._turn[direction] += 1
             start = self._events.pop() if self._events else self.platform.new_event()

@@ -155,13 +155,14 @@ class OffloadWorkerCore:
         self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
         self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
                        for refs in self.group_refs]
-        if mode is True:
-            self.staged_min_blocks = {d: 1 for d in Direction}
-        else:
-            self.staged_min_blocks = staged_thresholds(self.calibration_target())
         pages = [r.page_bytes for refs in self.group_refs for r in refs]
-        if stores_direct(self.platform.kind, pages, env.get(ENV_STAGED_STORES), mode):
-            self.staged_min_blocks[Direction.D2H] = NEVER  # stores direct on the copy engines, no gather
+        # stores direct on the copy engines, no gather: only loads are measured
+        staged = tuple(d for d in Direction if d is Direction.H2D or not stores_direct(
+            self.platform.kind, pages, env.get(ENV_STAGED_STORES), mode))
+        if mode is True:
+            self.staged_min_blocks = {d: 1 if d in staged else NEVER for d in Direction}
+        else:
+            self.staged_min_blocks = staged_thresholds(self.calibration_target(), staged)
 
     def calibration_target(self) -> CalibrationTarget:
         """This core as the staged/direct crossover measurement sees it (the first KV group's

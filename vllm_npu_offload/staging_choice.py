@@ -54,13 +54,14 @@ def stores_direct(kind: str, page_sizes: list[int], staged_stores: bool | None, 
     return staged is not True and kind == "cuda" and bool(page_sizes) and min(page_sizes) >= DIRECT_STORE_MIN_PAGE
 
 
-def measure(target: CalibrationTarget) -> dict:
-    """Best-of-``REPS`` seconds of direct and staged transfers per size, and the crossover."""
+def measure(target: CalibrationTarget, directions: tuple[Direction, ...] = tuple(Direction)) -> dict:
+    """Best-of-``REPS`` seconds of direct and staged transfers per size, and the crossover, for
+    ``directions``."""
     bpc = target.blocks_per_chunk
     sizes = [n for n in SIZES if n <= target.device_blocks and -(-n // bpc) <= target.num_chunks]
     rng = np.random.default_rng(0)
     out: dict = {"sizes": sizes, "direct": {}, "staged": {}, "min_blocks": {}}
-    for d in Direction:
+    for d in directions:
         direct, staged = [], []
         for n in sizes:
             dev = rng.choice(target.device_blocks, n, replace=False).astype(np.int64)
@@ -107,13 +108,20 @@ def crossover(sizes: list[int], direct: list[float], staged: list[float]) -> int
     return sizes[first] if first is not None else NEVER
 
 
-def staged_thresholds(target: CalibrationTarget) -> dict[Direction, int]:
-    """Per direction, the smallest transfer (in blocks) that goes staged."""
+def staged_thresholds(target: CalibrationTarget,
+                      directions: tuple[Direction, ...] = tuple(Direction)) -> dict[Direction, int]:
+    """Per direction, the smallest transfer (in blocks) that goes staged; only ``directions`` are
+    measured (a direction that always stays direct, e.g. stores by ``stores_direct``, gets NEVER
+    without start-up transfers)."""
+    out = {d: NEVER for d in Direction}
+    if not directions:
+        return out
     if not calibration.enabled():
-        return {d: HEURISTIC_MIN_BLOCKS for d in Direction}
+        return {**out, **{d: HEURISTIC_MIN_BLOCKS for d in directions}}
+    only = "" if set(directions) == set(Direction) else "|" + ",".join(d.name for d in directions)
     try:
-        entry = calibration.cached(f"staged-v{VERSION}|{target.key}", lambda: measure(target))
+        entry = calibration.cached(f"staged-v{VERSION}{only}|{target.key}", lambda: measure(target, directions))
     except Exception as e:  # noqa: BLE001 - never fail start-up over a measurement
         logger.warning("staged-copy calibration failed (%s); staging from %d blocks", e, HEURISTIC_MIN_BLOCKS)
-        return {d: HEURISTIC_MIN_BLOCKS for d in Direction}
-    return {d: int(entry["min_blocks"][d.name]) for d in Direction}
+        return {**out, **{d: HEURISTIC_MIN_BLOCKS for d in directions}}
+    return {**out, **{d: int(entry["min_blocks"][d.name]) for d in directions}}

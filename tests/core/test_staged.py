@@ -409,10 +409,18 @@ def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
         assert all(t > 0 for t in entry["direct"][d] + entry["staged"][d])
         assert entry["min_blocks"][d] == staging_choice.crossover(entry["sizes"], entry["direct"][d],
                                                                   entry["staged"][d])
+    assert set(staging_choice.measure(target, (Direction.H2D,))["min_blocks"]) == {"H2D"}
     monkeypatch.delenv("NPU_OFFLOAD_STAGED")
     calls = []
-    monkeypatch.setattr(staging_choice, "measure", lambda c: calls.append(c) or entry)
+    monkeypatch.setattr(staging_choice, "measure", lambda c, dirs: calls.append((c, dirs)) or entry)
     first = staging_choice.staged_thresholds(target)
-    assert calls == [target] and staging_choice.staged_thresholds(target) == first and len(calls) == 1
+    assert calls == [(target, tuple(Direction))] and staging_choice.staged_thresholds(target) == first
+    assert len(calls) == 1
     assert (tmp_path / calibration.CACHE_FILE).exists()
+    # stores that always go direct: only loads are measured (a cache entry of its own), stores NEVER
+    loads_only = staging_choice.staged_thresholds(target, (Direction.H2D,))
+    assert calls[1:] == [(target, (Direction.H2D,))]
+    assert loads_only == {Direction.H2D: first[Direction.H2D], Direction.D2H: staging_choice.NEVER}
+    assert staging_choice.staged_thresholds(target, ()) == dict.fromkeys(Direction, staging_choice.NEVER)
+    assert len(calls) == 2  # nothing to measure
     core.shutdown()
