@@ -46,6 +46,8 @@ SERVER_KINDS = ("off", "upper") + OFFLOADERS
 VARIANTS: dict[str, dict[str, str]] = {
     "dstore": {"NPU_OFFLOAD_STAGED_STORES": "0"},  # stores direct on the copy engines, no SM gather
     "sstore": {"NPU_OFFLOAD_STAGED_STORES": "1"},  # stores staged from the measured size (CUDA default before 2026-11-26)
+    "dload": {"NPU_OFFLOAD_STAGED": "0"},  # loads direct too (batch DMA into the pages, no SM scatter)
+    "dgat": {"NPU_OFFLOAD_STAGE_GATHER": "dma"},  # staged, but gather/scatter by device-to-device DMA
     "sm4": {"NPU_OFFLOAD_STAGE_PROGRAMS": "4"},  # the staged gather/scatter on 4 SMs instead of 16
     "sm2": {"NPU_OFFLOAD_STAGE_PROGRAMS": "2"},
     "sm16": {"NPU_OFFLOAD_STAGE_PROGRAMS": "16"},
