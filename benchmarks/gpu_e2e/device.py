@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .engine import CACHE_ENV, ENV, EngineError, EngineSpec, start_all
+from .engine import CACHE_ENV, ENV, LAYERWISE_MODE_ENV, EngineError, EngineSpec, start_all
 from .gpu_clocks import ClockSampler
 from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
@@ -76,7 +76,8 @@ def gpu_meta(a) -> dict:
     """Device, date, vLLM version and mode: the header of every table."""
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "mode": ("eager (enforce_eager)" if a.eager else "default (torch.compile + CUDA graphs)"),
-            "attention_backend": a.attention_backend, "command": " ".join(sys.argv)}
+            "attention_backend": a.attention_backend, "command": " ".join(sys.argv),
+            "layerwise_load": a.layerwise_load}
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=20)
@@ -838,6 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layerwise", action="store_true",
                     help="add ours with layer-wise loads (engine.LAYERWISE_EXTRA, docs/layerwise.md) to the pool "
                          "(ttft, miss) of layouts with one KV-cache group; correctness always runs it there")
+    ap.add_argument("--layerwise-load", choices=("true", "auto"), default="true",
+                    help="the layerwise engines' and servers' layerwise_load: true (every qualifying hit) or auto "
+                         "(only while no other request runs, hits of >= 4096 tokens)")
     ap.add_argument("--no-native", action="store_true",
                     help="pool without vLLM's native spec (room for one more variant; ttft needs native)")
     ap.add_argument("--no-off", action="store_true",
@@ -906,6 +910,8 @@ def part_serve(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.layerwise_load == "auto":  # read by engine.layerwise_extra, here and in every child process
+        os.environ[LAYERWISE_MODE_ENV] = "auto"
     budget = Budget(a.budget_s)
     try:
         parts = parse_parts(a.parts)

@@ -24,6 +24,16 @@ NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
 NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
 # layerwise: ours loading host hits layer group by layer group inside the step (docs/layerwise.md)
 LAYERWISE_EXTRA = {"layerwise_load": True, "layerwise_min_tokens": 256, "layerwise_groups": 4}
+# device.py --layerwise-load auto sets it (children inherit it): the layerwise kind in "auto" mode, with
+# auto's own min_tokens (layer by layer only while nothing else runs; vllm_npu_offload options.py)
+LAYERWISE_MODE_ENV = "GPU_E2E_LAYERWISE_LOAD"
+
+
+def layerwise_extra() -> dict:
+    """The layerwise kind's keys: LAYERWISE_EXTRA, or its "auto" form under LAYERWISE_MODE_ENV=auto."""
+    if os.environ.get(LAYERWISE_MODE_ENV) == "auto":
+        return {"layerwise_load": "auto", "layerwise_groups": LAYERWISE_EXTRA["layerwise_groups"]}
+    return dict(LAYERWISE_EXTRA)
 KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -62,7 +72,7 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
     if kind in ("ours", "layerwise"):
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
         if kind == "layerwise":
-            extra.update(LAYERWISE_EXTRA)
+            extra.update(layerwise_extra())
             connector = connector or NPU_CONNECTOR
     elif kind == "null":
         extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)

@@ -222,7 +222,9 @@ def layerwise_ttft_table(res: dict) -> str:
     head = ["prompt tok", "reload layerwise ms", "reload ours ms", "reload native ms", "layerwise transfer ms",
             "max(transfer, forward) ms", "from host tok", "layerwise/ours", "layerwise/native", "layerwise/max"]
     counters = res.get("layerwise") or {}
-    return table(head, rows) + ("\nlayerwise = ours with engine.LAYERWISE_EXTRA: the hit loads layer group by layer "
+    from .engine import layerwise_extra
+
+    return table(head, rows) + (f"\nlayerwise = ours with {layerwise_extra()}: the hit loads layer group by layer "
                                 "group inside the step that computes the rest of the prompt; max(transfer, forward) = "
                                 "ideal transfer (bytes / H2D) vs device-hit TTFT, the larger; its counters: "
                                 + ", ".join(f"{k} {v}" for k, v in counters.items()))

@@ -654,6 +654,25 @@ def test_layerwise_kind_in_pools_and_servers(monkeypatch, tmp_path):
         serve.parse_server("layerwise", "multigroup")
 
 
+def test_layerwise_load_auto_reaches_the_engines_config(monkeypatch):
+    """--layerwise-load auto: the layerwise kind's connector gets layerwise_load "auto" and auto's own
+    min_tokens (none set), in this process and, through the environment, in every child."""
+    from benchmarks.gpu_e2e import device, engine
+
+    monkeypatch.setenv(engine.LAYERWISE_MODE_ENV, "true")  # restored to what it was after the test
+    monkeypatch.delenv(engine.LAYERWISE_MODE_ENV)
+    extra = engine.kv_transfer_config("layerwise", 1 << 30, 64)["kv_connector_extra_config"]
+    assert extra["layerwise_load"] is True and extra["layerwise_min_tokens"] == 256
+    # main sets the variable before anything starts (this call stops at an argument check right after)
+    assert device.main(["ttft", "--layerwise", "--layerwise-load", "auto", "--no-native"]) == 2
+    assert os.environ[engine.LAYERWISE_MODE_ENV] == "auto"
+    extra = engine.kv_transfer_config("layerwise", 1 << 30, 64)["kv_connector_extra_config"]
+    assert extra["layerwise_load"] == "auto" and "layerwise_min_tokens" not in extra
+    assert engine.kv_transfer_config("ours", 1 << 30, 64)["kv_connector_extra_config"].get("layerwise_load") is None
+    with pytest.raises(SystemExit):
+        device.build_parser().parse_args(["ttft", "--layerwise-load", "yes"])
+
+
 class _TtftEngine:
     """A pool engine for part_ttft: reloads take ``wall`` seconds, every reload hits 2000 host tokens."""
 

@@ -22,6 +22,7 @@ from vllm_npu_offload.integration.job_router import ResultRouter
 from vllm_npu_offload.integration.layer_groups import split_layer_groups
 from vllm_npu_offload.integration.layerwise_policy import sync_hit
 from vllm_npu_offload.integration.options import (
+    AUTO_MIN_TOKENS,
     LayerwiseOptions,
     check_layerwise_owner,
     layerwise_options,
@@ -103,14 +104,23 @@ def test_layerwise_options_defaults_and_errors():
     assert layerwise_options({}) == LayerwiseOptions(False, 256, 4)
     assert layerwise_options({"layerwise_load": True, "layerwise_min_tokens": 64, "layerwise_groups": 8}) == \
         LayerwiseOptions(True, 64, 8)
-    with pytest.raises(OffloadConfigError, match=r"\['layerwise_load'\]='yes' must be true or false"):
-        layerwise_options({"layerwise_load": "yes"})
-    with pytest.raises(OffloadConfigError, match=r"\['layerwise_load'\]=1 must be true or false"):
-        layerwise_options({"layerwise_load": 1})
+    for bad in ("yes", 1, "Auto", "true"):
+        with pytest.raises(OffloadConfigError, match=rf"\['layerwise_load'\]={bad!r} must be true, false "
+                                                     r"\(JSON booleans\) or \"auto\""):
+            layerwise_options({"layerwise_load": bad})
     for key in ("layerwise_min_tokens", "layerwise_groups"):
         for bad in (0, -2, 1.5, True, "x"):
             with pytest.raises(OffloadConfigError, match=rf"\['{key}'\]=.* must be a positive integer"):
                 layerwise_options({key: bad})
+
+
+def test_auto_mode_defaults_to_long_hits_and_keeps_a_set_threshold():
+    auto = layerwise_options({"layerwise_load": "auto"})
+    assert auto == LayerwiseOptions(True, AUTO_MIN_TOKENS, 4, True) and auto.mode == "auto"
+    assert AUTO_MIN_TOKENS == 4096
+    assert layerwise_options({"layerwise_load": "auto", "layerwise_min_tokens": 512}).min_tokens == 512
+    assert layerwise_options({"layerwise_load": True}).mode is True
+    assert layerwise_options({}).mode is False
 
 
 def test_layerwise_keys_belong_to_npu_offloading_connector():
@@ -334,6 +344,32 @@ def test_scheduler_leaves_short_and_async_declined_hits_to_upstream():
     view = allocate(sched, up, req, 3, {"k"}, 128, 8)
     assert all(b.block_hash for b in view.blocks[0])  # upstream sees vLLM's blocks as they are
     assert 3 in up._jobs and not sched.pending  # an ordinary asynchronous load, upstream's to complete
+
+
+def test_auto_goes_layer_by_layer_only_while_no_other_request_runs():
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+
+    from vllm_npu_offload.integration.layerwise_scheduler import LayerwiseScheduler
+
+    def meta():
+        return OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+
+    up = FakeUpstream()
+    sched = LayerwiseScheduler(up, LayerwiseOptions(True, 128, 4, auto=True))
+    req = SimpleNamespace(request_id="r1", num_tokens=300)
+    step = SimpleNamespace(num_scheduled_tokens={"other": 1, "r1": 16})
+    assert sched.matched(req, 0, 192, True) == (192, False)  # nothing ran yet: layer by layer
+    sched.ship(meta(), step)  # "other" decodes in this step
+    assert sched.matched(req, 0, 192, True) == (192, True) and sched.auto_declined == 1  # it would wait for us
+    assert sched.matched(req, 0, 64, True) == (64, True) and sched.auto_declined == 1  # short: never layer-wise
+    sched.finished("other")  # finished after that step: the engine is ours alone
+    assert sched.matched(req, 0, 192, True) == (192, False)
+    sched.ship(meta(), SimpleNamespace(num_scheduled_tokens={"r1": 16}))  # only the request itself ran
+    assert sched.matched(req, 0, 192, True) == (192, False)
+    sched.ship(meta(), step)
+    always = LayerwiseScheduler(up, LayerwiseOptions(True, 128, 4))
+    always.ship(meta(), step)
+    assert always.matched(req, 0, 192, True) == (192, False)  # layerwise_load true: whatever runs
 
 
 def test_reset_cache_drops_pending_loads():

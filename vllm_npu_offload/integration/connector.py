@@ -100,7 +100,7 @@ def load_job(job_id: int, entry) -> LoadJob:
 
 class NPUOffloadingConnector(OffloadingConnector):
     """``OffloadingConnector`` plus K/V-tuple canonicalisation in ``register_kv_caches`` and the
-    opt-in layer-wise loads."""
+    opt-in layer-wise loads (``layerwise_load``: true, or "auto": only while nothing else runs)."""
 
     def __init__(self, vllm_config, role, *args, **kwargs):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -124,14 +124,15 @@ class NPUOffloadingConnector(OffloadingConnector):
             raise OffloadConfigError(why)
         if extra.get("spec_name") != "NPUOffloadingSpec":
             raise OffloadConfigError(
-                "kv_connector_extra_config['layerwise_load']=True needs our spec (\"spec_name\": "
+                f"kv_connector_extra_config['layerwise_load']={self._layerwise.mode!r} needs our spec (\"spec_name\": "
                 "\"NPUOffloadingSpec\", \"spec_module_path\": \"vllm_npu_offload.integration.spec\"), "
                 f"not {extra.get('spec_name')!r}"
             )
         groups = self._kv_cache_config.kv_cache_groups  # all of them: vLLM's recovery reads group 0 only
         if len(groups) != 1:
             raise OffloadConfigError(
-                f"kv_connector_extra_config['layerwise_load']=True needs a model with one KV-cache group; this one "
+                f"kv_connector_extra_config['layerwise_load']={self._layerwise.mode!r} needs a model with one KV-cache "
+                f"group; this one "
                 f"has {len(groups)} ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): vLLM recovers "
                 "from a failed load for one group only (scheduler._update_requests_with_invalid_blocks). "
                 "Set 'layerwise_load' to false"
@@ -185,6 +186,17 @@ class NPUOffloadingConnector(OffloadingConnector):
         if self._lw_sched is not None:
             self._lw_sched.reset()
         return super().reset_cache()
+
+    # vLLM calls one of the two when a request leaves: 0.32 the HMA one for an HMA connector
+    def request_finished(self, request, *args, **kwargs):
+        if self._lw_sched is not None:
+            self._lw_sched.finished(request.request_id)
+        return super().request_finished(request, *args, **kwargs)
+
+    def request_finished_all_groups(self, request, *args, **kwargs):
+        if self._lw_sched is not None:
+            self._lw_sched.finished(request.request_id)
+        return super().request_finished_all_groups(request, *args, **kwargs)
 
     # -- layer-wise loads: worker side ----------------------------------------------------
     def layerwise_stats(self) -> dict | None:

@@ -7,7 +7,9 @@ not yet computed (vLLM already hashed them: ``compat.unhashed_view``), (3) takes
 created out of upstream's books (docs/layerwise.md: upstream would trip on a running request with a
 pending load), (4) names the step's layer-wise jobs in the connector metadata, and (5) releases the
 job's host blocks once every worker reported it finished, which each does at the end of the step
-that computed it (``LayerwiseWorkerMetadata.layerwise_done``), failed or not.
+that computed it (``LayerwiseWorkerMetadata.layerwise_done``), failed or not. In ``auto`` mode a hit
+goes layer by layer only while no other request is running: the requests the last step scheduled,
+less those finished since (``finished``), are the ones a piecewise loading step would delay.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class LayerwiseScheduler:
         self._flagged: dict[str, int] = {}  # requests told (n, False) -> their local hit, until allocation
         self._step: set[int] = set()  # layer-wise jobs of the step being scheduled
         self._pending: dict[int, compat.TakenLoad] = {}  # shipped, not yet reported by every worker
+        self._running: set[str] = set()  # the last step's requests, less those finished since (auto)
+        self.auto_declined = 0  # auto: qualifying hits left asynchronous because others were running
 
     @property
     def pending(self) -> dict[int, compat.TakenLoad]:
@@ -46,6 +50,9 @@ class LayerwiseScheduler:
         n = sync_hit(request.num_tokens, num_computed_tokens, hit, self.block_tokens, self.opts.min_tokens,
                      trim=not compat.hit_end_is_pinned(self.upstream, request.request_id))
         if n is None:
+            return hit, is_async
+        if self.opts.auto and self._running - {request.request_id}:
+            self.auto_declined += 1
             return hit, is_async
         self._flagged[request.request_id] = num_computed_tokens
         return n, False
@@ -73,6 +80,7 @@ class LayerwiseScheduler:
     def ship(self, meta, scheduler_output) -> LayerwiseConnectorMetadata:
         """This step's metadata, naming its layer-wise jobs."""
         jobs, self._step = self._step, set()
+        self._running = compat.scheduled_request_ids(scheduler_output)
         if jobs:
             compat.mark_sync_loads(scheduler_output)
         return LayerwiseConnectorMetadata.extend(meta, jobs)
@@ -89,6 +97,10 @@ class LayerwiseScheduler:
                 continue
             del self._pending[job_id]
             compat.finish_load(self.upstream, load)
+
+    def finished(self, request_id: str) -> None:
+        """A request left the engine (``request_finished``): it no longer runs."""
+        self._running.discard(request_id)
 
     def reset(self) -> None:
         """``reset_cache``: the manager forgets every block, so pending loads have nothing to release."""

@@ -14,7 +14,8 @@ Pure Python (no vLLM import) so it is tested directly. Keys keep upstream's mean
 - ``staging_bytes``: device staging memory for staged copies (a positive integer).
 - ``layerwise_load`` / ``layerwise_min_tokens`` / ``layerwise_groups`` (``NPUOffloadingConnector``
   only): load a host hit of at least that many tokens inside the step that computes the rest of
-  its prompt, in that many layer groups (``LayerwiseOptions``; docs/layerwise.md).
+  its prompt, in that many layer groups (``LayerwiseOptions``; docs/layerwise.md). ``"auto"``: only
+  while no other request is running, where the loading step delays nobody's decode.
 
 Keys are strict: a key that neither we nor the installed vLLM read for the connector in use
 is an error naming the nearest known key (``reject_unknown_keys``; vLLM's own keys per
@@ -154,14 +155,30 @@ def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alig
     return opts.cpu_bytes_to_use
 
 
+LAYERWISE_MODES = (True, False, "auto")
+
+
 @dataclass(frozen=True)
 class LayerwiseOptions:
     """Layer-wise reload (docs/layerwise.md): off by default; a hit of ``min_tokens`` or more loads
-    in ``groups`` layer groups inside the step that computes it, shorter hits stay asynchronous."""
+    in ``groups`` layer groups inside the step that computes it, shorter hits stay asynchronous.
+    ``auto``: only while no other request runs. A layer-wise step runs piecewise and every request
+    in it waits for the copies: alone, that is the request's own TTFT gain (0.72x native's at 8k on
+    an H200); beside decodes, their TPOT pays (serving at 8 clients -5.3% req/s)."""
 
     enabled: bool = False
     min_tokens: int = 256  # below it the copies are short and the asynchronous path is as good
     groups: int = 4  # per group one stream wait per step; a few groups hide most of the copy
+    auto: bool = False
+
+    @property
+    def mode(self) -> bool | str:
+        return "auto" if self.auto else self.enabled
+
+
+# ``auto``'s default: a bare 2k reload was 1.29x slower layer by layer (its piecewise step costs
+# more than 5 ms of copies hide), an 8k one 0.85x (docs/benchmarks.md, fourth session)
+AUTO_MIN_TOKENS = 4096
 
 
 _IN_NPU_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar("npu_offloading_connector", default=False)
@@ -190,17 +207,20 @@ def check_layerwise_owner(extra: Mapping[str, Any]) -> None:
 
 
 def layerwise_options(extra: Mapping[str, Any]) -> LayerwiseOptions:
-    """The ``layerwise_*`` keys, checked: ``layerwise_load`` a JSON boolean, the others positive integers."""
+    """The ``layerwise_*`` keys, checked: ``layerwise_load`` true, false or "auto", the others
+    positive integers."""
     raw = extra.get("layerwise_load", False)
-    if not isinstance(raw, bool):
+    if not (isinstance(raw, bool) or raw == "auto"):
         raise OffloadConfigError(
-            f"kv_connector_extra_config['layerwise_load']={raw!r} must be true or false (a JSON boolean)"
+            f"kv_connector_extra_config['layerwise_load']={raw!r} must be true, false (JSON booleans) or \"auto\""
         )
+    auto = raw == "auto"
     default = LayerwiseOptions()
     return LayerwiseOptions(
-        raw,
-        _positive_int(extra, "layerwise_min_tokens") or default.min_tokens,
+        bool(raw),
+        _positive_int(extra, "layerwise_min_tokens") or (AUTO_MIN_TOKENS if auto else default.min_tokens),
         _positive_int(extra, "layerwise_groups") or default.groups,
+        auto,
     )
 
 
