@@ -34,6 +34,8 @@ def layerwise_extra() -> dict:
     if os.environ.get(LAYERWISE_MODE_ENV) == "auto":
         return {"layerwise_load": "auto", "layerwise_groups": LAYERWISE_EXTRA["layerwise_groups"]}
     return dict(LAYERWISE_EXTRA)
+
+
 KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

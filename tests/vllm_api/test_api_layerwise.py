@@ -210,16 +210,18 @@ def test_two_kv_groups_are_refused(tiny_model):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 
-    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 64 * PAGE * 4, "layerwise_load": True},
-                     "NPUOffloadingConnector", MODULE)
-    kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
-    full = kcc.kv_cache_groups[0].kv_cache_spec
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
-                               sliding_window=4096)
-    kcc.kv_cache_groups = [KVCacheGroupSpec(LAYERS[0::2], full), KVCacheGroupSpec(LAYERS[1::2], window)]
-    with pytest.raises(OffloadConfigError, match=r"\['layerwise_load'\]=True needs a model with one KV-cache "
-                                                 r"group; this one has 2 \(FullAttentionSpec, SlidingWindowSpec\)"):
-        NPUOffloadingConnector(vc, KVConnectorRole.WORKER, kcc)
+    for mode in (True, "auto"):  # the error names the value set
+        vc = vllm_config(tiny_model, {"cpu_bytes_to_use": 64 * PAGE * 4, "layerwise_load": mode},
+                         "NPUOffloadingConnector", MODULE)
+        kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
+        full = kcc.kv_cache_groups[0].kv_cache_spec
+        window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32,
+                                   sliding_window=4096)
+        kcc.kv_cache_groups = [KVCacheGroupSpec(LAYERS[0::2], full), KVCacheGroupSpec(LAYERS[1::2], window)]
+        with pytest.raises(OffloadConfigError, match=rf"\['layerwise_load'\]={mode!r} needs a model with one "
+                                                     r"KV-cache group; this one has 2 \(FullAttentionSpec, "
+                                                     r"SlidingWindowSpec\)"):
+            NPUOffloadingConnector(vc, KVConnectorRole.WORKER, kcc)
 
 
 def test_layerwise_keys_in_vllms_own_connector_are_refused(tiny_model):

@@ -155,9 +155,6 @@ def resolve_cpu_bytes(opts: OffloadOptions, bytes_per_chunk_all_ranks: int, alig
     return opts.cpu_bytes_to_use
 
 
-LAYERWISE_MODES = (True, False, "auto")
-
-
 @dataclass(frozen=True)
 class LayerwiseOptions:
     """Layer-wise reload (docs/layerwise.md): off by default; a hit of ``min_tokens`` or more loads
