@@ -40,6 +40,21 @@ class Platform(ABC):
     @abstractmethod
     def new_stream(self) -> Any: ...
 
+    @property
+    def submit_thread_ok(self) -> bool:
+        """Whether TransferEngine may enqueue stores from a helper thread: streams that run apart
+        from the thread enqueueing (a device's queues), and events recorded by one thread that
+        another's stream waits can rely on."""
+        return False
+
+    def device_index(self) -> int:
+        """The calling thread's device (what a helper thread must bind to)."""
+        return 0
+
+    def bind_thread(self, index: int) -> None:
+        """Make device ``index`` (and its context) current in the calling thread, before it
+        enqueues anything: driver calls made through the native libraries need a current context."""
+
     @abstractmethod
     def new_event(self) -> Any:
         """A timing event with ``record(stream)``, ``query()``, ``synchronize()``, ``elapsed_time(end)``."""
@@ -98,6 +113,15 @@ class _TorchAcceleratorPlatform(Platform):
     def new_stream(self):
         return self._mod.Stream()
 
+    def device_index(self) -> int:
+        return int(self._mod.current_device())
+
+    def bind_thread(self, index: int) -> None:
+        self._mod.set_device(index)
+        # torch skips the set when the thread's default device is already ``index``; a runtime call
+        # then makes that device's primary context current in this thread
+        self._mod.current_stream().query()
+
     def new_event(self):
         return self._mod.Event(enable_timing=True)
 
@@ -122,6 +146,10 @@ class CudaPlatform(_TorchAcceleratorPlatform):
 
     def __init__(self):
         super().__init__(torch.cuda)
+
+    @property
+    def submit_thread_ok(self) -> bool:
+        return True
 
     def raw_stream_handle(self, stream) -> int:
         # vLLM 0.23 computes on the legacy default stream, whose handle torch gives as 0; the
@@ -185,6 +213,10 @@ class NpuPlatform(_TorchAcceleratorPlatform):
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         super().__init__(torch.npu)
+
+    # submit_thread_ok stays False: torch_npu queues event records in its task queue, and whether a
+    # record queued by the engine thread reaches ACL before another thread's raw ACL wait on it is
+    # not established (no Ascend hardware here)
 
     def raw_stream_handle(self, stream) -> int:
         # ``npu_stream`` flushes torch_npu's task queue before returning the handle,
@@ -332,6 +364,11 @@ class CpuPlatform(Platform):
     def __init__(self, threaded_streams: bool | None = None):
         self._compute = CpuStream(is_compute=True)
         self.threaded_streams = bool(threaded_streams)
+
+    @property
+    def submit_thread_ok(self) -> bool:
+        # inline streams copy at submission: a submit thread would only move memmoves under the GIL
+        return self.threaded_streams
 
     def current_stream(self) -> CpuStream:
         return self._compute

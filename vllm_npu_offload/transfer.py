@@ -22,6 +22,9 @@ from .staging import StagedPlan, Stager
 
 class Transfer(ABC):
     direction: Direction
+    # True: ``enqueue`` may run on another thread than the one that planned it (it keeps no state of
+    # the stager's and never touches the model's stream): TransferEngine's submit thread may take it
+    enqueue_anywhere: bool = False
 
     @property
     @abstractmethod
@@ -48,6 +51,7 @@ class Transfer(ABC):
 class DirectTransfer(Transfer):
     """One descriptor per page and tensor, device <-> host."""
 
+    enqueue_anywhere = True
     direction: Direction
     descriptors: Descriptors
     backend: NPUDmaCopyBackend

@@ -48,6 +48,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "sstore": {"NPU_OFFLOAD_STAGED_STORES": "1"},  # stores staged from the measured size (CUDA default before 2026-11-26)
     "dload": {"NPU_OFFLOAD_STAGED": "0"},  # loads direct too (batch DMA into the pages, no SM scatter)
     "dgat": {"NPU_OFFLOAD_STAGE_GATHER": "dma"},  # staged, but gather/scatter by device-to-device DMA
+    "sthread": {"NPU_OFFLOAD_SUBMIT_THREAD": "1"},  # direct stores enqueued by a thread, not the engine's
     "sm4": {"NPU_OFFLOAD_STAGE_PROGRAMS": "4"},  # the staged gather/scatter on 4 SMs instead of 16
     "sm2": {"NPU_OFFLOAD_STAGE_PROGRAMS": "2"},
     "sm16": {"NPU_OFFLOAD_STAGE_PROGRAMS": "16"},

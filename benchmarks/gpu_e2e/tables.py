@@ -198,8 +198,9 @@ def ttft_table(res: dict) -> str:
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix{hit_where}); ours "
             f"transfer = device time of the loads, load seen = from their submit until a poll saw them done")
-    lw, steps, prof = layerwise_ttft_table(res), ttft_steps_table(res), forward_profile_table(res)
-    return text + "".join("\n\n" + t for t in (lw, steps, prof) if t)
+    lw, steps, floor, prof = (layerwise_ttft_table(res), ttft_steps_table(res), ttft_floor_table(res),
+                              forward_profile_table(res))
+    return text + "".join("\n\n" + t for t in (lw, steps, floor, prof) if t)
 
 
 def layerwise_ttft_table(res: dict) -> str:
@@ -264,6 +265,37 @@ def _med(xs: list) -> float | None:
 
 def _f(x: float | None, fmt: str = "{:,.1f}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+def ttft_floor_table(res: dict) -> str:
+    """What the asynchronous reload path can reach at best: native's fixed costs (its wall time less
+    its load-scheduled-to-seen span: scheduling, the request's forward and its return) plus ours'
+    bytes at the contiguous H2D rate; and where ours is above that floor (its load beyond the link
+    time, its fixed costs beyond native's). Medians over reps, from the step timelines."""
+    h2d = (res.get("bandwidth") or {}).get("h2d_gbps")
+    rows = []
+    for r in res["rows"]:
+        nb, ob, nbytes = r.get("native_steps") or [], r.get("ours_steps") or [], r.get("ours_load_bytes")
+        if not (nb and ob and nbytes and h2d):
+            continue
+        link = nbytes / (h2d * 1e9) * 1e3
+        span = lambda x: x["load_seen_ms"] - x["load_scheduled_ms"]  # noqa: E731
+        n_fixed = _med([x["wall_ms"] - span(x) for x in nb])
+        o_fixed = _med([x["wall_ms"] - span(x) for x in ob])
+        n_wall, o_wall = _med([x["wall_ms"] for x in nb]), _med([x["wall_ms"] for x in ob])
+        floor = n_fixed + link
+        rows.append([r["prompt_tokens"], _f(link), _f(n_fixed), _f(floor), f"{floor / n_wall:.2f}x", _f(n_wall),
+                     _f(o_wall), f"{o_wall / n_wall:.2f}x", _f(o_wall - floor, "{:+,.1f}"),
+                     _f(_med([span(x) for x in ob]) - link, "{:+,.1f}"), _f(o_fixed - n_fixed, "{:+,.1f}")])
+    if not rows:
+        return ""
+    head = ["prompt tok", "link ms", "native fixed ms", "floor ms", "floor/native", "native ms", "ours ms",
+            "ours/native", "ours - floor", "ours' load beyond link", "ours' fixed beyond native's"]
+    return table(head, rows) + ("\nfloor = native's fixed costs (wall - load scheduled-to-seen) + ours' bytes at the "
+                                "contiguous H2D rate: about the best an asynchronous reload can do here (a little under it: the "
+                                "step that issues the load counts as native's span, not its fixed cost); ours' load "
+                                "beyond link = its scheduled-to-seen span less the link time (planning, enqueue, "
+                                "copies under the link rate, the poll); medians over reps")
 
 
 def ttft_steps_table(res: dict) -> str:

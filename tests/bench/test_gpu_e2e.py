@@ -261,6 +261,23 @@ def test_ttft_steps_table_pairs_native_and_ours():
     assert "ours - native" in text and "ours faster in 2/3" in text and "-5.0" in text
 
 
+def test_ttft_floor_table_is_native_fixed_costs_plus_the_link_time():
+    """Native: wall 40, load scheduled at 2 and seen at 32 (span 30): fixed 10 ms. 1 GB at 50 GB/s is
+    20 ms of link: floor 30 ms = 0.75x native. Ours: wall 35, span 23: 5 over the floor, 3 of it in
+    its load beyond the link, 2 in fixed costs beyond native's."""
+    def rep(wall, seen):
+        return {"wall_ms": wall, "load_scheduled_ms": 2.0, "load_seen_ms": seen}
+
+    res = {"bandwidth": {"h2d_gbps": 50.0},
+           "rows": [{"prompt_tokens": 8192, "ours_load_bytes": 10**9,
+                     "native_steps": [rep(40, 32), rep(41, 33), rep(39, 31)],
+                     "ours_steps": [rep(35, 25), rep(36, 25), rep(34, 25)]}]}
+    text = tables.ttft_floor_table(res)
+    row = [c.strip() for c in text.splitlines()[2].strip("|").split("|")]
+    assert row == ["8,192", "20.0", "10.0", "30.0", "0.75x", "40.0", "35.0", "0.88x", "+5.0", "+3.0", "+2.0"]
+    assert tables.ttft_floor_table({"bandwidth": {}, "rows": res["rows"]}) == ""  # no link rate: no table
+
+
 def _fake_pool(monkeypatch, device, seen):
     monkeypatch.setattr(device, "build_shape_model", lambda out, shape, vocab=None, layers=None: f"model-{shape}")
     monkeypatch.setattr(device, "start_all", lambda specs, timeout=400, in_waves=False: seen.setdefault("specs", specs) and {})

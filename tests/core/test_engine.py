@@ -252,3 +252,129 @@ def test_end_event_orders_a_consumer_stream_after_the_copy():
     eng.drain()
     assert eng.end_event(7) is None and [r.job_id for r in eng.poll()] == [7]
     eng.shutdown()
+
+
+# -- the submit thread (NPU_OFFLOAD_SUBMIT_THREAD=1) --------------------------------------
+
+
+class GatedPath(CopyPath):
+    """Host copies whose *enqueue* waits for a gate: the submit thread blocks inside ``copy``."""
+
+    name = "gated_enqueue"
+
+    def __init__(self, gate, log, fail=False):
+        self.gate, self.log, self.fail = gate, log, fail
+
+    def copy(self, src, dst, sizes, direction, stream, buffers=None):
+        self.log.append(("enqueue", threading.current_thread().name))
+        assert self.gate.wait(5), "gate never opened"
+        if self.fail:
+            raise RuntimeError("cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE")
+        HostCopyPath().copy(src, dst, sizes, direction, stream)
+
+
+def threaded_engine(monkeypatch, path):
+    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
+    name = f"gated_{id(path)}"
+    register_path(name, lambda p, pages: path)
+    platform = CpuPlatform(threaded_streams=True)
+    return platform, Engine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice(name, name)))
+
+
+def test_submit_thread_returns_before_the_enqueue_and_reports_only_once_it_ran(monkeypatch):
+    gate, log = threading.Event(), []
+    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
+    dev = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    host = torch.zeros_like(dev)
+    t0 = time.perf_counter()
+    eng.submit(1, Direction.D2H, planner(dev, host, 16).plan([0, 2], [1, 3]))
+    assert time.perf_counter() - t0 < 1.0  # did not wait for the gated enqueue
+    time.sleep(0.1)
+    assert log == [("enqueue", "npu-offload-submit")]  # enqueued by the submit thread, not this one
+    assert eng.poll() == [] and eng.in_flight() == 1  # its end event is not recorded: never queried
+    gate.set()
+    eng.wait([1])
+    (res,) = eng.poll()
+    assert res.job_id == 1 and res.success and res.num_bytes == 32
+    assert torch.equal(host[1], dev[0]) and torch.equal(host[3], dev[2])
+    eng.shutdown()
+    assert not eng._submitter
+
+
+def test_submit_thread_failure_fails_the_job_and_never_hangs(monkeypatch):
+    gate, log = threading.Event(), []
+    gate.set()
+    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log, fail=True))
+    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)  # alive until copied
+    eng.submit(5, Direction.H2D, planner(dev, host, 16).plan([0], [0]))
+    eng.drain()
+    (res,) = eng.poll()
+    assert not res.success and res.num_bytes == 0 and "cuMemcpyBatchAsync failed" in res.error
+    eng.shutdown()
+
+
+def test_submit_thread_that_cannot_bind_its_device_fails_every_job(monkeypatch):
+    gate, log = threading.Event(), []
+    gate.set()
+    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
+
+    def refuse(index):
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    platform.bind_thread = refuse
+    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)
+    for job in (1, 2):
+        eng.submit(job, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
+    eng.drain()
+    res = eng.poll()
+    assert [r.job_id for r in res] == [1, 2] and not any(r.success for r in res)
+    assert all("binding the submit thread to device 0: RuntimeError: CUDA error: invalid device ordinal" in r.error
+               for r in res)
+    assert log == []  # nothing was enqueued
+    eng.shutdown()
+
+
+def test_a_job_enqueued_at_submit_waits_for_earlier_ones_with_the_submit_thread(monkeypatch):
+    """A transfer that must be enqueued where it was planned (a staged one) follows a direct one
+    still with the submit thread: it is enqueued after it, in its direction's order."""
+    gate, log = threading.Event(), []
+    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
+    dev = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    host = torch.zeros_like(dev)
+    eng.submit(1, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
+
+    class HereOnly(DirectTransfer):
+        enqueue_anywhere = False
+
+        def enqueue(self, stream, compute=None):
+            log.append(("enqueue", threading.current_thread().name))
+            HostCopyPath().copy(self.descriptors.src, self.descriptors.dst, self.descriptors.sizes,
+                                self.direction, stream)
+
+    threading.Timer(0.2, gate.set).start()
+    TransferEngine.submit(eng, 2, HereOnly(Direction.D2H, planner(dev, host, 16).plan([1], [1]), eng.backend))
+    assert gate.is_set()  # the second submit waited for the first job's enqueue
+    assert [who for _, who in log] == ["npu-offload-submit", threading.current_thread().name]
+    eng.drain()
+    assert [r.job_id for r in eng.poll()] == [1, 2]
+    assert torch.equal(host[:2], dev[:2])
+    eng.shutdown()
+
+
+def test_submit_thread_only_where_streams_run_apart_and_only_for_direct_stores(monkeypatch):
+    """Inline CPU streams copy at submission: no thread there, whatever the variable says. Loads
+    stay on the calling thread (a GIL hand-over would add to a reload's TTFT)."""
+    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
+    assert not Engine(CpuPlatform(), None)._threaded
+    gate, log = threading.Event(), []
+    gate.set()
+    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
+    assert eng._threaded
+    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)
+    eng.submit(1, Direction.H2D, planner(dev, host, 16).plan([0], [0]))
+    assert log == [("enqueue", threading.current_thread().name)] and eng._submitter is None
+    eng.submit(2, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
+    eng.drain()
+    assert log[1] == ("enqueue", "npu-offload-submit")
+    assert [r.job_id for r in eng.poll()] == [1, 2]
+    eng.shutdown()

@@ -348,6 +348,42 @@ def test_cuda_default_stores_direct_from_32k_pages_byte_exact(page, direct, monk
     core.shutdown()
 
 
+@pytest.mark.gpu
+def test_cuda_submit_thread_stores_byte_exact(monkeypatch):
+    """NPU_OFFLOAD_SUBMIT_THREAD=1 on CUDA: direct stores are enqueued by the engine's submit thread
+    (bound to this thread's device), ordered after the model's stream as it stood at submit: the
+    store reads what a kernel on the current stream wrote just before it, byte-exact, and the load
+    back (on this thread) follows it."""
+    platform = _platform("cuda")
+    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
+    monkeypatch.delenv("NPU_OFFLOAD_STAGED", raising=False)
+    page = 32 << 10
+    rng = np.random.default_rng(5)
+    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    refs = [[GroupRef(i, page) for i in range(4)]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 2, CHUNKS, platform)
+    assert core.engine._threaded
+    n = 24
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 2)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the model's stream is busy; the writes below land after it
+    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda(non_blocking=True)
+            for _ in tensors]
+    for t, w in zip(tensors, want):
+        t[dev_ids] = w
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks)
+    settle(core, [1])
+    assert core.engine._submitter is not None
+    for t in tensors:
+        t[dev_ids] = 0
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks)
+    settle(core, [2])
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
 def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
     slot = core.stager.geometry.slot_blocks
