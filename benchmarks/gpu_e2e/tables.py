@@ -284,18 +284,26 @@ def ttft_floor_table(res: dict) -> str:
         o_fixed = _med([x["wall_ms"] - span(x) for x in ob])
         n_wall, o_wall = _med([x["wall_ms"] for x in nb]), _med([x["wall_ms"] for x in ob])
         floor = n_fixed + link
+        o_span = _med([span(x) for x in ob])
+        dev, seen = r.get("ours_load_s"), r.get("ours_load_seen_s")  # device time; submit -> poll saw it
+        parts = (["-"] * 3 if dev is None or seen is None else
+                 [_f(o_span - seen * 1e3), _f((seen - dev) * 1e3), _f(dev * 1e3 - link, "{:+,.1f}")])
         rows.append([r["prompt_tokens"], _f(link), _f(n_fixed), _f(floor), f"{floor / n_wall:.2f}x", _f(n_wall),
                      _f(o_wall), f"{o_wall / n_wall:.2f}x", _f(o_wall - floor, "{:+,.1f}"),
-                     _f(_med([span(x) for x in ob]) - link, "{:+,.1f}"), _f(o_fixed - n_fixed, "{:+,.1f}")])
+                     _f(o_span - link, "{:+,.1f}"), *parts, _f(o_fixed - n_fixed, "{:+,.1f}")])
     if not rows:
         return ""
     head = ["prompt tok", "link ms", "native fixed ms", "floor ms", "floor/native", "native ms", "ours ms",
-            "ours/native", "ours - floor", "ours' load beyond link", "ours' fixed beyond native's"]
+            "ours/native", "ours - floor", "ours' load beyond link", "of it: scheduled to submit",
+            "submit to seen, beyond device time", "device time beyond link", "ours' fixed beyond native's"]
     return table(head, rows) + ("\nfloor = native's fixed costs (wall - load scheduled-to-seen) + ours' bytes at the "
                                 "contiguous H2D rate: about the best an asynchronous reload can do here (a little under it: the "
                                 "step that issues the load counts as native's span, not its fixed cost); ours' load "
                                 "beyond link = its scheduled-to-seen span less the link time (planning, enqueue, "
-                                "copies under the link rate, the poll); medians over reps")
+                                "copies under the link rate, the poll), split into the time from the step that scheduled it to ours' submit "
+                                "(vLLM's step, the model-step set-up, ours' planning), from submit to a poll seeing "
+                                "it beyond its device time (enqueue before the first copy, the poll), and the device "
+                                "time beyond the link time; medians over reps")
 
 
 def ttft_steps_table(res: dict) -> str:

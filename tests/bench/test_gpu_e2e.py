@@ -269,12 +269,15 @@ def test_ttft_floor_table_is_native_fixed_costs_plus_the_link_time():
         return {"wall_ms": wall, "load_scheduled_ms": 2.0, "load_seen_ms": seen}
 
     res = {"bandwidth": {"h2d_gbps": 50.0},
-           "rows": [{"prompt_tokens": 8192, "ours_load_bytes": 10**9,
+           "rows": [{"prompt_tokens": 8192, "ours_load_bytes": 10**9, "ours_load_s": 0.0205, "ours_load_seen_s": 0.0215,
                      "native_steps": [rep(40, 32), rep(41, 33), rep(39, 31)],
                      "ours_steps": [rep(35, 25), rep(36, 25), rep(34, 25)]}]}
     text = tables.ttft_floor_table(res)
     row = [c.strip() for c in text.splitlines()[2].strip("|").split("|")]
-    assert row == ["8,192", "20.0", "10.0", "30.0", "0.75x", "40.0", "35.0", "0.88x", "+5.0", "+3.0", "+2.0"]
+    # of ours' 3 ms beyond the link: 1.5 before its submit, 1.0 from submit to seen beyond the device
+    # time (21.5 - 20.5), 0.5 of device time beyond the link
+    assert row == ["8,192", "20.0", "10.0", "30.0", "0.75x", "40.0", "35.0", "0.88x", "+5.0", "+3.0", "1.5", "1.0",
+                   "+0.5", "+2.0"]
     assert tables.ttft_floor_table({"bandwidth": {}, "rows": res["rows"]}) == ""  # no link rate: no table
 
 
