@@ -60,8 +60,8 @@ class Spy:
     invalid: list = field(default_factory=list)
 
 
-def build(tiny_model, min_tokens: int = 32, policy: str | None = None):
-    extra = {"cpu_bytes_to_use": 64 * PAGE * len(LAYERS), "layerwise_load": True,
+def build(tiny_model, min_tokens: int = 32, policy: str | None = None, mode=True):
+    extra = {"cpu_bytes_to_use": 64 * PAGE * len(LAYERS), "layerwise_load": mode,
              "layerwise_min_tokens": min_tokens, "layerwise_groups": GROUPS}
     vc = vllm_config(tiny_model, extra, "NPUOffloadingConnector", MODULE)
     if policy is not None:
@@ -180,6 +180,35 @@ def test_short_hit_keeps_the_asynchronous_path(tiny_model):
     eng.settle()
     assert any(req.request_id in r for r in s.recving)
     assert all(j.job_id >= 0 for j in eng.jobs)  # upstream's job, through vLLM's own worker path
+
+
+def test_auto_loads_layer_by_layer_only_while_no_other_request_runs(tiny_model):
+    """``"auto"`` under the real scheduler: the hit arriving while another request decodes keeps the
+    asynchronous path; once that request has finished (vLLM's finish hook reached the connector),
+    the same hit, alone, loads in the step that computes it."""
+    eng, caches = build(tiny_model, mode="auto")
+    lw = eng.sched.connector._lw_sched
+    assert lw.opts.auto and lw.opts.min_tokens == 32  # a set threshold is kept
+    store_then_wipe(eng, caches, PROMPT)
+    s = spy(eng)
+    busy = eng.add([t + 1 for t in PROMPT], max_tokens=20)
+    eng.step()
+    eng.step()
+    assert busy.status == RequestStatus.RUNNING
+    req = eng.add(PROMPT)
+    eng.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and lw.auto_declined == 1
+    assert not s.outputs[-1].kv_connector_metadata.layerwise_jobs and s.outputs[-1].kv_connector_metadata.load_jobs
+    eng.settle()
+    assert busy.status == req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    for p in parts_of(caches):
+        p.zero_()
+    eng.reset_device_prefix_cache()
+    again = eng.add(PROMPT)
+    eng.step()
+    assert len(s.outputs[-1].kv_connector_metadata.layerwise_jobs) == 1 and lw.auto_declined == 1
+    assert again.status == RequestStatus.RUNNING and again.num_output_tokens == 1
+    eng.settle()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
