@@ -1,5 +1,7 @@
 """NUMA placement: the device's node from sysfs, the forced node, single-node machines."""
 
+import os
+
 import pytest
 import torch
 
@@ -72,4 +74,7 @@ def test_page_nodes_reports_resident_pages_only():
     addr = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
     got = page_nodes(addr, len(fresh), samples=16)
     assert sum(got.values()) == 16 and got.get(-1, 0) == 15 and -1 in got
-    assert sum(page_nodes(touched.data_ptr(), 100, samples=64).values()) == 1  # one page: one sample
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-touched.data_ptr() // page) * page  # 100 bytes inside one page (the buffer may start late in one)
+    assert sum(page_nodes(start, 100, samples=64).values()) == 1  # one page: one sample
+    assert sum(page_nodes(start + page - 50, 100, samples=64).values()) == 2  # across a boundary: two
