@@ -501,7 +501,10 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         res["bandwidth"] = ours.call("bandwidth", nbytes=GiB)
     except EngineError as e:
         res["errors"]["bandwidth"] = str(e)
-    kinds = ("native", "ours") + (("layerwise",) if "layerwise" in procs else ())
+    # --variant engines (ours with other settings) reload in turn with the rest, each compared with ours
+    variants = tuple(label for label, _ in a.variant if label in procs)
+    res["variants"] = {label: env for label, env in a.variant if label in variants}
+    kinds = ("native", "ours") + (("layerwise",) if "layerwise" in procs else ()) + variants
     for L in a.ttft_lengths:
         if budget is not None and not budget.allows(60 + L / 1000 * 4):
             res["errors"][f"cut-{L}"] = f"not run: {budget.left():.0f}s left in the call's time budget"
@@ -557,8 +560,9 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
             row["ours_load_seen_s"] = statistics.median(g.get("load_wall_s", 0.0) for g in xs)  # submit -> poll saw it
             row["host_tokens"] = statistics.median(g["rows"][0]["cached"] for g in xs)
             row["ours_load_bytes"] = statistics.median(g["load_bytes"] for g in xs)
-        if runs.get("layerwise"):
-            row["layerwise_load_s"] = statistics.median(g["load_s"] for g in runs["layerwise"])
+        for kind in ("layerwise",) + variants:
+            if runs.get(kind):
+                row[f"{kind}_load_s"] = statistics.median(g["load_s"] for g in runs[kind])
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its

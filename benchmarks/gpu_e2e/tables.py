@@ -311,8 +311,9 @@ def ttft_steps_table(res: dict) -> str:
     went, from its step timeline (medians, ms from the start of ``generate``), and the
     rep-by-rep difference ours - native."""
     rows = []
+    variants = tuple(res.get("variants") or ())
     for r in res["rows"]:
-        for kind in ("native", "ours", "layerwise"):
+        for kind in ("native", "ours", "layerwise") + variants:
             b = r.get(f"{kind}_steps") or []
             if not b:
                 continue
@@ -323,7 +324,7 @@ def ttft_steps_table(res: dict) -> str:
                          _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b),
                          _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None)),
                          _f(_med([x.get("forward_ms") for x in b])), _f(_med([x.get("forward_cpu_ms") for x in b]))])
-        for a, b in (("ours", "native"), ("layerwise", "ours")):
+        for a, b in (("ours", "native"), ("layerwise", "ours")) + tuple((v, "ours") for v in variants):
             ab, bb = r.get(f"{a}_steps") or [], r.get(f"{b}_steps") or []
             if ab and bb:
                 d = [x["wall_ms"] - y["wall_ms"] for x, y in zip(ab, bb)]
@@ -335,9 +336,11 @@ def ttft_steps_table(res: dict) -> str:
     head = ["prompt tok", "spec", "reps", "wall ms", "min", "max", "load scheduled at", "load seen at",
             "forward scheduled at", "steps", "longest step ms", "flush steps", "max gc in forward ms",
             "forward ms", "its CPU ms"]
+    note = "".join(f"; {v} = ours with {env}" for v, env in (res.get("variants") or {}).items())
     return table(head, rows) + ("\nreload reps of native and ours in turns (the first alternates); \"at\" = ms "
                                 "after generate() began, medians over reps; from each rep's engine step timeline; "
-                                "forward = the model call that makes the first token, CPU = its thread's CPU time")
+                                "forward = the model call that makes the first token, CPU = its thread's CPU time"
+                                + note)
 
 
 def miss_table(res: dict) -> str:

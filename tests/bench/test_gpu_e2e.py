@@ -729,6 +729,22 @@ def test_part_ttft_runs_layerwise_beside_native_and_ours():
     assert "reload layerwise ms" not in tables.ttft_table(device.part_ttft(procs, a))
 
 
+def test_part_ttft_reloads_variants_in_turn_and_compares_them_with_ours():
+    from benchmarks.gpu_e2e import device
+
+    procs = {"off": _TtftEngine("off", 0.01), "native": _TtftEngine("native", 0.03), "ours": _TtftEngine("ours", 0.025),
+             "dgat": _TtftEngine("dgat", 0.02)}
+    a = device.build_parser().parse_args(["ttft", "--ttft-lengths", "2048", "--reps", "3", "--off-reps", "1",
+                                          "--variant", "dgat:NPU_OFFLOAD_STAGE_GATHER=dma"])
+    res = device.part_ttft(procs, a)
+    (row,) = res["rows"]
+    assert res["variants"] == {"dgat": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
+    assert row["dgat_s"]["median"] == 0.02 and row["dgat_load_s"] == 0.004 and len(row["dgat_steps"]) == 3
+    text = tables.ttft_table(res)
+    assert "dgat - ours" in text and "dgat faster in 3/3" in text
+    assert "dgat = ours with {'NPU_OFFLOAD_STAGE_GATHER': 'dma'}" in text
+
+
 def test_part_ttft_without_off_takes_the_device_hit_on_ours(monkeypatch, tmp_path):
     """--no-off: room for layerwise beside native and ours; cold and hit come from ours, stores flushed first."""
     from benchmarks.gpu_e2e import device
