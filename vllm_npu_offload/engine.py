@@ -71,7 +71,6 @@ class _InFlight:
     # set once the copies are on the stream; None: enqueued at submit. Until then ``end`` is not
     # recorded (a driver reports a never-recorded event as complete), so nobody may query it.
     enqueued: threading.Event | None = None
-    ready: Any = None  # the model's stream position the submit thread orders the job after
 
     def on_stream(self) -> bool:
         return self.enqueued is None or self.enqueued.is_set()
@@ -148,14 +147,14 @@ class TransferEngine:
             compute = self.platform.current_stream()
             prev = queue[-1] if queue else None
             if self._threaded and transfer.enqueue_anywhere and not direction.is_load:
-                item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, threading.Event(),
-                                 self._event())
-                item.ready.record(compute)  # the job reads / writes KV only after the model's work so far
+                item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, threading.Event())
+                ready = self._event()
+                ready.record(compute)  # the job reads / writes KV only after the model's work so far
                 queue.append(item)
                 self._job_ids.add(job_id)
                 if self._submitter is None:
                     self._submitter = _SubmitThread(self.platform)
-                self._submitter.put(lambda bind_error: self._enqueue_later(item, stream, prev, len(ring) > 1,
+                self._submitter.put(lambda bind_error: self._enqueue_later(item, stream, ready, prev, len(ring) > 1,
                                                                            bind_error))
                 return
             if prev is not None:
@@ -177,13 +176,14 @@ class TransferEngine:
     def _event(self) -> Any:
         return self._events.pop() if self._events else self.platform.new_event()
 
-    def _enqueue_later(self, item: _InFlight, stream: Any, prev: _InFlight | None, chain: bool,
+    def _enqueue_later(self, item: _InFlight, stream: Any, ready: Any, prev: _InFlight | None, chain: bool,
                        bind_error: str | None) -> None:
-        """The submit thread's half of ``submit``: the same stream order, after ``item.ready``."""
+        """The submit thread's half of ``submit``: the same stream order, after ``ready`` (the model's
+        stream as it stood at submit)."""
         try:
             if bind_error is not None:
                 raise RuntimeError(bind_error)
-            stream.wait_event(item.ready)
+            stream.wait_event(ready)
             if prev is not None and chain:  # enqueued before this one (same thread, or at submit)
                 stream.wait_event(prev.end)
             with self.platform.stream_context(stream):

@@ -273,13 +273,16 @@ def ttft_floor_table(res: dict) -> str:
     bytes at the contiguous H2D rate; and where ours is above that floor (its load beyond the link
     time, its fixed costs beyond native's). Medians over reps, from the step timelines."""
     h2d = (res.get("bandwidth") or {}).get("h2d_gbps")
+
+    def span(x: dict) -> float:
+        return x["load_seen_ms"] - x["load_scheduled_ms"]
+
     rows = []
     for r in res["rows"]:
         nb, ob, nbytes = r.get("native_steps") or [], r.get("ours_steps") or [], r.get("ours_load_bytes")
         if not (nb and ob and nbytes and h2d):
             continue
         link = nbytes / (h2d * 1e9) * 1e3
-        span = lambda x: x["load_seen_ms"] - x["load_scheduled_ms"]  # noqa: E731
         n_fixed = _med([x["wall_ms"] - span(x) for x in nb])
         o_fixed = _med([x["wall_ms"] - span(x) for x in ob])
         n_wall, o_wall = _med([x["wall_ms"] for x in nb]), _med([x["wall_ms"] for x in ob])
