@@ -66,6 +66,20 @@ SHAPES = {s.name: s for s in (
 DEFAULT_SHAPES = tuple(SHAPES)
 
 
+HOSTS = ("random", "seq", "rev")
+
+
+def host_chunks(rng: np.random.Generator, host: str, k: int, num_chunks: int) -> np.ndarray:
+    """``k`` host chunk ids: ``random`` (a long-running cache), ``seq`` (consecutive: a fresh one) or
+    ``rev`` (consecutive, descending: how vLLM's CPU manager hands out chunks it evicted)."""
+    if host == "random":
+        return rng.choice(num_chunks, k, replace=False).astype(np.int64)
+    if host not in ("seq", "rev"):
+        raise ValueError(f"host chunk order {host!r}: one of {', '.join(HOSTS)}")
+    run = np.arange(k, dtype=np.int64) + int(rng.integers(0, num_chunks - k + 1))
+    return run if host == "seq" else run[::-1].copy()
+
+
 class CoreRig:
     """A worker core over freshly allocated device KV of ``shape``."""
 
@@ -86,10 +100,7 @@ class CoreRig:
         rng = np.random.default_rng(seed)
         n = self.shape.blocks
         dev = rng.choice(self.dev_blocks, n, replace=False).astype(np.int64)
-        k = -(-n // self.shape.blocks_per_chunk)
-        chunks = (np.arange(k) + int(rng.integers(0, self.num_chunks - k + 1)) if host == "seq"
-                  else rng.choice(self.num_chunks, k, replace=False)).astype(np.int64)
-        return dev, chunks
+        return dev, host_chunks(rng, host, -(-n // self.shape.blocks_per_chunk), self.num_chunks)
 
     def transfer(self, direction: Direction, dev, chunks, staged: bool) -> None:
         self._job += 1
@@ -133,7 +144,7 @@ def device_only_seconds(platform: Platform, fn, stream, reps: int, hold_s: float
 
 
 def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_bytes: int | None = None,
-                hosts: tuple[str, ...] = ("random", "seq")) -> dict[str, Any]:
+                hosts: tuple[str, ...] = HOSTS) -> dict[str, Any]:
     rig = CoreRig(platform, shape, staging_bytes)
     core = rig.core
     out: dict[str, Any] = {"shape": asdict(shape), "record_bytes": core.layout.record_bytes,

@@ -46,7 +46,7 @@ import torch
 
 import vllm_npu_offload
 from vllm_npu_offload.copy.base import Direction
-from .core_bench import SHAPES, KVShape
+from .core_bench import HOSTS, SHAPES, KVShape, host_chunks
 from .gpu_e2e.models import SHAPES as MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,6 @@ STEP_SHAPES = {s.name: s for s in (
     StepShape(_per_layer("gemma2_9b"), groups=2),  # 42 x 128 KiB, two KV groups
 )}
 DEFAULT_BLOCKS = (16, 64, 256)
-HOSTS = ("random", "seq")
 MODES = ("staged", "direct")
 
 
@@ -179,9 +178,7 @@ class StepRig:
         rng = np.random.default_rng(seed)
         g, k = self.shape.groups, -(-blocks // self.bpc)
         dev = np.concatenate([rng.choice(self.dev_blocks, blocks, replace=False) for _ in range(g)])
-        chunks = (np.arange(g * k) + int(rng.integers(0, self.num_chunks - g * k + 1)) if host == "seq"
-                  else rng.choice(self.num_chunks, g * k, replace=False))
-        return dev.astype(np.int64), [blocks] * g, [0] * g, chunks.astype(np.int64)
+        return dev.astype(np.int64), [blocks] * g, [0] * g, host_chunks(rng, host, g * k, self.num_chunks)
 
     def next_job(self) -> int:
         self._job += 1

@@ -28,7 +28,8 @@ from .engine import TransferEngine, TransferResult
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
 from .memory import HostKVBuffer
-from .plan import BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, check_range, max_unsigned
+from .plan import (BlockLayout, CopyPlanner, DescriptorPool, Descriptors, TensorPair, check_range, host_ordered,
+                   max_unsigned)
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
 from .transfer import DirectTransfer, StagedTransfer, Transfer
@@ -288,7 +289,7 @@ class OffloadWorkerCore:
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
         direction = as_direction(direction)
         side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
-        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)
+        parts = [host_ordered(*p) for p in self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)]
         n = sum(group_sizes)
         if staged is None:
             staged = self.uses_staging(direction, n)

@@ -255,6 +255,50 @@ def test_link_copies_are_few_and_merged(monkeypatch):
     core.shutdown()
 
 
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+def test_host_blocks_in_reverse_still_make_one_link_copy(monkeypatch, direction):
+    """vLLM's CPU manager hands reused chunks out last-freed first (descending ids): the plan
+    sorts the pairs by host block, so a reversed or shuffled run is still one link copy."""
+    monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 1 << 40)  # one slice
+    core, tensors, refs, rng = random_core(3, 2, staging_chunks=16)
+    rec = core.layout.record_bytes
+    for chunks, sizes in (([7, 6, 5, 4], [8]), ([5, 7, 4, 6], [8]), ([9, 8, 3, 2], [4, 4])):
+        plan = core.plan(direction, np.arange(8), [8], [0], np.array(chunks), staged=True).plan
+        assert plan.link.sizes.tolist() == [n * rec for n in sizes], chunks
+        core.pool.release(plan.buffers)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_reversed_and_shuffled_host_chunks_round_trip_byte_exact(device, staged, bpc):
+    """Descending chunks (vLLM's reuse order) for the store, another order for the load: every
+    page lands in its own host block and comes back to the block it was asked for."""
+    core, tensors, refs, rng = random_core(11, bpc, staging_chunks=4, device=device)
+    n, skip = 13, 1 if bpc > 1 else 0
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    k = -(-(n + skip) // bpc)
+    chunks = np.arange(20, 20 + k, dtype=np.int64)[::-1].copy()
+    host_ids = core._host_blocks(chunks, skip, n)
+    want = expected_host(core, refs, tensors, dev_ids, host_ids)
+    core.submit(1, Direction.D2H, dev_ids, [n], [skip], chunks, staged=staged)
+    settle(core, [1])
+    for (t_idx, h), page in want.items():
+        assert torch.equal(core.host_view(t_idx)[h, : page.shape[0]], page), (t_idx, h)
+    originals = [t.clone() for t in tensors]
+    for t in tensors:
+        t.zero_()
+    back = rng.permutation(DEV_BLOCKS)[:n].astype(np.int64)
+    core.submit(2, Direction.H2D, back, [n], [skip], chunks, staged=staged)
+    settle(core, [2])
+    for group in refs:
+        for ref in group:
+            p = ref.page_bytes
+            assert torch.equal(tensors[ref.tensor_idx][back][:, :p], originals[ref.tensor_idx][dev_ids][:, :p])
+    core.shutdown()
+
+
 def test_staging_smaller_than_a_chunk_names_the_key():
     tensors = [torch.zeros(8, 4096, dtype=torch.uint8)]
     dev = [DeviceKVTensor.from_block_view(t) for t in tensors]
