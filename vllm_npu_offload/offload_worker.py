@@ -270,7 +270,7 @@ class OffloadWorkerCore:
         for g, dev, host in parts:
             planner = self._staged[(g, direction)]
             if planner is not None:
-                groups.append(GroupBlocks(planner, self._spans[g], dev, host))
+                groups.append(GroupBlocks(planner, self._spans[g], *host_ordered(dev, host)))
         return self.stager.plan(direction, groups)
 
     def staged_from(self, direction: Direction) -> str:
@@ -289,7 +289,7 @@ class OffloadWorkerCore:
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
         direction = as_direction(direction)
         side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
-        parts = [host_ordered(*p) for p in self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)]
+        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)
         n = sum(group_sizes)
         if staged is None:
             staged = self.uses_staging(direction, n)

@@ -103,16 +103,17 @@ def check_range(name: str, ids: np.ndarray, limit: int) -> None:
         raise ValueError(f"{name} block id {int(bad)} out of range [0, {limit})")
 
 
-def host_ordered(group: int, device_ids: np.ndarray, host_ids: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-    """One group's (device, host) block pairs in ascending host order: the same copies, but
+def host_ordered(device_ids: np.ndarray, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A staged transfer's (device, host) block pairs in ascending host order: the same copies, but
     consecutive host blocks become one link copy whatever order they came in. vLLM's CPU manager
-    hands reused host blocks out in reverse (it frees evicted ones in LRU order and pops the
-    free list from its end), so once its cache is full every transfer would otherwise be one
-    link copy per block. The device side does not care: gathers and scatters take any order."""
+    hands reused host blocks out in reverse (it frees evicted ones in LRU order and pops the free
+    list from its end), so once its cache is full every transfer would otherwise be one link copy
+    per block. The device side does not care: gathers and scatters take any order. (Direct plans
+    merge only where both sides run on, so they keep the order they were given.)"""
     if len(host_ids) < 2 or not (host_ids[1:] < host_ids[:-1]).any():
-        return group, device_ids, host_ids
+        return device_ids, host_ids
     order = np.argsort(host_ids, kind="stable")
-    return group, device_ids[order], host_ids[order]
+    return device_ids[order], host_ids[order]
 
 
 def _run_starts(src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray | None:
