@@ -22,6 +22,7 @@ from vllm_npu_offload.integration.job_router import ResultRouter
 from vllm_npu_offload.integration.layer_groups import split_layer_groups
 from vllm_npu_offload.integration.layerwise_policy import sync_hit
 from vllm_npu_offload.integration.options import (
+    AUTO_MIN_NEW_TOKENS,
     AUTO_MIN_TOKENS,
     LayerwiseOptions,
     check_layerwise_owner,
@@ -92,6 +93,18 @@ def test_sync_hit(num_tokens, computed, hit, min_tokens, want):
     assert sync_hit(num_tokens, computed, hit, 16, min_tokens) == want
 
 
+@pytest.mark.parametrize("num_tokens, hit, min_left, want", [
+    (1120, 96, 512, 96),  # 1,024 tokens to compute beside the hit: enough forward to hide it under
+    (600, 96, 512, None),  # 504: too little
+    (608, 96, 512, 96),  # exactly 512
+    (96, 96, 512, None),  # a bare reload (its trimmed block is all the step computes)
+    (98, 96, 1, 96),  # below two counts as two
+    (97, 96, 1, 80),  # and one left still trims the last block
+])
+def test_sync_hit_wants_enough_new_tokens(num_tokens, hit, min_left, want):
+    assert sync_hit(num_tokens, 0, hit, 16, 32, min_left=min_left) == want
+
+
 def test_a_hit_whose_end_is_pinned_is_not_trimmed():
     assert sync_hit(96, 0, 96, 16, 32, trim=False) is None  # stays asynchronous
     assert sync_hit(100, 0, 96, 16, 32, trim=False) == 96
@@ -108,7 +121,7 @@ def test_layerwise_options_defaults_and_errors():
         with pytest.raises(OffloadConfigError, match=rf"\['layerwise_load'\]={bad!r} must be true, false "
                                                      r"\(JSON booleans\) or \"auto\""):
             layerwise_options({"layerwise_load": bad})
-    for key in ("layerwise_min_tokens", "layerwise_groups"):
+    for key in ("layerwise_min_tokens", "layerwise_min_new_tokens", "layerwise_groups"):
         for bad in (0, -2, 1.5, True, "x"):
             with pytest.raises(OffloadConfigError, match=rf"\['{key}'\]=.* must be a positive integer"):
                 layerwise_options({key: bad})
@@ -116,9 +129,11 @@ def test_layerwise_options_defaults_and_errors():
 
 def test_auto_mode_defaults_to_long_hits_and_keeps_a_set_threshold():
     auto = layerwise_options({"layerwise_load": "auto"})
-    assert auto == LayerwiseOptions(True, AUTO_MIN_TOKENS, 4, True) and auto.mode == "auto"
-    assert AUTO_MIN_TOKENS == 4096
+    assert auto == LayerwiseOptions(True, AUTO_MIN_TOKENS, 4, True, AUTO_MIN_NEW_TOKENS) and auto.mode == "auto"
+    assert (AUTO_MIN_TOKENS, AUTO_MIN_NEW_TOKENS) == (4096, 512)
     assert layerwise_options({"layerwise_load": "auto", "layerwise_min_tokens": 512}).min_tokens == 512
+    assert layerwise_options({"layerwise_load": "auto", "layerwise_min_new_tokens": 64}).min_new_tokens == 64
+    assert layerwise_options({"layerwise_load": True}).min_new_tokens == 2  # true: any hit with a step to run
     assert layerwise_options({"layerwise_load": True}).mode is True
     assert layerwise_options({}).mode is False
 

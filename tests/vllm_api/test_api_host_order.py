@@ -2,6 +2,8 @@
 chunks of a new store are the evicted ones, last-freed first. The worker core plans such a
 transfer as one link copy per run of consecutive chunks, not one per chunk (``plan.host_ordered``)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,8 @@ CHUNKS, BLOCKS, LAYERS, PAGE = 16, 8, 32, 1024
 
 
 def _store(manager, name: str, n: int) -> np.ndarray:
-    ctx = ReqContext(req_id=name)
+    has_id = "req_id" in {f.name for f in dataclasses.fields(ReqContext)}  # 0.21-0.22 have no req_id
+    ctx = ReqContext(req_id=name) if has_id else ReqContext()
     keys = [make_offload_key(f"{name}{i}".encode().ljust(32, b"."), 0) for i in range(n)]
     out = manager.prepare_store(keys, ctx)
     assert out is not None and len(out.keys_to_store) == n

@@ -60,9 +60,11 @@ class Spy:
     invalid: list = field(default_factory=list)
 
 
-def build(tiny_model, min_tokens: int = 32, policy: str | None = None, mode=True):
+def build(tiny_model, min_tokens: int = 32, policy: str | None = None, mode=True, min_new_tokens: int | None = None):
     extra = {"cpu_bytes_to_use": 64 * PAGE * len(LAYERS), "layerwise_load": mode,
              "layerwise_min_tokens": min_tokens, "layerwise_groups": GROUPS}
+    if min_new_tokens is not None:
+        extra["layerwise_min_new_tokens"] = min_new_tokens
     vc = vllm_config(tiny_model, extra, "NPUOffloadingConnector", MODULE)
     if policy is not None:
         vc.kv_transfer_config.kv_load_failure_policy = policy
@@ -186,7 +188,7 @@ def test_auto_loads_layer_by_layer_only_while_no_other_request_runs(tiny_model):
     """``"auto"`` under the real scheduler: the hit arriving while another request decodes keeps the
     asynchronous path; once that request has finished (vLLM's finish hook reached the connector),
     the same hit, alone, loads in the step that computes it."""
-    eng, caches = build(tiny_model, mode="auto")
+    eng, caches = build(tiny_model, mode="auto", min_new_tokens=2)  # PROMPT leaves 4 tokens to compute
     lw = eng.sched.connector._lw_sched
     assert lw.opts.auto and lw.opts.min_tokens == 32  # a set threshold is kept
     store_then_wipe(eng, caches, PROMPT)
@@ -209,6 +211,22 @@ def test_auto_loads_layer_by_layer_only_while_no_other_request_runs(tiny_model):
     assert len(s.outputs[-1].kv_connector_metadata.layerwise_jobs) == 1 and lw.auto_declined == 1
     assert again.status == RequestStatus.RUNNING and again.num_output_tokens == 1
     eng.settle()
+
+
+def test_auto_leaves_a_bare_reload_asynchronous(tiny_model):
+    """``"auto"``'s default ``layerwise_min_new_tokens`` (512): a hit with only 4 tokens left to
+    compute, alone, keeps the asynchronous path (a bare reload has no forward to hide copies under)."""
+    eng, caches = build(tiny_model, mode="auto")
+    lw = eng.sched.connector._lw_sched
+    assert lw.opts.min_new_tokens == 512
+    store_then_wipe(eng, caches, PROMPT)
+    s = spy(eng)
+    req = eng.add(PROMPT)
+    eng.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and lw.auto_declined == 0
+    assert not s.outputs[-1].kv_connector_metadata.layerwise_jobs and s.outputs[-1].kv_connector_metadata.load_jobs
+    eng.settle()
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

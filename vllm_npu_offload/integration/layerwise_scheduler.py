@@ -48,7 +48,8 @@ class LayerwiseScheduler:
         if not hit or not is_async:
             return hit, is_async
         n = sync_hit(request.num_tokens, num_computed_tokens, hit, self.block_tokens, self.opts.min_tokens,
-                     trim=not compat.hit_end_is_pinned(self.upstream, request.request_id))
+                     trim=not compat.hit_end_is_pinned(self.upstream, request.request_id),
+                     min_left=self.opts.min_new_tokens)
         if n is None:
             return hit, is_async
         if self.opts.auto and self._running - {request.request_id}:

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 from .. import env
 from ..errors import OffloadConfigError
 from ..memory import round_up
+from .layerwise_policy import MIN_TOKENS_LEFT
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ SIZE_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks")
 SPEC_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size", "blocks_per_chunk", "eviction_policy", "staging_bytes")
 SIMPLE_KEYS = ("cpu_bytes_to_use", "kv_offload_backend", "staging_bytes")
 # Read by NPUOffloadingConnector only: vLLM's OffloadingConnector never calls the layer hooks.
-LAYERWISE_KEYS = ("layerwise_load", "layerwise_min_tokens", "layerwise_groups")
+LAYERWISE_KEYS = ("layerwise_load", "layerwise_min_tokens", "layerwise_min_new_tokens", "layerwise_groups")
 SIMPLE_BACKENDS = ("cpu",)
 
 # Escape hatch for a newer vLLM that reads a key we do not list yet: warn instead of failing.
@@ -167,15 +168,21 @@ class LayerwiseOptions:
     min_tokens: int = 256  # below it the copies are short and the asynchronous path is as good
     groups: int = 4  # per group one stream wait per step; a few groups hide most of the copy
     auto: bool = False
+    # tokens the step must still compute beside the hit (the forward the copies hide under); at least 2
+    min_new_tokens: int = MIN_TOKENS_LEFT
 
     @property
     def mode(self) -> bool | str:
         return "auto" if self.auto else self.enabled
 
 
-# ``auto``'s default: a bare 2k reload was 1.29x slower layer by layer (its piecewise step costs
-# more than 5 ms of copies hide), an 8k one 0.85x (docs/benchmarks.md, fourth session)
+# ``auto``'s defaults: a bare 2k reload was 1.29x slower layer by layer (its piecewise step costs
+# more than 5 ms of copies hide), an 8k one 0.85x (docs/benchmarks.md, fourth session); a bare 32k
+# reload (64 tokens left to compute) 1.13x slower, while 8k and 32k histories with 1,024 new tokens
+# were 0.85x / 0.93x of the asynchronous path (H200; docs/layerwise.md): without a forward to hide
+# under, the copies are the step. 512 lies between the two measured cases.
 AUTO_MIN_TOKENS = 4096
+AUTO_MIN_NEW_TOKENS = 512
 
 
 _IN_NPU_CONNECTOR: contextvars.ContextVar[bool] = contextvars.ContextVar("npu_offloading_connector", default=False)
@@ -218,6 +225,7 @@ def layerwise_options(extra: Mapping[str, Any]) -> LayerwiseOptions:
         _positive_int(extra, "layerwise_min_tokens") or (AUTO_MIN_TOKENS if auto else default.min_tokens),
         _positive_int(extra, "layerwise_groups") or default.groups,
         auto,
+        _positive_int(extra, "layerwise_min_new_tokens") or (AUTO_MIN_NEW_TOKENS if auto else default.min_new_tokens),
     )
 
 
