@@ -21,7 +21,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(STEP_SHAPES), help="comma list of KV shapes")
     ap.add_argument("--blocks", default=",".join(map(str, DEFAULT_BLOCKS)), help="blocks per transfer (per KV group)")
     ap.add_argument("--bpc", type=int, default=4, help="engine blocks per host chunk (64-token offload blocks)")
-    ap.add_argument("--hosts", default=",".join(HOSTS), help="host chunks: random, seq (consecutive), rev (consecutive, descending: vLLM reusing evicted chunks)")
+    ap.add_argument("--hosts", default=",".join(HOSTS),
+                    help="host chunks: random, seq (consecutive), rev (consecutive, descending: vLLM's reuse order)")
     ap.add_argument("--modes", default=",".join(MODES), help="staged, direct")
     ap.add_argument("--reps", type=int, default=200, help="timed transfers per row (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=20)

@@ -9,8 +9,9 @@ with ``device_kv.canonicalize`` into ``CanonicalKVCaches`` and hands them to the
 upstream would; caches upstream can read (plain tensors, Mamba state lists) take the upstream
 path unchanged. Everything else is inherited, unless ``layerwise_load`` is on: then a host hit
 of at least ``layerwise_min_tokens`` tokens, with at least ``layerwise_min_new_tokens`` left to
-compute, is loaded inside the step that computes the rest of its prompt, one transfer per layer group, each layer's attention waiting (on the device) for its group
-(``layerwise_scheduler`` / ``layerwise_worker``; docs/layerwise.md).
+compute, is loaded inside the step that computes the rest of its prompt, one transfer per layer
+group, each layer's attention waiting (on the device) for its group (``layerwise_scheduler`` /
+``layerwise_worker``; docs/layerwise.md).
 
 Use: ``"kv_connector": "NPUOffloadingConnector", "kv_connector_module_path":
 "vllm_npu_offload.integration.connector"``.

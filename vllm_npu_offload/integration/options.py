@@ -225,7 +225,8 @@ def layerwise_options(extra: Mapping[str, Any]) -> LayerwiseOptions:
         _positive_int(extra, "layerwise_min_tokens") or (AUTO_MIN_TOKENS if auto else default.min_tokens),
         _positive_int(extra, "layerwise_groups") or default.groups,
         auto,
-        _positive_int(extra, "layerwise_min_new_tokens") or (AUTO_MIN_NEW_TOKENS if auto else default.min_new_tokens),
+        _positive_int(extra, "layerwise_min_new_tokens")
+        or (AUTO_MIN_NEW_TOKENS if auto else default.min_new_tokens),
     )
 
 
