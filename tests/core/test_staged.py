@@ -272,9 +272,10 @@ def test_host_blocks_in_reverse_still_make_one_link_copy(monkeypatch, direction)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("bpc", [1, 3])
-def test_reversed_and_shuffled_host_chunks_round_trip_byte_exact(device, staged, bpc):
-    """Descending chunks (vLLM's reuse order) for the store, another order for the load: every
-    page lands in its own host block and comes back to the block it was asked for."""
+def test_reversed_host_chunks_round_trip_byte_exact(device, staged, bpc):
+    """Descending chunks (vLLM's reuse order), stored from some device blocks and loaded into others:
+    every page lands in its own host block and comes back to the block it was asked for (shuffled
+    chunks: the random round trips above)."""
     core, tensors, refs, rng = random_core(11, bpc, staging_chunks=4, device=device)
     n, skip = 13, 1 if bpc > 1 else 0
     dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)

@@ -67,7 +67,8 @@ def reference_plan(core, direction, parts):
     """Page descriptors (group by group, block by block in ascending host order, pair by pair), each
     slice's first, and the link runs, one block at a time in plain Python."""
     stager, rec = core.stager, core.layout.record_bytes
-    by_host = [(g, *zip(*sorted(zip(dev.tolist(), host.tolist()), key=lambda pair: pair[1]))) for g, dev, host in parts]
+    by_host = [(g, *zip(*sorted(zip(dev.tolist(), host.tolist()), key=lambda pair: pair[1])))
+               for g, dev, host in parts]
     groups = [(g, dev, host) for g, dev, host in by_host if core._staged[(g, direction)] is not None]
     n = sum(len(dev) for _, dev, _ in groups)
     edges, pos = reference_positions(stager, n, direction)
