@@ -12,7 +12,9 @@ host buffer and device memory, in the same run. Four times per transfer: wall cl
 start and end events ("dev"), the copies alone with descriptors planned beforehand
 ("exec", how transfer.py times the single paths), and those copies on the device alone
 ("gpu": the stream is held busy while the CPU enqueues them, and so is the contiguous
-reference's; with "cpu", the enqueue's CPU time, it splits exec's loss into device and CPU).
+reference's; with "cpu", the enqueue's CPU time, it splits exec's loss into device and CPU). The
+fixed cost of a whole transfer, split: "outside" its device span (planning, submit, the poll that sees
+the end) and "inside" it beyond the link time (the device waiting for the enqueue, copies under the rate).
 """
 
 from __future__ import annotations
@@ -175,9 +177,14 @@ def bench_shape(platform: Platform, shape: KVShape, reps: int = 10, staging_byte
                     local_only = lambda: planned.enqueue(stream, link=False)  # noqa: E731
                     row["gather_gbps"] = nbytes / median_seconds(local_only, stream.synchronize, reps) / 1e9
                     row["gather_gpu_gbps"] = nbytes / device_only_seconds(platform, local_only, stream, reps)[0] / 1e9
-                for what, t in (("", sec), ("_dev", float(np.median(dev_s[-reps:]))), ("_exec", exec_s)):
+                dev_med = float(np.median(dev_s[-reps:]))
+                for what, t in (("", sec), ("_dev", dev_med), ("_exec", exec_s)):
                     row[f"{mode}{what}_gbps"] = nbytes / t / 1e9
                     row[f"{mode}{what}_pct"] = 100.0 * nbytes / t / 1e9 / limit
+                # the fixed cost, split: outside the engine's device span (planning, submit, the poll that
+                # sees the end) and inside it beyond the link time (waiting for the enqueue, the copies' loss)
+                row[f"{mode}_outside_us"] = (sec - dev_med) * 1e6
+                row[f"{mode}_inside_us"] = (dev_med - nbytes / (limit * 1e9)) * 1e6
                 core.pool.release(planned.buffers)
             row["auto"] = "staged" if core.uses_staging(d, shape.blocks) else "direct"
             out["rows"].append(row)
@@ -222,7 +229,8 @@ def format_shape(res: dict[str, Any]) -> str:
              f"record {res['record_bytes'] // 1024} KiB, staged from {res['staged_min_blocks']}"]
     for r in res["rows"]:
         cells = [f"{m} {r[m + '_gbps']:5.1f} GB/s {r[m + '_pct']:3.0f}% (dev {r[m + '_dev_pct']:3.0f}%, "
-                 f"exec {r[m + '_exec_pct']:3.0f}%, gpu {r[m + '_gpu_pct']:3.0f}%, cpu {r[m + '_enqueue_us']:4.0f} us)"
+                 f"exec {r[m + '_exec_pct']:3.0f}%, gpu {r[m + '_gpu_pct']:3.0f}%, cpu {r[m + '_enqueue_us']:4.0f} us, "
+                 f"outside {r[m + '_outside_us']:4.0f} us, inside {r[m + '_inside_us']:4.0f} us)"
                  for m in ("direct", "staged") if m + "_gbps" in r]
         gather = (f" | gather {r['gather_gbps']:5.0f} GB/s (gpu {r['gather_gpu_gbps']:5.0f})"
                   if "gather_gbps" in r else "")

@@ -34,3 +34,21 @@ def test_rev_plans_as_few_link_copies_as_seq(monkeypatch):
             assert links["random", d][0] > links["seq", d][0]
     finally:
         rig.close()
+
+
+def test_core_bench_runs_on_cpu_and_splits_the_fixed_cost(tmp_path):
+    """One small shape through ``core_bench.run`` on the CPU platform: every host order gets a row,
+    and each mode's fixed cost is split into outside / inside the device span, which add up to the
+    whole transfer's time beyond the link time."""
+    from benchmarks import core_bench
+
+    lines: list[str] = []
+    report = core_bench.run("cpu", ["tiny-1k"], reps=2, json_path=str(tmp_path / "core.json"), printer=lines.append)
+    rows = report["shapes"][0]["rows"]
+    assert sorted({r["host"] for r in rows}) == sorted(HOSTS) and {r["dir"] for r in rows} == {"H2D", "D2H"}
+    for r in rows:
+        whole_s = r["bytes"] / (r["direct_gbps"] * 1e9)
+        link_s = r["bytes"] / (r["contiguous_gbps"] * 1e9)
+        split = (r["direct_outside_us"] + r["direct_inside_us"]) * 1e-6
+        assert split == pytest.approx(whole_s - link_s, rel=1e-6, abs=1e-9)
+    assert "outside" in "\n".join(lines) and (tmp_path / "core.json").exists()
