@@ -845,7 +845,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(ttft, miss) of layouts with one KV-cache group; correctness always runs it there")
     ap.add_argument("--layerwise-load", choices=("true", "auto"), default="true",
                     help="the layerwise engines' and servers' layerwise_load: true (every qualifying hit) or auto "
-                         "(only while no other request runs, hits of >= 4096 tokens)")
+                         "(only while no other request runs, hits of >= 4096 tokens with >= 512 tokens left "
+                         "to compute)")
     ap.add_argument("--no-native", action="store_true",
                     help="pool without vLLM's native spec (room for one more variant; ttft needs native)")
     ap.add_argument("--no-off", action="store_true",

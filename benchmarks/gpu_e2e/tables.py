@@ -9,6 +9,7 @@ from typing import Any
 
 from benchmarks.multiturn.report import _fmt, _table
 
+from .engine import layerwise_extra
 from .timeline import HOST_COLUMNS
 
 PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn")
@@ -223,8 +224,6 @@ def layerwise_ttft_table(res: dict) -> str:
     head = ["prompt tok", "reload layerwise ms", "reload ours ms", "reload native ms", "layerwise transfer ms",
             "max(transfer, forward) ms", "from host tok", "layerwise/ours", "layerwise/native", "layerwise/max"]
     counters = res.get("layerwise") or {}
-    from .engine import layerwise_extra
-
     return table(head, rows) + (f"\nlayerwise = ours with {layerwise_extra()}: the hit loads layer group by layer "
                                 "group inside the step that computes the rest of the prompt; max(transfer, forward) = "
                                 "ideal transfer (bytes / H2D) vs device-hit TTFT, the larger; its counters: "
@@ -300,10 +299,11 @@ def ttft_floor_table(res: dict) -> str:
             "ours/native", "ours - floor", "ours' load beyond link", "of it: scheduled to submit",
             "submit to seen, beyond device time", "device time beyond link", "ours' fixed beyond native's"]
     return table(head, rows) + ("\nfloor = native's fixed costs (wall - load scheduled-to-seen) + ours' bytes at the "
-                                "contiguous H2D rate: about the best an asynchronous reload can do here (a little under it: the "
-                                "step that issues the load counts as native's span, not its fixed cost); ours' load "
-                                "beyond link = its scheduled-to-seen span less the link time (planning, enqueue, "
-                                "copies under the link rate, the poll), split into the time from the step that scheduled it to ours' submit "
+                                "contiguous H2D rate: about the best an asynchronous reload can do here (a little "
+                                "under it: the step that issues the load counts as native's span, not its fixed "
+                                "cost); ours' load beyond link = its scheduled-to-seen span less the link time "
+                                "(planning, enqueue, copies under the link rate, the poll), split into the time from "
+                                "the step that scheduled it to ours' submit "
                                 "(vLLM's step, the model-step set-up, ours' planning), from submit to a poll seeing "
                                 "it beyond its device time (enqueue before the first copy, the poll), and the device "
                                 "time beyond the link time; medians over reps")

@@ -133,7 +133,8 @@ class NPUOffloadingConnector(OffloadingConnector):
         if len(groups) != 1:
             raise OffloadConfigError(
                 f"kv_connector_extra_config['layerwise_load']={self._layerwise.mode!r} needs a model with one "
-                f"KV-cache group; this one has {len(groups)} ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): vLLM recovers "
+                f"KV-cache group; this one has {len(groups)} "
+                f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): vLLM recovers "
                 "from a failed load for one group only (scheduler._update_requests_with_invalid_blocks). "
                 "Set 'layerwise_load' to false"
             )

@@ -12,10 +12,11 @@ Pure Python (no vLLM import) so it is tested directly. Keys keep upstream's mean
 - ``eviction_policy``: a registered cache policy (``lru``, ``arc``) unless
   ``cache_policy_module_path`` names an out-of-tree one.
 - ``staging_bytes``: device staging memory for staged copies (a positive integer).
-- ``layerwise_load`` / ``layerwise_min_tokens`` / ``layerwise_groups`` (``NPUOffloadingConnector``
-  only): load a host hit of at least that many tokens inside the step that computes the rest of
-  its prompt, in that many layer groups (``LayerwiseOptions``; docs/layerwise.md). ``"auto"``: only
-  while no other request is running, where the loading step delays nobody's decode.
+- ``layerwise_load`` / ``layerwise_min_tokens`` / ``layerwise_min_new_tokens`` / ``layerwise_groups``
+  (``NPUOffloadingConnector`` only): load a host hit of at least that many tokens, with at least that
+  many left to compute, inside the step that computes the rest of its prompt, in that many layer
+  groups (``LayerwiseOptions``; docs/layerwise.md). ``"auto"``: only while no other request is
+  running, where the loading step delays nobody's decode.
 
 Keys are strict: a key that neither we nor the installed vLLM read for the connector in use
 is an error naming the nearest known key (``reject_unknown_keys``; vLLM's own keys per
