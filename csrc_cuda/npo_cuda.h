@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 3
+#define NPO_CUDA_ABI_VERSION 4
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -95,6 +95,40 @@ typedef struct {
 
 NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len);
 
+/* One KV group's part of a staged transfer that the library plans itself (npo_cuda_staged_submit). */
+typedef struct {
+    uint64_t table;             /* the group's pair table on the device ((5, pairs) int64 rows) */
+    uint64_t pairs;
+    uint64_t span_lo, span_hi;  /* the bytes of a host record that the group's pages occupy */
+    const int64_t *device_ids;  /* `blocks` device block ids */
+    const int64_t *host_ids;    /* their host block ids, in any order: planned ascending */
+    uint64_t blocks;
+} npo_staged_group;
+/* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is as for
+ * npo_cuda_staged_run, less what the plan fills in (n_ids, n_slices and every array); its
+ * host_ids is pinned room for ids_capacity int64 ids (2 per block), which the plan fills. */
+typedef struct {
+    npo_staged_job job;
+    uint64_t ids_capacity;
+    const npo_staged_group *groups;
+    uint64_t n_groups;
+    uint64_t slot_blocks;       /* records per staging slot */
+    uint64_t record_bytes;
+    uint64_t pages_end;         /* a group spanning [0, pages_end) owns whole records: its runs merge */
+    uint64_t staging_base;      /* this direction's staging area */
+    uint64_t host_base;
+    uint64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
+} npo_staged_request;
+/* The plan alone, into the caller's arrays (capacities in entries; tests, benchmarks). */
+typedef struct {
+    uint64_t *range_off, *ranges, *link_src, *link_dst, *link_size, *link_bounds;
+    uint64_t cap_slices, cap_ranges, cap_links;
+    uint64_t n_slices, n_ranges, n_links;  /* filled */
+} npo_staged_plan_out;
+NPO_EXPORT int npo_cuda_staged_plan(const npo_staged_request *req, npo_staged_plan_out *out, char *msg,
+                                    size_t msg_len);
+/* Plan and enqueue one staged transfer in one call; *links gets its link copy count. */
+NPO_EXPORT int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *links, char *msg, size_t msg_len);
 /* Timing-disabled CUevents for the pipeline (created in the current or primary context). */
 NPO_EXPORT int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len);
 NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len);

@@ -32,7 +32,7 @@ from .plan import (BlockLayout, CopyPlanner, DescriptorPool, Descriptors, Tensor
                    max_unsigned)
 from .platform import Platform
 from .staging import DEFAULT_STAGING_BYTES, GroupBlocks, StagedPlan, Stager
-from .transfer import DirectTransfer, StagedTransfer, Transfer
+from .transfer import DirectTransfer, NativeStagedTransfer, StagedTransfer, Transfer
 from .staging_choice import NEVER, CalibrationTarget, staged_thresholds, stores_direct
 
 logger = logging.getLogger(__name__)
@@ -273,6 +273,20 @@ class OffloadWorkerCore:
                 groups.append(GroupBlocks(planner, self._spans[g], *host_ordered(dev, host)))
         return self.stager.plan(direction, groups)
 
+    def _native_staged(self, direction: Direction, parts, n: int) -> NativeStagedTransfer:
+        """A staged transfer the native pipeline plans when it enqueues it: each group's planner,
+        record span and ids (any host order), and pinned room for the ids of both sides."""
+        groups, nbytes, pages = [], 0, 0
+        for g, dev, host in parts:
+            planner = self._staged[(g, direction)]
+            if planner is not None:
+                groups.append((planner, self._spans[g], np.ascontiguousarray(dev), np.ascontiguousarray(host)))
+                nbytes += planner.bytes_per_block * len(dev)
+                pages += len(planner.pairs) * len(dev)
+        if not groups:
+            raise ValueError("a staged transfer needs at least one block of a group with tensors")
+        return NativeStagedTransfer(direction, groups, self.pool.acquire(-(-2 * n // 3)), self.stager, nbytes, pages)
+
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""
         n = self.staged_min_blocks[as_direction(direction)]
@@ -296,6 +310,8 @@ class OffloadWorkerCore:
         if staged and self.stager is None:
             raise ValueError("staged transfer asked for, but this worker has no staging (CPU, or paths unavailable)")
         if staged and n:
+            if self.stager.plans_natively:
+                return self._native_staged(direction, parts, n)
             return StagedTransfer(direction, self._staged_plan(direction, parts), self.stager)
         return DirectTransfer(direction, self._direct_descriptors(direction, parts), self.backend)
 

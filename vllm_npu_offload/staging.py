@@ -35,6 +35,7 @@ from .platform import Platform
 
 logger = logging.getLogger(__name__)
 ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
+ENV_PLAN = "NPU_OFFLOAD_STAGE_PLAN"  # python: Stager.plan, never the native planner
 ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # where store gathers run: 1 aux, 0 own stream, compute
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
@@ -179,6 +180,9 @@ class Stager:
         # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
         self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
         self.table_form = bool(getattr(self._fused, "table_form", False))
+        # the native pipeline plans table-form transfers itself (host order, slices, ids, link runs)
+        self.plans_natively = (self.table_form and bool(getattr(self._fused, "plans_natively", False))
+                               and env.get(ENV_PLAN) == "native")
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
         self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
@@ -366,9 +370,7 @@ class Stager:
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
         direction = as_direction(direction)
-        aux = self._aux[direction]
-        if direction is Direction.D2H and self._store_gathers_on != "1":
-            aux = stream if self._store_gathers_on == "0" or compute is None else compute
+        aux = self._aux_for(direction, stream, compute)
         if self._fused is not None:
             self._fused.run(plan, direction, stream, aux, link=link)
             return
@@ -408,6 +410,29 @@ class Stager:
                     drained[s].record(aux)
             if not store and plan.num_slices:
                 stream.wait_event(drained[(plan.num_slices - 1) % slots])
+
+    def _aux_for(self, direction: Direction, stream: Any, compute: Any) -> Any:
+        """The stream a transfer's gathers/scatters run on (NPU_OFFLOAD_STAGE_STORE_AUX)."""
+        if direction is Direction.D2H and self._store_gathers_on != "1":
+            return stream if self._store_gathers_on == "0" or compute is None else compute
+        return self._aux[direction]
+
+    def native_geometry(self, direction: Direction) -> dict[str, int]:
+        """What the native planner needs of this stager for ``direction`` (the slice constants are
+        read at each call: tests patch them)."""
+        g = self.geometry
+        return {"slots": g.slots, "slot_blocks": g.slot_blocks, "record_bytes": g.record_bytes,
+                "pages_end": self.layout.pages_end, "staging_base": self.base[direction], "host_base": self.host_base}
+
+    @staticmethod
+    def slice_constants() -> tuple[int, int, int]:
+        """(MIN_SLICE_BYTES, RAMP, GROWTH) as they stand now (tests patch the module's values)."""
+        return MIN_SLICE_BYTES, RAMP, GROWTH
+
+    def run_native(self, transfer, stream: Any, link: bool = True, compute: Any = None) -> int:
+        """Plan and enqueue a ``NativeStagedTransfer`` in one native call; its link copy count."""
+        aux = self._aux_for(transfer.direction, stream, compute)
+        return self._fused.submit(self, transfer, stream, aux, link=link)
 
     def release(self) -> None:
         if self._fused is not None:

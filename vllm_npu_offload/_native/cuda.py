@@ -16,7 +16,7 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 3
+ABI_VERSION = 4
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 _MSG_LEN = 512
 
@@ -36,6 +36,8 @@ class NativeCudaLib:
         u64 = ctypes.c_uint64
         lib.npo_cuda_gather.argtypes = [u64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_staged_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_staged_submit.argtypes = [ctypes.c_void_p, _u64p, ctypes.c_char_p, ctypes.c_size_t]
         events_args = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_events_create.argtypes = lib.npo_cuda_events_destroy.argtypes = events_args
         lib.npo_cuda_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
@@ -43,7 +45,7 @@ class NativeCudaLib:
         lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
-                   "npo_cuda_events_create", "npo_cuda_events_destroy", "npo_cuda_stream_create",
+                   "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create", "npo_cuda_events_destroy", "npo_cuda_stream_create",
                    "npo_cuda_stream_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
@@ -121,6 +123,18 @@ class NativeCudaLib:
         """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""
         self._call(self._lib.npo_cuda_staged_run, ctypes.byref(job), call="npo_cuda_staged_run",
                    what=f"{rows} page descriptors")
+
+    def staged_plan(self, request, out) -> None:
+        """Plan a staged transfer (``cuda_pipeline.StagedRequest``) into ``out`` without enqueueing it."""
+        self._call(self._lib.npo_cuda_staged_plan, ctypes.byref(request), ctypes.byref(out),
+                   call="npo_cuda_staged_plan")
+
+    def staged_submit(self, request) -> int:
+        """Plan and enqueue a staged transfer in one call; its link copy count."""
+        links = ctypes.c_uint64()
+        self._call(self._lib.npo_cuda_staged_submit, ctypes.byref(request), ctypes.byref(links),
+                   call="npo_cuda_staged_submit")
+        return links.value
 
     def create_events(self, n: int):
         """``n`` timing-disabled CUevents, as a ctypes array of handles."""

@@ -38,6 +38,32 @@ class StagedJob(ctypes.Structure):
     ]
 
 
+class StagedGroup(ctypes.Structure):
+    """Mirror of ``npo_staged_group``."""
+
+    _fields_ = [("table", ctypes.c_uint64), ("pairs", ctypes.c_uint64), ("span_lo", ctypes.c_uint64),
+                ("span_hi", ctypes.c_uint64), ("device_ids", ctypes.c_void_p), ("host_ids", ctypes.c_void_p),
+                ("blocks", ctypes.c_uint64)]
+
+
+class StagedRequest(ctypes.Structure):
+    """Mirror of ``npo_staged_request``: a staged transfer the library plans and enqueues."""
+
+    _fields_ = [("job", StagedJob), ("ids_capacity", ctypes.c_uint64), ("groups", ctypes.POINTER(StagedGroup)),
+                ("n_groups", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in (
+                    "slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "min_slice_bytes",
+                    "ramp", "growth")]
+
+
+class StagedPlanOut(ctypes.Structure):
+    """Mirror of ``npo_staged_plan_out`` (the plan alone, for tests and benchmarks)."""
+
+    _fields_ = [(name, _u64p) for name in ("range_off", "ranges", "link_src", "link_dst", "link_size",
+                                           "link_bounds")] + [
+        (name, ctypes.c_uint64) for name in ("cap_slices", "cap_ranges", "cap_links", "n_slices", "n_ranges",
+                                             "n_links")]
+
+
 def _ptr(a: np.ndarray):
     return a.ctypes.data_as(_u64p)
 
@@ -47,6 +73,7 @@ class CudaStagedPipeline:
     and each group planner's pair table on the device (uploaded at first use)."""
 
     table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
+    plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
 
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
         self.lib, self.platform, self.slots = lib, platform, slots
@@ -54,6 +81,8 @@ class CudaStagedPipeline:
         self.events = {d: lib.create_events(1 + 2 * slots) for d in Direction}
         self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._requests: dict[Direction, StagedRequest] = {}
+        self._groups: dict[Direction, Any] = {}
 
     def _table(self, planner) -> torch.Tensor:
         hit = self._tables.get(id(planner))
@@ -84,6 +113,66 @@ class CudaStagedPipeline:
             _ptr(bounds), self.events[direction], int(not link),
             int(self.inline_store_ids and Direction(direction) is Direction.D2H))
         self.lib.staged_run(job, rows=plan.pages)
+
+    # -- native planning (npo_cuda_staged_submit) ------------------------------------------------
+    def request(self, stager, transfer, stream: int, aux: int, link: bool = True) -> StagedRequest:
+        """The native request for ``transfer`` on raw streams ``stream`` / ``aux`` (one request per
+        direction, reused: the engine enqueues one transfer at a time, under its lock)."""
+        d = Direction(transfer.direction)
+        req = self._requests.get(d)
+        if req is None:
+            req = self._requests[d] = StagedRequest()
+            geo = stager.native_geometry(d)
+            j = req.job
+            j.store, j.programs, j.min_page, j.slots = int(d is Direction.D2H), self.programs[d], self.min_page, geo["slots"]
+            j.events = self.events[d]
+            for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base"):
+                setattr(req, k, geo[k])
+        groups = self._groups.get(d)
+        if groups is None or len(groups) < len(transfer.groups):
+            groups = self._groups[d] = (StagedGroup * max(4, len(transfer.groups)))()
+            req.groups = groups
+        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
+            g.table = self._table(planner).data_ptr()
+            g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
+            g.device_ids, g.host_ids, g.blocks = dev.ctypes.data, host.ctypes.data, len(dev)
+        req.n_groups = len(transfer.groups)
+        ids = transfer.ids
+        if ids.device_cols is None:  # the set's device mirror: allocated once, reused with the set
+            ids.device_cols = torch.empty(ids.packed.numel(), dtype=torch.int64, device=self.platform.device)
+        j = req.job
+        j.stream, j.aux = stream, aux
+        j.host_ids = ctypes.cast(ids.addrs[0], _u64p)
+        j.dev_ids = ids.device_cols.data_ptr()
+        j.skip_link = int(not link)
+        j.inline_ids = int(self.inline_store_ids and d is Direction.D2H)
+        req.ids_capacity = ids.packed.numel()
+        req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
+        return req
+
+    def submit(self, stager, transfer, stream: Any, aux: Any, link: bool = True) -> int:
+        """Plan and enqueue ``transfer`` (a ``NativeStagedTransfer``) in one call; its link copies."""
+        raw = self.platform.raw_stream_handle
+        return self.lib.staged_submit(self.request(stager, transfer, raw(stream), raw(aux), link))
+
+    def plan_only(self, stager, transfer) -> dict[str, np.ndarray]:
+        """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan):
+        the ids (written into its pinned buffer), per-slice table ranges and link copies."""
+        req = self.request(stager, transfer, 0, 0)
+        n = sum(len(g[2]) for g in transfer.groups)
+        cap_ranges = n * max(1, len(transfer.groups))
+        arrays = {"range_off": np.zeros(n + 1, np.uint64), "ranges": np.zeros(4 * cap_ranges, np.uint64),
+                  "link_src": np.zeros(n, np.uint64), "link_dst": np.zeros(n, np.uint64),
+                  "link_size": np.zeros(n, np.uint64), "link_bounds": np.zeros(n + 1, np.uint64)}
+        out = StagedPlanOut(*(_ptr(a) for a in arrays.values()), n, cap_ranges, n)
+        self.lib.staged_plan(req, out)
+        k, m, r = out.n_slices, out.n_links, out.n_ranges
+        res = {"range_off": arrays["range_off"][:k + 1], "ranges": arrays["ranges"][:4 * r].reshape(-1, 4),
+               "link_bounds": arrays["link_bounds"][:k + 1]}
+        for key in ("link_src", "link_dst", "link_size"):
+            res[key] = arrays[key][:m]
+        res["ids"] = transfer.ids.flat_np[:2 * n].copy()
+        return res
 
     def close(self) -> None:
         for evs in self.events.values():

@@ -101,10 +101,11 @@ def case_ranges():
 
 def case_staged():
     """The worker core's staged store and load through the native gather and the batch DMA,
-    enqueued by the native pipeline (one call per transfer) and by the Python loop."""
-    for mode in ("native", "python"):
-        os.environ["NPU_OFFLOAD_STAGE_PIPELINE"] = mode
-        staged_round_trip(mode)
+    enqueued by the native pipeline (one call per transfer; planned natively or in Python) and
+    by the Python loop."""
+    for mode, planner in (("native", "native"), ("native", "python"), ("python", "native")):
+        os.environ["NPU_OFFLOAD_STAGE_PIPELINE"], os.environ["NPU_OFFLOAD_STAGE_PLAN"] = mode, planner
+        staged_round_trip(mode, planner)
     print("staged ok")
 
 
@@ -288,7 +289,7 @@ def case_staged_fail():
     print("staged_fail ok")
 
 
-def staged_round_trip(mode):
+def staged_round_trip(mode, planner="native"):
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
@@ -306,6 +307,7 @@ def staged_round_trip(mode):
                              staging_bytes=2 * 3 * bpc * record)
     assert (core.stager.local_path.name, core.stager.link_path.name) == ("gather_native", "dma")
     assert (core.stager._fused is not None) == (mode == "native") == core.stager.table_form
+    assert core.stager.plans_natively == (mode == "native" and planner == "native")
     tables0 = counter("fake_table_launches", ctypes.c_longlong)
     records0 = counter("fake_records", ctypes.c_longlong)
     launches0 = counter("fake_launches", ctypes.c_longlong)
@@ -320,6 +322,67 @@ def staged_round_trip(mode):
     assert (tables > 0) == (mode == "native"), tables  # native: the table kernel, no page descriptors
     core.shutdown()
     assert mode == "python" or counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
+
+
+def _python_plan(core, direction, parts, n):
+    """Stager.plan's table-form plan, as arrays comparable with the native planner's."""
+    plan = core._staged_plan(direction, parts)
+    ranges = [(core.stager._fused._table(r.planner).data_ptr(), len(r.planner.pairs), r.block0, r.blocks)
+              for per in plan.table_ranges for r in per]
+    out = {"ids": plan.ids.flat_np[:2 * n].copy(), "ranges": np.array(ranges, np.uint64).reshape(-1, 4),
+           "range_off": np.cumsum([0] + [len(per) for per in plan.table_ranges]).astype(np.uint64),
+           "link_src": plan.link.src.astype(np.uint64), "link_dst": plan.link.dst.astype(np.uint64),
+           "link_size": plan.link.sizes.astype(np.uint64), "link_bounds": plan.link_bounds.astype(np.uint64)}
+    core.pool.release(plan.buffers)
+    return out
+
+
+def case_native_plan():
+    """The native planner (npo_cuda_staged_plan) gives exactly Stager.plan's table-form plan: the
+    ids of both sides, per-slice table ranges, link copies and slice bounds, over one and two KV
+    groups, whole and partial record spans, 1-3 blocks per chunk, consecutive, descending and
+    shuffled host chunks, one and many slices, both directions."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    rng = np.random.default_rng(21)
+    checked = 0
+    for groups_kind in ("one", "two", "sub"):
+        pages = [256, 512, 128, 384]
+        refs = {"one": [[GroupRef(i, q) for i, q in enumerate(pages)]],
+                "two": [[GroupRef(0, 256), GroupRef(1, 512)], [GroupRef(2, 128), GroupRef(3, 384)]],
+                "sub": [[GroupRef(0, 200), GroupRef(1, 512), GroupRef(2, 128), GroupRef(3, 300)]]}[groups_kind]
+        for bpc in (1, 2, 3):
+            for min_slice in (0, 1 << 30, 3 * sum(pages)):
+                staging.MIN_SLOT_BYTES, staging.MIN_SLICE_BYTES = 0, min_slice
+                kv = [torch.zeros(96, q, dtype=torch.uint8) for q in pages]
+                core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, bpc, 90, FakeCuda(),
+                                         staging_bytes=2 * 3 * 24 * sum(pages))
+                assert core.stager.plans_natively
+                for hosts in ("seq", "rev", "random"):
+                    for direction in Direction:
+                        sizes = [int(rng.integers(1, 40)) for _ in refs]
+                        idx = [int(rng.integers(0, bpc)) for _ in refs]
+                        k = sum(-(-(z + i) // bpc) for z, i in zip(sizes, idx))
+                        chunks = {"seq": np.arange(5, 5 + k), "rev": np.arange(5, 5 + k)[::-1],
+                                  "random": rng.choice(90, k, replace=False)}[hosts].astype(np.int64)
+                        dev = rng.choice(96, sum(sizes), replace=False).astype(np.int64)
+                        side = "src" if direction is Direction.D2H else "dst"
+                        parts = core._split(side, dev, sizes, idx, chunks)
+                        n = sum(sizes)
+                        want = _python_plan(core, direction, parts, n)
+                        transfer = core._native_staged(direction, parts, n)
+                        got = core.stager._fused.plan_only(core.stager, transfer)
+                        core.pool.release(transfer.buffers)
+                        for key, w in want.items():
+                            assert np.array_equal(got[key], w), (groups_kind, bpc, min_slice, hosts, direction, key,
+                                                                 got[key].tolist()[:12], w.tolist()[:12])
+                        checked += 1
+                core.shutdown()
+    assert checked == 3 * 3 * 3 * 3 * 2, checked
+    print("native_plan ok")
 
 
 def case_errors():

@@ -1,0 +1,236 @@
+// npo_cuda_staged_plan / npo_cuda_staged_submit: plan a staged transfer (staging.py's
+// Stager.plan: host order, slice layout, the block ids of both sides, the per-slice table
+// ranges and the link runs) in C, and with submit enqueue it at once (npo_cuda_staged_run).
+// Why: on a GPU server's host the Python planner and the job it hands over cost 100-250 us
+// per transfer, most of the fixed cost that keeps a 20 MiB transfer at 60-70% of one
+// contiguous copy (docs/benchmarks.md); this is the same arithmetic in a few microseconds.
+// The Python planner stays the reference (NPU_OFFLOAD_STAGE_PLAN=python; the tests compare both).
+#include <stdio.h>
+#include <string.h>
+
+#include <algorithm>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include "driver.h"
+#include "npo_cuda.h"
+
+namespace {
+
+struct Scratch {  // per thread: the engine thread and the submit thread plan concurrently
+    std::vector<int64_t> dev, host;
+    std::vector<uint64_t> pos, edges, range_off, ranges, link_src, link_dst, link_size, link_bounds;
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+};
+
+uint64_t ceil_div(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
+
+// staging.py's Stager.slice_sizes: a small unhidden slice (first for stores, last for loads),
+// then slices growing `growth`-fold up to the slot; a small remainder joins the slice before it.
+void slice_edges(const npo_staged_request *r, uint64_t n, bool store, std::vector<uint64_t> &edges) {
+    uint64_t first = std::max<uint64_t>({1, ceil_div(r->min_slice_bytes, r->record_bytes), ceil_div(n, r->ramp)});
+    std::vector<uint64_t> sizes;
+    uint64_t cur = first, left = n;
+    while (left > 0) {
+        uint64_t take = std::min({cur, r->slot_blocks, left});
+        if (left - take > 0 && left - take < first && left <= r->slot_blocks) take = left;
+        sizes.push_back(take);
+        left -= take;
+        cur = cur > r->slot_blocks ? cur : cur * r->growth;  // past the slot size it no longer matters
+    }
+    if (!store) std::reverse(sizes.begin(), sizes.end());
+    edges.assign(1, 0);
+    for (uint64_t s : sizes) edges.push_back(edges.back() + s);
+}
+
+// One group's (device, host) pairs in ascending host order, appended to s.dev / s.host.
+void host_ordered(const npo_staged_group &g, Scratch &s) {
+    const int64_t *h = g.host_ids, *d = g.device_ids;
+    const uint64_t k = g.blocks;
+    bool up = true, down = true;
+    for (uint64_t i = 1; i < k && (up || down); ++i) {
+        up = up && h[i] > h[i - 1];
+        down = down && h[i] < h[i - 1];
+    }
+    if (up || k < 2) {
+        s.dev.insert(s.dev.end(), d, d + k);
+        s.host.insert(s.host.end(), h, h + k);
+    } else if (down) {
+        for (uint64_t i = k; i-- > 0;) {
+            s.dev.push_back(d[i]);
+            s.host.push_back(h[i]);
+        }
+    } else {
+        s.pairs.resize(k);
+        for (uint64_t i = 0; i < k; ++i) s.pairs[i] = {h[i], d[i]};
+        std::stable_sort(s.pairs.begin(), s.pairs.end(),
+                         [](const std::pair<int64_t, int64_t> &a, const std::pair<int64_t, int64_t> &b) {
+                             return a.first < b.first;
+                         });
+        for (const auto &p : s.pairs) {
+            s.dev.push_back(p.second);
+            s.host.push_back(p.first);
+        }
+    }
+}
+
+int check_request(const npo_staged_request *r, uint64_t *n, char *msg, size_t msg_len) {
+    if (!r || !r->groups || !r->n_groups || !r->job.host_ids || !r->record_bytes || !r->slot_blocks || !r->ramp ||
+        r->growth < 2 || !r->job.slots)
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len,
+                         "npo_cuda_staged_plan: bad request (null groups or ids, or a zero record, slot, ramp, "
+                         "slots, or growth < 2)");
+    uint64_t total = 0;
+    for (uint64_t g = 0; g < r->n_groups; ++g) {
+        const npo_staged_group &gr = r->groups[g];
+        if (gr.blocks && (!gr.device_ids || !gr.host_ids || !gr.table || !gr.pairs || gr.span_hi < gr.span_lo ||
+                          gr.span_hi > r->record_bytes))
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len,
+                             "npo_cuda_staged_plan: group %llu is invalid (null ids or table, %llu pairs, "
+                             "span [%llu, %llu) of a %llu-byte record)", (unsigned long long)g,
+                             (unsigned long long)gr.pairs, (unsigned long long)gr.span_lo,
+                             (unsigned long long)gr.span_hi, (unsigned long long)r->record_bytes);
+        total += gr.blocks;
+    }
+    if (!total) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: a staged transfer needs at "
+                                 "least one block");
+    if (2 * total > r->ids_capacity)
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: %llu blocks need %llu ids, the "
+                         "buffer holds %llu", (unsigned long long)total, (unsigned long long)(2 * total),
+                         (unsigned long long)r->ids_capacity);
+    *n = total;
+    return 0;
+}
+
+// The plan into s (and the pinned ids); every array's size is its count.
+int plan(const npo_staged_request *r, Scratch &s, char *msg, size_t msg_len) {
+    uint64_t n = 0;
+    int rc = check_request(r, &n, msg, msg_len);
+    if (rc) return rc;
+    const bool store = r->job.store != 0;
+    s.dev.clear();
+    s.host.clear();
+    for (uint64_t g = 0; g < r->n_groups; ++g) host_ordered(r->groups[g], s);
+    slice_edges(r, n, store, s.edges);
+    const uint64_t n_slices = s.edges.size() - 1;
+    // each block's staging record: slice i fills slot i % slots from its start
+    s.pos.resize(n);
+    for (uint64_t i = 0; i < n_slices; ++i)
+        for (uint64_t j = s.edges[i]; j < s.edges[i + 1]; ++j)
+            s.pos[j] = (i % r->job.slots) * r->slot_blocks + (j - s.edges[i]);
+    // the ids of both sides: src ids then dst ids (a store: device -> staging record)
+    int64_t *ids = const_cast<int64_t *>(r->job.host_ids);
+    for (uint64_t j = 0; j < n; ++j) {
+        const int64_t p = (int64_t)s.pos[j];
+        ids[j] = store ? s.dev[j] : p;
+        ids[n + j] = store ? p : s.dev[j];
+    }
+    // per slice, one table range per group it covers, groups in order
+    s.range_off.assign(1, 0);
+    s.ranges.clear();
+    for (uint64_t i = 0; i < n_slices; ++i) {
+        uint64_t blk = 0;
+        for (uint64_t g = 0; g < r->n_groups; ++g) {
+            const npo_staged_group &gr = r->groups[g];
+            const uint64_t a = std::max(s.edges[i], blk), b = std::min(s.edges[i + 1], blk + gr.blocks);
+            if (a < b) s.ranges.insert(s.ranges.end(), {gr.table, gr.pairs, a, b - a});
+            blk += gr.blocks;
+        }
+        s.range_off.push_back(s.ranges.size() / 4);
+    }
+    // link runs: consecutive host blocks within one slice and one group; a group that owns only
+    // part of a record copies each block on its own (staging.py's _plan_link says why)
+    const uint64_t rec = r->record_bytes;
+    s.link_src.clear();
+    s.link_dst.clear();
+    s.link_size.clear();
+    s.link_bounds.assign(1, 0);
+    uint64_t blk = 0, slice = 0;
+    for (uint64_t g = 0; g < r->n_groups; ++g) {
+        const npo_staged_group &gr = r->groups[g];
+        const bool part = !(gr.span_lo == 0 && gr.span_hi == r->pages_end) && gr.span_lo != gr.span_hi;
+        const uint64_t lo = gr.span_lo, width = gr.span_hi - gr.span_lo;
+        for (uint64_t j = blk; j < blk + gr.blocks; ++j) {
+            if (j == s.edges[slice + 1]) {  // slices are never empty: one step at a time
+                ++slice;
+                s.link_bounds.push_back(s.link_src.size());
+            }
+            const bool slice_start = j == s.edges[slice];
+            if (j == blk || slice_start || part || s.host[j] != s.host[j - 1] + 1) {
+                const uint64_t stg = s.pos[j] * rec + r->staging_base + lo;
+                const uint64_t hst = (uint64_t)s.host[j] * rec + lo + r->host_base;
+                s.link_src.push_back(store ? stg : hst);
+                s.link_dst.push_back(store ? hst : stg);
+                s.link_size.push_back(width);
+            } else {
+                s.link_size.back() += rec;  // one more whole record in the run
+            }
+        }
+        blk += gr.blocks;
+    }
+    s.link_bounds.push_back(s.link_src.size());
+    if (s.link_bounds.size() != n_slices + 1)
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: %llu slices but %llu link bounds",
+                         (unsigned long long)n_slices, (unsigned long long)s.link_bounds.size());
+    return 0;
+}
+
+thread_local Scratch t_scratch;
+
+void fill_job(const npo_staged_request *r, const Scratch &s, npo_staged_job *job) {
+    *job = r->job;
+    job->n_ids = s.pos.size();
+    job->n_slices = s.edges.size() - 1;
+    job->range_off = s.range_off.data();
+    job->ranges = s.ranges.data();
+    job->link_src = s.link_src.data();
+    job->link_dst = s.link_dst.data();
+    job->link_size = s.link_size.data();
+    job->link_bounds = s.link_bounds.data();
+}
+
+}  // namespace
+
+extern "C" int npo_cuda_staged_plan(const npo_staged_request *req, npo_staged_plan_out *out, char *msg,
+                                    size_t msg_len) {
+    if (!out) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: null output");
+    try {
+        Scratch &s = t_scratch;
+        int rc = plan(req, s, msg, msg_len);
+        if (rc) return rc;
+        const uint64_t slices = s.edges.size() - 1, ranges = s.ranges.size() / 4, links = s.link_src.size();
+        out->n_slices = slices;
+        out->n_ranges = ranges;
+        out->n_links = links;
+        if (slices > out->cap_slices || ranges > out->cap_ranges || links > out->cap_links)
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: the plan has %llu slices, %llu "
+                             "ranges, %llu link copies; the output holds %llu, %llu, %llu",
+                             (unsigned long long)slices, (unsigned long long)ranges, (unsigned long long)links,
+                             (unsigned long long)out->cap_slices, (unsigned long long)out->cap_ranges,
+                             (unsigned long long)out->cap_links);
+        memcpy(out->range_off, s.range_off.data(), 8 * (slices + 1));
+        memcpy(out->ranges, s.ranges.data(), 8 * 4 * ranges);
+        memcpy(out->link_src, s.link_src.data(), 8 * links);
+        memcpy(out->link_dst, s.link_dst.data(), 8 * links);
+        memcpy(out->link_size, s.link_size.data(), 8 * links);
+        memcpy(out->link_bounds, s.link_bounds.data(), 8 * (slices + 1));
+        return 0;
+    } catch (const std::bad_alloc &) {
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: out of host memory");
+    }
+}
+
+extern "C" int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *links, char *msg, size_t msg_len) {
+    try {
+        Scratch &s = t_scratch;
+        int rc = plan(req, s, msg, msg_len);
+        if (rc) return rc;
+        npo_staged_job job;
+        fill_job(req, s, &job);
+        if (links) *links = s.link_src.size();
+        return npo_cuda_staged_run(&job, msg, msg_len);
+    } catch (const std::bad_alloc &) {
+        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: out of host memory");
+    }
+}

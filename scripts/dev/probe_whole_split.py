@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Where a whole staged transfer's fixed cost goes (issue #22), on a GPU, no vLLM.
+
+core_bench splits the loss against one contiguous copy into "outside" the engine's device span
+and "inside" it. This probe times the host side of the same transfers piece by piece (median
+microseconds over ``--reps``, consecutive host chunks, the core's default staging):
+
+- ``plan``: ``OffloadWorkerCore.plan`` (split, host order, slice layout, table ids, link runs);
+- ``submit_py``: ``TransferEngine.submit`` less the native call (events, stream order, the job
+  struct); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer);
+- ``wait``: from submit's return until the end event's synchronize returns; ``finish``: the poll
+  that reports it; ``span``: the engine's device span; ``whole``: all of it;
+- ``ref``: one contiguous copy of the same bytes, enqueue + synchronize (the 100% line).
+
+Then single driver calls through the library, with the stream held busy so none blocks: a
+one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
+48-descriptor batch. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.core_bench import SHAPES, CoreRig  # noqa: E402
+from benchmarks.transfer import contiguous_copy_fn, median_seconds  # noqa: E402
+from vllm_npu_offload._native.cuda import load_library  # noqa: E402
+from vllm_npu_offload.copy.base import Direction  # noqa: E402
+from vllm_npu_offload.platform import get_platform  # noqa: E402
+
+PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref")
+
+
+def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, float]:
+    core, platform = rig.core, rig.platform
+    native_s: list[float] = []
+    real = lib.staged_run
+
+    def timed(job, rows):
+        t = time.perf_counter()
+        real(job, rows)
+        native_s.append(time.perf_counter() - t)
+
+    lib.staged_run = timed
+    rows: dict[str, list[float]] = {k: [] for k in PARTS}
+    try:
+        for rep in range(reps + 3):
+            dev, chunks = rig.ids("seq", seed=rep)
+            native_s.clear()
+            rig._job += 1
+            t0 = time.perf_counter()
+            transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
+            t1 = time.perf_counter()
+            core.engine.submit(rig._job, transfer)
+            t2 = time.perf_counter()
+            core.engine._queues[direction][-1].end.synchronize()
+            t3 = time.perf_counter()
+            res = core.poll()
+            t4 = time.perf_counter()
+            if len(res) != 1 or not res[0].success:
+                raise RuntimeError(f"transfer failed: {res}")
+            if rep < 3:
+                continue
+            nat = sum(native_s)
+            for k, v in (("plan", t1 - t0), ("submit_py", t2 - t1 - nat), ("native", nat), ("wait", t3 - t2),
+                         ("finish", t4 - t3), ("whole", t4 - t0), ("span", res[0].seconds)):
+                rows[k].append(v)
+    finally:
+        lib.staged_run = real
+    nbytes = rig.shape.blocks * sum(rig.shape.pages)
+    host_t = core.host.tensor[:nbytes]
+    dev_t = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
+    stream = platform.new_stream()
+    ref = contiguous_copy_fn(platform, dev_t, host_t, direction, stream)
+    rows["ref"] = [median_seconds(ref, stream.synchronize, reps)]
+    out = {k: float(np.median(v)) * 1e6 for k, v in rows.items()}
+    out["bytes"] = nbytes
+    out["slices"] = len(rig.core.stager.slice_sizes(rig.shape.blocks, direction))
+    return out
+
+
+def driver_calls(platform, lib, reps: int) -> dict[str, float]:
+    """CPU us of single driver calls through the library, the stream held so none blocks."""
+    stream = platform.new_stream()
+    handle = platform.raw_stream_handle(stream)
+    host = torch.empty(1 << 24, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(1 << 24, dtype=torch.uint8, device=platform.device)
+    out = {}
+    for name, n, batch in (("batch_1", 1, True), ("memcpy_1", 1, False), ("batch_3", 3, True),
+                           ("batch_48", 48, True), ("memcpy_3", 3, False)):
+        size = 4096
+        src = np.array([host.data_ptr() + i * size for i in range(n)], np.int64)
+        dst = np.array([dev.data_ptr() + i * size for i in range(n)], np.int64)
+        sizes = np.full(n, size, np.int64)
+        ts = []
+        for rep in range(reps + 5):
+            platform.hold(stream, 2e-3)
+            t = time.perf_counter()
+            lib.copy(src, dst, sizes, handle, batch, src_order_any=True)
+            ts.append(time.perf_counter() - t)
+            stream.synchronize()
+        out[name] = float(np.median(ts[5:])) * 1e6
+    return out
+
+
+def _med_us(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps + 5):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts[5:])) * 1e6
+
+
+def detail(platform, lib, shape: str, reps: int) -> dict:
+    """CPU us of the host-side pieces of one staged load of ``shape`` (torch stream and event
+    calls as the engine makes them, the planner's steps, the pipeline's job building with the
+    native call a no-op), then a cProfile of ``reps`` whole submits."""
+    import cProfile
+    import io
+    import pstats
+
+    rig = CoreRig(platform, SHAPES[shape])
+    core, d = rig.core, Direction.H2D
+    stream, compute = core.engine.stream(d), platform.current_stream()
+    ev = platform.new_event()
+    dev, chunks = rig.ids("seq", seed=1)
+    parts = core._split("dst", dev, [len(dev)], [0], chunks)
+
+    def ctx():
+        with platform.stream_context(stream):
+            pass
+
+    out = {
+        "current_stream": _med_us(platform.current_stream, reps),
+        "wait_stream": _med_us(lambda: stream.wait_stream(compute), reps),
+        "stream_context": _med_us(ctx, reps),
+        "event_record": _med_us(lambda: ev.record(stream), reps),
+        "event_query": _med_us(ev.query, reps),
+        "split": _med_us(lambda: core._split("dst", dev, [len(dev)], [0], chunks), reps),
+    }
+    plans = []
+    out["staged_plan"] = _med_us(lambda: plans.append(core._staged_plan(d, parts)), reps)
+    plan = plans[-1]
+    real = lib.staged_run
+    lib.staged_run = lambda job, rows: None
+    try:
+        out["pipeline_python"] = _med_us(lambda: core.stager.run(plan, d, stream), reps)
+    finally:
+        lib.staged_run = real
+    stream.synchronize()
+    for p in plans:
+        core.pool.release(p.buffers)
+    prof = cProfile.Profile()
+    for rep in range(reps):
+        dev, chunks = rig.ids("seq", seed=rep)
+        prof.enable()
+        core.submit(10_000 + rep, d, dev, [len(dev)], [0], chunks, staged=True)
+        prof.disable()
+        core.wait([10_000 + rep])
+        core.poll()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    out["profile"] = buf.getvalue()
+    rig.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,llama-70b-tp8,qwen2.5-0.5b-fp8,llama-8b")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--detail", default="qwen2.5-0.5b", help="shape whose host-side pieces are timed one by one")
+    a = ap.parse_args()
+    platform = get_platform()
+    lib = load_library()
+    res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}}
+    print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
+    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS) + "  whole%")
+    for name in [s for s in a.shapes.split(",") if s]:
+        rig = CoreRig(platform, SHAPES[name])
+        res["shapes"][name] = {}
+        for d in Direction:
+            r = split_one(rig, d, a.reps, lib)
+            res["shapes"][name][d.name] = r
+            print(f"{name:18s} {d.name:3s} {r['bytes'] / 2**20:5.1f} {r['slices']:2d} "
+                  + " ".join(f"{r[k]:9.1f}" for k in PARTS) + f"  {100 * r['ref'] / r['whole']:5.1f}")
+        rig.close()
+    res["driver_calls_us"] = driver_calls(platform, lib, a.reps)
+    print("driver calls, CPU us each (stream held): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in res["driver_calls_us"].items()))
+    if a.detail:
+        det = res["detail"] = detail(platform, lib, a.detail, a.reps)
+        print(f"{a.detail} H2D host pieces, CPU us each: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in det.items() if k != "profile"))
+        print(det["profile"])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
