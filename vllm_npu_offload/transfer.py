@@ -27,6 +27,9 @@ class Transfer(ABC):
     # True: ``enqueue`` may run on another thread than the one that planned it (it keeps no state of
     # the stager's and never touches the model's stream): TransferEngine's submit thread may take it
     enqueue_anywhere: bool = False
+    # True: ``enqueue`` names every stream it uses (raw handles), so the engine need not make
+    # ``stream`` the current one around it
+    names_streams: bool = False
 
     @property
     @abstractmethod
@@ -112,6 +115,7 @@ class NativeStagedTransfer(Transfer):
     nbytes: int
     pages: int
     links: int = 0  # link copies, known once enqueued
+    names_streams = True
 
     @property
     def total_bytes(self) -> int:
