@@ -196,7 +196,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
     chunks = rng.choice(CHUNKS, 20, replace=False).astype(np.int64)
-    plan = core.plan(Direction.D2H, dev_ids, [20], [0], chunks, staged=True).plan
+    plan = core._staged_plan(Direction.D2H, core.split_groups(dev_ids, [20], [0], chunks))  # the Python planner
     assert plan.num_slices == 20 and len(plan.link) == 20  # slot-sized slices: 1 block each
     core.pool.release(plan.buffers)
     original = [t.clone() for t in tensors]
