@@ -239,23 +239,41 @@ static void positions(const plan_ctx *c) {
             s->pos[j] = (i % c->r->job.slots) * c->r->slot_blocks + (j - s->edges[i]);
 }
 
-/* Stager._plan_pages: one copy per (block, pair), block-major, groups in order; the staging side's
- * ids are the blocks' positions (pair tables hold this direction's staging layout). */
+/* A stride shared by every pair (the usual case: one block layout for every tensor), else 0. */
+static int64_t uniform(const int64_t *stride, int64_t m) {
+    for (int64_t p = 1; p < m; p++)
+        if (stride[p] != stride[0]) return 0;
+    return stride[0];
+}
+
+/* One side of one block's pages: out[p] = base[p] + id * stride[p]; with a uniform stride one add
+ * each, which the compiler vectorises (restrict: no reload after each store). */
+static void affine(int64_t m, const int64_t *restrict base, const int64_t *restrict stride, int64_t same,
+                   int64_t id, int64_t *restrict out) {
+    if (same) {
+        const int64_t off = id * same;
+        for (int64_t p = 0; p < m; p++) out[p] = base[p] + off;
+    } else {
+        for (int64_t p = 0; p < m; p++) out[p] = base[p] + id * stride[p];
+    }
+}
+
+/* Stager._plan_pages: one copy per (block, pair), block-major, groups in order, from each group's
+ * (5, m) pair table; the staging side's ids are the blocks' positions (the tables hold this
+ * direction's staging layout). */
 static void plan_pages(plan_ctx *c) {
     const npu_offload_staged_request *r = c->r;
     const plan_scratch *s = c->s;
     const int store = r->job.store != 0;
-    int64_t at = 0, blk = 0;
+    int64_t *src = r->out_src, *dst = r->out_dst, *size = r->out_size, at = 0, blk = 0;
     for (int64_t g = 0; g < r->n_groups; g++) {
         const npu_offload_staged_group *gr = &r->groups[g];
         const int64_t m = gr->n_pairs, *t = gr->pairs;
-        for (int64_t j = blk; j < blk + gr->blocks; j++) {
-            const int64_t sid = store ? s->dev[j] : s->pos[j], did = store ? s->pos[j] : s->dev[j];
-            for (int64_t p = 0; p < m; p++, at++) {
-                r->out_src[at] = t[p] + sid * t[m + p];
-                r->out_dst[at] = t[2 * m + p] + did * t[3 * m + p];
-                r->out_size[at] = t[4 * m + p];
-            }
+        const int64_t src_same = uniform(t + m, m), dst_same = uniform(t + 3 * m, m);
+        for (int64_t j = blk; j < blk + gr->blocks; j++, at += m) {
+            affine(m, t, t + m, src_same, store ? s->dev[j] : s->pos[j], src + at);
+            affine(m, t + 2 * m, t + 3 * m, dst_same, store ? s->pos[j] : s->dev[j], dst + at);
+            memcpy(size + at, t + 4 * m, (size_t)m * sizeof(int64_t));
         }
         blk += gr->blocks;
     }
