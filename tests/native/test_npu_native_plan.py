@@ -157,3 +157,18 @@ def test_a_natively_planned_transfer_goes_through_the_engine(built, emu, monkeyp
     assert [r.success for r in core.poll()] == [True]
     assert transfer.links == 10  # two groups: each block its own link copy
     core.shutdown()
+
+
+def test_link_false_runs_only_the_gathers(built, emu, monkeypatch):
+    """``link=False`` (benchmarks): every page copied device->device on the job's stream, no link copy,
+    no slot event."""
+    core = _core(built, monkeypatch, REFS["one"], 2)
+    transfer = core.plan(Direction.D2H, np.arange(20, dtype=np.int64), [20], [0], np.arange(10, dtype=np.int64),
+                         staged=True)
+    emu.acl_emu_reset()
+    transfer.enqueue(STREAM, link=False)
+    assert emu.acl_emu_count(b"d2d_copies") == transfer.pages == 20 * len(PAGES)
+    assert emu.acl_emu_count(b"aclrtRecordEvent") == 0 and emu.acl_emu_last_stream() == STREAM
+    assert b"D2D" in emu.acl_emu_log() and b"D2H" not in emu.acl_emu_log()
+    core.pool.release(transfer.buffers)
+    core.shutdown()
