@@ -18,7 +18,8 @@ typedef struct {
     int64_t host, dev;
 } id_pair;
 
-/* Per thread (the engine thread and the submit thread plan concurrently); grown, never shrunk.
+/* Per thread (plans on different threads never share it), grown, never shrunk, freed at thread exit;
+ * valid until the thread's next plan: npu_offload_acl_staged_run reads the bounds while it enqueues.
  * Every array holds cap + 1 entries: blocks, or slices + 1 (a slice has at least one block). */
 typedef struct {
     int64_t *dev, *host, *pos;           /* per block, in plan order */
