@@ -12,9 +12,13 @@ CPU time sits on the step's critical path. Per transfer this times, with ``perf_
 
 Staged transfers run on the Ascend code path against the ACL emulation (the tests' build;
 page-descriptor plans and the one native pipeline call), direct transfers on the host copy
-path. Only the Python side is measured: the native calls that would move bytes
+path. Only the planning and the Python side are measured: the native calls that would move bytes
 (``npu_offload_acl_staged_run``, the host path's memmove loop) are replaced by no-ops, so device
-KV is never touched (no CUDA or ACL enqueue is in these numbers). KV shapes come from
+KV is never touched (no CUDA or ACL enqueue is in these numbers). Where the library plans staged
+transfers itself (``NPU_OFFLOAD_STAGE_PLAN=native``, the default), its plan-and-enqueue call
+``npu_offload_acl_staged_submit`` is replaced by its plan-only entry ``npu_offload_acl_staged_plan``:
+the same native planner runs in full (inside ``enqueue``), only the enqueue is left out, as it is
+for Python plans (``NPU_OFFLOAD_STAGE_PLAN=python``: ``Stager.plan`` inside ``plan``). KV shapes come from
 ``core_bench.SHAPES`` and the GPU yardstick's models (per-layer pages of 16-token blocks); a
 transfer of N blocks moves N blocks of every KV group (a request's blocks), each group from
 host chunks of its own, as vLLM hands them.
@@ -45,7 +49,9 @@ import numpy as np
 import torch
 
 import vllm_npu_offload
+from vllm_npu_offload import env
 from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.staging import ENV_PLAN
 from .core_bench import HOSTS, SHAPES, KVShape, host_chunks
 from .gpu_e2e.models import SHAPES as MODELS
 
@@ -123,17 +129,39 @@ def _module(pkg: ModuleType, name: str) -> ModuleType:
     return importlib.import_module(f"{pkg.__name__}.{name}")
 
 
+def plan_without_enqueue(acl: ModuleType) -> Callable[[Any, Any], tuple[int, int]]:
+    """A stand-in for ``acl.staged_submit`` that plans in full with the plan-only entry
+    (``npu_offload_acl_staged_plan``) and enqueues nothing: (slices, link copies), as submit gives."""
+    held: dict[str, Any] = {"cap": -1}  # the bounds arrays and the output naming them, grown as needed
+
+    def submit(req: Any, lib: Any) -> tuple[int, int]:
+        if held["cap"] < req.capacity:  # the room holds >= 1 descriptor per block >= 1 block per slice
+            bounds = np.zeros((2, req.capacity + 1), np.int64)
+            held.update(cap=req.capacity, bounds=bounds,
+                        out=acl.StagedPlanOut(bounds[0].ctypes.data, bounds[1].ctypes.data, req.capacity))
+        out = held["out"]
+        acl.staged_plan(req, out, lib)
+        return out.n_slices, out.n_links
+
+    return submit
+
+
 @contextlib.contextmanager
 def python_side_only(pkg: ModuleType = vllm_npu_offload) -> Iterator[None]:
-    """``pkg``'s native calls that move bytes become no-ops: the Python side alone is timed."""
+    """``pkg``'s native calls that move bytes become no-ops: the Python side (and the native planner,
+    where it plans) alone is timed."""
     acl, host = _module(pkg, "_native.acl"), _module(pkg, "copy.host")
-    saved = acl.staged_run, host.memmove_batch
+    saved = acl.staged_run, host.memmove_batch, getattr(acl, "staged_submit", None)
     acl.staged_run = lambda job, lib: None
     host.memmove_batch = lambda src, dst, sizes: None
+    if saved[2] is not None:  # a package whose library plans staged transfers itself
+        acl.staged_submit = plan_without_enqueue(acl)
     try:
         yield
     finally:
-        acl.staged_run, host.memmove_batch = saved
+        acl.staged_run, host.memmove_batch = saved[:2]
+        if saved[2] is not None:
+            acl.staged_submit = saved[2]
 
 
 def emulated_npu(pkg: ModuleType):
@@ -239,12 +267,22 @@ def time_row(rigs: dict[str, StepRig], direction: Direction, args: tuple, staged
             runs[tag].append(one_transfer(rigs[tag], direction, args, staged))
     core = rigs["after"].core
     planned = core.plan(direction, *args, staged=staged)
-    out = {"descriptors": len(planned), **({"slices": planned.plan.num_slices} if staged else {})}
+    out = plan_size(core, planned, staged)
     core.pool.release(planned.buffers)
     out.update(summary(runs["after"]))
     if "before" in rigs:
         out["before"] = summary(runs["before"])
     return out
+
+
+def plan_size(core: Any, planned: Any, staged: bool) -> dict[str, int]:
+    """A planned transfer's descriptors (and slices, staged): a natively planned one is planned here."""
+    if not staged:
+        return {"descriptors": len(planned)}
+    if hasattr(planned, "plan"):  # Stager.plan's
+        return {"descriptors": len(planned), "slices": planned.plan.num_slices}
+    p = core.stager._fused.plan_only(core.stager, planned)
+    return {"descriptors": len(p["local_src"]) + len(p["link_src"]), "slices": len(p["link_bounds"]) - 1}
 
 
 def bench_shape(shape: StepShape, blocks: tuple[int, ...], bpc: int, reps: int, warmup: int,
@@ -315,7 +353,8 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
     report: dict[str, Any] = {"device": device_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
                               "numpy": np.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "command": " ".join(sys.argv), "reps": reps, "warmup": warmup, "bpc": bpc,
-                              "baseline_tree": baseline_tree, "unit": "us per transfer", "rows": []}
+                              "baseline_tree": baseline_tree, "unit": "us per transfer",
+                              "stage_plan": env.get(ENV_PLAN), "rows": []}
     with contextlib.ExitStack() as stack:
         out = Path(native_dir) if native_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         build_emulation(out)
@@ -323,8 +362,11 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
         for pkg in (vllm_npu_offload, baseline):
             if pkg is not None:
                 stack.enter_context(python_side_only(pkg))
+        planner = ("native (npu_offload_acl_staged_plan in enqueue)" if report["stage_plan"] == "native"
+                   else "python (Stager.plan in plan)")
         printer(f"device: {report['device']} ({report['cpus']} CPUs); us per transfer, wall median [p10-p90] "
-                f"over {reps} reps; Python side only (native copies are no-ops)")
+                f"over {reps} reps; Python side and planning only (native copies are no-ops); staged planner: "
+                f"{planner}")
         printer(HEADER)
         for n in names:
             report["rows"] += bench_shape(STEP_SHAPES[n], blocks, bpc, reps, warmup, hosts, modes, baseline, printer)

@@ -26,7 +26,7 @@ from pathlib import Path
 LIBRARY = "libnpu_offload_acl.so"
 EMULATION = "libacl_emulation.so"
 SOURCES = ("acl_symbols.c", "errors.c", "batch_copy.c", "loop_copy.c", "host_register.c", "info.c", "events.c",
-           "staged_run.c")
+           "staged_run.c", "staged_plan.c")
 TOGGLE = "VLLM_ASCEND_ENABLE_BATCH_MEMCPY"
 # Warnings are errors only where they mean a wrong call; other compilers' new warnings must not
 # break a build on an Ascend box. The ACL headers are -isystem: their own warnings are not ours.

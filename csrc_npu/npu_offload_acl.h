@@ -89,6 +89,49 @@ typedef struct {
     const int64_t *link_src, *link_dst, *link_size, *link_bounds;
 } npu_offload_staged_job;
 
+/* One KV group of a staged transfer that the library plans itself (staged_plan.c); mirrored by
+ * StagedGroup in vllm_npu_offload/_native/acl.py. */
+typedef struct {
+    const int64_t *pairs;       /* (5, n_pairs) int64 rows (CopyPlanner.pair_table): src base, src block
+                                 * stride, dst base, dst block stride, page bytes; src/dst as the copy goes */
+    int64_t n_pairs;
+    int64_t span_lo, span_hi;   /* the bytes of a host record that the group's pages occupy */
+    const int64_t *device_ids;  /* `blocks` device block ids, each < device_limit */
+    const int64_t *host_ids;    /* their host block ids, in any order (planned ascending), each < host_blocks */
+    int64_t blocks;
+    int64_t device_limit;
+} npu_offload_staged_group;
+
+/* A staged transfer to plan (staging.py's Stager.plan in page form) and enqueue; mirrored by
+ * StagedRequest. `job` is as for npu_offload_acl_staged_run, less n_slices and the arrays the plan
+ * fills. The plan writes its page descriptors and then its link copies into the caller's
+ * out_src/out_dst/out_size (room for `capacity`: pages + blocks always suffice), which must outlive
+ * the copies; the slice bounds live in per-thread scratch (only read while enqueueing). */
+typedef struct {
+    npu_offload_staged_job job;
+    const npu_offload_staged_group *groups;
+    int64_t n_groups;
+    int64_t slot_blocks;        /* records per staging slot */
+    int64_t record_bytes;
+    int64_t pages_end;          /* a group spanning [0, pages_end) owns whole records: its link runs merge */
+    int64_t staging_base;       /* this direction's staging area */
+    int64_t host_base;
+    int64_t host_blocks;        /* records in the host buffer */
+    int64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
+    int64_t *out_src, *out_dst, *out_size;
+    int64_t capacity;
+} npu_offload_staged_request;
+
+/* The plan alone (tests, benchmarks): descriptors as for submit, bounds into the caller's arrays. */
+typedef struct {
+    int64_t *local_bounds, *link_bounds;  /* cap_slices + 1 each */
+    int64_t cap_slices;
+    int64_t n_slices, n_local, n_links;   /* filled */
+} npu_offload_staged_plan_out;
+
+/* staged_run.c (exported; staged_plan.c enqueues its plans with it) */
+NPU_OFFLOAD_API int npu_offload_acl_staged_run(const npu_offload_staged_job *job, npu_offload_acl_error *err);
+
 /* acl_symbols.c */
 const npu_acl_symbols *npu_acl_load(npu_offload_acl_error *err);
 /* Shared start of every copy call: clear err, validate the descriptors, load ACL.

@@ -94,9 +94,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
          ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_PLAN", "choice", "native",
-         "who plans a CUDA staged transfer (host order, slices, block ids, link runs): the native library, in the "
-         "call that enqueues it, or the Python planner (the reference; Ascend's page descriptors always come "
-         "from it)", ("native", "python")),
+         "who plans a staged transfer (host order, slices, CUDA's block ids or Ascend's page descriptors, link "
+         "runs): the native library, in the call that enqueues it, or the Python planner (the reference)",
+         ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
          "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
          "its link copies; compute the model's stream, which then waits for the link (both diagnosis)",

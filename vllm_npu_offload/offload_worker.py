@@ -275,7 +275,7 @@ class OffloadWorkerCore:
 
     def _native_staged(self, direction: Direction, parts, n: int) -> NativeStagedTransfer:
         """A staged transfer the native pipeline plans when it enqueues it: each group's planner,
-        record span and ids (any host order), and pinned room for the ids of both sides."""
+        record span and ids (any host order), and pinned room for what the plan writes."""
         groups, nbytes, pages = [], 0, 0
         for g, dev, host in parts:
             planner = self._staged[(g, direction)]
@@ -285,7 +285,8 @@ class OffloadWorkerCore:
                 pages += len(planner.pairs) * len(dev)
         if not groups:
             raise ValueError("a staged transfer needs at least one block of a group with tensors")
-        return NativeStagedTransfer(direction, groups, self.pool.acquire(-(-2 * n // 3)), self.stager, nbytes, pages)
+        room = self.pool.acquire(self.stager.native_room(n, pages))
+        return NativeStagedTransfer(direction, groups, room, self.stager, nbytes, pages)
 
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""

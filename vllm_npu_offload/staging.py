@@ -180,9 +180,8 @@ class Stager:
         # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
         self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
         self.table_form = bool(getattr(self._fused, "table_form", False))
-        # the native pipeline plans table-form transfers itself (host order, slices, ids, link runs)
-        self.plans_natively = (self.table_form and bool(getattr(self._fused, "plans_natively", False))
-                               and env.get(ENV_PLAN) == "native")
+        # the native pipeline plans transfers itself (host order, slices, ids or page descriptors, link runs)
+        self.plans_natively = bool(getattr(self._fused, "plans_natively", False)) and env.get(ENV_PLAN) == "native"
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
         self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
@@ -422,7 +421,14 @@ class Stager:
         read at each call: tests patch them)."""
         g = self.geometry
         return {"slots": g.slots, "slot_blocks": g.slot_blocks, "record_bytes": g.record_bytes,
-                "pages_end": self.layout.pages_end, "staging_base": self.base[direction], "host_base": self.host_base}
+                "pages_end": self.layout.pages_end, "staging_base": self.base[direction], "host_base": self.host_base,
+                "host_blocks": self.layout.num_blocks}
+
+    def native_room(self, blocks: int, pages: int) -> int:
+        """Descriptor rows of pinned room a natively planned transfer writes into: the block ids of
+        both sides (table form; the three rows hold them flat), else its page descriptors and at most
+        one link copy per block."""
+        return -(-2 * blocks // 3) if self.table_form else pages + blocks
 
     @staticmethod
     def slice_constants() -> tuple[int, int, int]:

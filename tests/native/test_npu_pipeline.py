@@ -1,7 +1,8 @@
-"""The Ascend staged pipeline in one native call (``npu_offload_acl_staged_run``), against the ACL
-emulation: byte-exact round trips through the worker core for both build toggles, that one native
-call per transfer replaced the Python loop, the exact order of copies and slot events, ``link=False``,
-an injected copy failure in a middle slice, and ``NPU_OFFLOAD_STAGE_PIPELINE=python``."""
+"""The Ascend staged pipeline in one native call (``npu_offload_acl_staged_run``, or
+``npu_offload_acl_staged_submit`` where the library plans the transfer too), against the ACL
+emulation: byte-exact round trips through the worker core for both build toggles and both planners,
+that one native call per transfer replaced the Python loop, the exact order of copies and slot
+events, ``link=False``, an injected copy failure in a middle slice, and ``NPU_OFFLOAD_STAGE_PIPELINE=python``."""
 
 # ruff: noqa: F811  (pytest fixtures imported from _npu_build_support are parameters by design)
 from __future__ import annotations
@@ -31,23 +32,34 @@ from vllm_npu_offload.plan import Descriptors
 from vllm_npu_offload.staging import StagedPlan
 
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
+
+
 def _count_native_runs(monkeypatch) -> list:
-    """Every npu_offload_acl_staged_run call: (store, slices, slots)."""
-    calls, real = [], acl.staged_run
+    """Every npu_offload_acl_staged_run or npu_offload_acl_staged_submit call: (store, slices, slots)."""
+    calls, real_run, real_submit = [], acl.staged_run, acl.staged_submit
 
-    def counting(job, lib):
+    def counting_run(job, lib):
         calls.append((job.store, job.n_slices, job.slots))
-        return real(job, lib)
+        return real_run(job, lib)
 
-    monkeypatch.setattr(acl, "staged_run", counting)
+    def counting_submit(req, lib):
+        slices, links = real_submit(req, lib)
+        calls.append((req.job.store, slices, req.job.slots))
+        return slices, links
+
+    monkeypatch.setattr(acl, "staged_run", counting_run)
+    monkeypatch.setattr(acl, "staged_submit", counting_submit)
     return calls
 
 
+@pytest.mark.parametrize("planner", ["native", "python"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("toggle", ["1", "0"])
-def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
+def test_fused_round_trip(built, emu, monkeypatch, toggle, groups, planner):
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", planner)
     core, kv, refs, rng = staged_core(built, monkeypatch, toggle, groups, seed=int(toggle) + groups)
     assert isinstance(core.stager._fused, npu_pipeline.AclStagedPipeline) and not core.stager.table_form
+    assert core.stager.plans_natively == (planner == "native")
     live = emu.acl_emu_count(b"events_live")
     assert live >= 2 * (1 + 2 * SLOTS)  # entry, filled[], drained[] per direction, in the library
 
@@ -79,42 +91,55 @@ def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
 
 
 def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
-    """The same transfers through the Python loop, and with a store's gathers on its own stream or
-    the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute): the same bytes in every host page a group owns (a link run
-    also carries the staging bytes between a group's pages: those are nobody's)."""
+    """The same transfers through the Python loop, planned by Python (NPU_OFFLOAD_STAGE_PLAN=python) or the
+    library, and with a store's gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 /
+    compute): the same bytes in every host page a group owns (a link run also carries the staging bytes
+    between a group's pages: those are nobody's)."""
     hosts = {}
-    for mode, aux in itertools.product(("native", "python"), ("1", "0", "compute")):
+    for mode, plan, aux in itertools.product(("native", "python"), ("native", "python"), ("1", "0", "compute")):
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", mode)
+        monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", plan)
         monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", aux)
         core, kv, refs, rng = staged_core(built, monkeypatch, "1", 2, seed=11)
         assert (core.stager._fused is None) == (mode == "python")
+        assert core.stager.plans_natively == (mode == plan == "native")
         emu.acl_emu_reset()
         parts = store_then_load_groups(core, kv, refs, rng, [9, 6])
         assert (emu.acl_emu_count(b"aclrtRecordEvent") > 0) == (mode == "native")
-        hosts[mode, aux] = [core.host_view(r.tensor_idx)[host].clone() for g, _, host in parts for r in refs[g]]
+        hosts[mode, plan, aux] = [core.host_view(r.tensor_idx)[host].clone() for g, _, host in parts for r in refs[g]]
         core.shutdown()
-    first = hosts["native", "1"]
+    first = hosts["native", "native", "1"]
     assert all(torch.equal(a, b) for other in hosts.values() for a, b in zip(first, other))
 
 
+@pytest.mark.parametrize("planner", ["native", "python"])
 @pytest.mark.parametrize("toggle", ["1", "0"])
 @pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
-def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle, direction):
+def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle, direction, planner):
     """Slice 1 fails (a store's gather, a load's link copy): the job's result says so, naming
     the call and the slice, and the next transfers run normally."""
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", planner)
     core, kv, refs, rng = staged_core(built, monkeypatch, toggle, 1, seed=5)
-    real = npu_pipeline.AclStagedPipeline.run
+    real_run, real_submit = npu_pipeline.AclStagedPipeline.run, npu_pipeline.AclStagedPipeline.submit
     armed = {"on": False}
 
-    def failing(self, plan, d, *a, **k):
+    def arm(d, local_bounds, link_bounds) -> None:
         if armed["on"] and Direction(d) is direction:
-            _, local = npu_pipeline.slice_indices(plan.local_ranges)
             emu.acl_emu_reset()  # descriptors are counted from here, in submission order
-            first = local[1] + plan.link_bounds[1]  # slice 0 is through, slice 1's first side starts
+            first = local_bounds[1] + link_bounds[1]  # slice 0 is through, slice 1's first side starts
             emu.acl_emu_set_fail_at(int(first) + (direction is Direction.D2H))  # a load: its 1-run link copy
-        return real(self, plan, d, *a, **k)
 
-    monkeypatch.setattr(npu_pipeline.AclStagedPipeline, "run", failing)
+    def failing_run(self, plan, d, *a, **k):
+        arm(d, npu_pipeline.slice_indices(plan.local_ranges)[1], plan.link_bounds)
+        return real_run(self, plan, d, *a, **k)
+
+    def failing_submit(self, stager, transfer, *a, **k):
+        plan = self.plan_only(stager, transfer)
+        arm(transfer.direction, plan["local_bounds"], plan["link_bounds"])
+        return real_submit(self, stager, transfer, *a, **k)
+
+    monkeypatch.setattr(npu_pipeline.AclStagedPipeline, "run", failing_run)
+    monkeypatch.setattr(npu_pipeline.AclStagedPipeline, "submit", failing_submit)
     n, chunks = 15, np.arange(8, dtype=np.int64)
     ids = rng.choice(40, n, replace=False).astype(np.int64)
     if direction is Direction.H2D:  # a load needs stored data to fail on

@@ -69,6 +69,31 @@ class StagedJob(ctypes.Structure):
     ]
 
 
+class StagedGroup(ctypes.Structure):
+    """Mirror of ``npu_offload_staged_group``: one KV group of a transfer the library plans."""
+
+    _fields_ = [("pairs", ctypes.c_void_p), ("n_pairs", ctypes.c_int64), ("span_lo", ctypes.c_int64),
+                ("span_hi", ctypes.c_int64), ("device_ids", ctypes.c_void_p), ("host_ids", ctypes.c_void_p),
+                ("blocks", ctypes.c_int64), ("device_limit", ctypes.c_int64)]
+
+
+class StagedRequest(ctypes.Structure):
+    """Mirror of ``npu_offload_staged_request``: a staged transfer the library plans and enqueues."""
+
+    _fields_ = [("job", StagedJob), ("groups", ctypes.POINTER(StagedGroup)), ("n_groups", ctypes.c_int64)] + [
+        (name, ctypes.c_int64) for name in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base",
+                                           "host_blocks", "min_slice_bytes", "ramp", "growth")] + [
+        ("out_src", ctypes.c_void_p), ("out_dst", ctypes.c_void_p), ("out_size", ctypes.c_void_p),
+        ("capacity", ctypes.c_int64)]
+
+
+class StagedPlanOut(ctypes.Structure):
+    """Mirror of ``npu_offload_staged_plan_out`` (the plan alone: tests, benchmarks)."""
+
+    _fields_ = [("local_bounds", ctypes.c_void_p), ("link_bounds", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("cap_slices", "n_slices", "n_local", "n_links")]
+
+
 def load_library(path: "str | os.PathLike | None" = None) -> ctypes.CDLL:
     """The built library (``path`` or the one ``library_path`` finds); ImportError when not built."""
     path = path or library_path(LIBRARY_NAME)
@@ -93,6 +118,9 @@ def _open(path: str) -> ctypes.CDLL:
     lib.npu_offload_acl_host_register.argtypes = [ctypes.c_void_p, ctypes.c_uint64, err_p]
     lib.npu_offload_acl_host_unregister.argtypes = [ctypes.c_void_p, err_p]
     lib.npu_offload_acl_staged_run.argtypes = [ctypes.POINTER(StagedJob), err_p]
+    i64_out = ctypes.POINTER(ctypes.c_int64)
+    lib.npu_offload_acl_staged_submit.argtypes = [ctypes.POINTER(StagedRequest), i64_out, i64_out, err_p]
+    lib.npu_offload_acl_staged_plan.argtypes = [ctypes.POINTER(StagedRequest), ctypes.POINTER(StagedPlanOut), err_p]
     for fn in ("npu_offload_acl_events_create", "npu_offload_acl_events_destroy"):
         getattr(lib, fn).argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), err_p]
     for fn in ("npu_offload_acl_build_mode", "npu_offload_acl_build_info"):
@@ -162,6 +190,23 @@ def staged_run(job: StagedJob, lib: ctypes.CDLL) -> None:
     err = AclError()
     if lib.npu_offload_acl_staged_run(ctypes.byref(job), ctypes.byref(err)) != OK:
         _raise(err, f"staged {'store' if job.store else 'load'} of {job.n_slices} slices failed")
+
+
+def staged_submit(req: StagedRequest, lib: ctypes.CDLL) -> tuple[int, int]:
+    """Plan and enqueue one staged transfer (``npu_offload_acl_staged_submit``): (slices, link
+    copies); AclCopyError on failure."""
+    err, slices, links = AclError(), ctypes.c_int64(), ctypes.c_int64()
+    if lib.npu_offload_acl_staged_submit(ctypes.byref(req), ctypes.byref(slices), ctypes.byref(links),
+                                         ctypes.byref(err)) != OK:
+        _raise(err, f"natively planned staged {'store' if req.job.store else 'load'} failed")
+    return slices.value, links.value
+
+
+def staged_plan(req: StagedRequest, out: StagedPlanOut, lib: ctypes.CDLL) -> None:
+    """Plan one staged transfer without enqueueing it (``npu_offload_acl_staged_plan``)."""
+    err = AclError()
+    if lib.npu_offload_acl_staged_plan(ctypes.byref(req), ctypes.byref(out), ctypes.byref(err)) != OK:
+        _raise(err, f"planning a staged {'store' if req.job.store else 'load'} failed")
 
 
 def library_info() -> str:

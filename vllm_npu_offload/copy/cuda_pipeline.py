@@ -137,7 +137,7 @@ class CudaStagedPipeline:
             g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
             g.device_ids, g.host_ids, g.blocks = dev.ctypes.data, host.ctypes.data, len(dev)
         req.n_groups = len(transfer.groups)
-        ids = transfer.ids
+        ids = transfer.room
         if ids.device_cols is None:  # the set's device mirror: allocated once, reused with the set
             ids.device_cols = torch.empty(ids.packed.numel(), dtype=torch.int64, device=self.platform.device)
         j = req.job
@@ -171,7 +171,7 @@ class CudaStagedPipeline:
                "link_bounds": arrays["link_bounds"][:k + 1]}
         for key in ("link_src", "link_dst", "link_size"):
             res[key] = arrays[key][:m]
-        res["ids"] = transfer.ids.flat_np[:2 * n].copy()
+        res["ids"] = transfer.room.flat_np[:2 * n].copy()
         return res
 
     def close(self) -> None:

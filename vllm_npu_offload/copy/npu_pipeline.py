@@ -3,23 +3,27 @@
 Same schedule as ``Stager.run``'s Python loop (staging.py), but every slice's gather/scatter,
 link copies and slot events go to ACL from C (``npu_offload_acl_staged_run``): from Python
 each of those calls costs tens of microseconds of the engine thread, per slice.
-Plans come in page-descriptor form (``table_form = False``); this module only lays each
-slice's descriptors out contiguously. ``NPU_OFFLOAD_STAGE_PIPELINE=python`` keeps the loop
-(the Stager decides, for every platform).
+Plans come in page-descriptor form (``table_form = False``): planned by the library itself in the
+call that enqueues them (``npu_offload_acl_staged_submit``), or, with ``NPU_OFFLOAD_STAGE_PLAN=python``,
+by ``Stager.plan``, whose slices this module lays out contiguously. ``NPU_OFFLOAD_STAGE_PIPELINE=python``
+keeps the loop (the Stager decides, for every platform).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._native import acl
 from ..errors import CopyError
-from ..plan import Descriptors, address
+from ..plan import CopyPlanner, Descriptors, address
 from .base import Direction, SliceRanges, as_direction
 
 if TYPE_CHECKING:
+    from ..staging import Stager
+    from ..transfer import NativeStagedTransfer
     from .acl_copy import AclCopyPath
 
 def slice_indices(local_ranges) -> tuple[np.ndarray, np.ndarray]:
@@ -69,11 +73,15 @@ class AclStagedPipeline:
     (entry, filled[slots], drained[slots]), created once in the library, not torch_npu's."""
 
     table_form = False  # Stager.plan hands over page descriptors and per-slice ranges
+    plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
 
     def __init__(self, local: "AclCopyPath", link: "AclCopyPath", slots: int):
         self.local, self.link, self.slots = local, link, slots
         self.lib = local.lib
         self.events = {d: acl.create_events(1 + 2 * slots, self.lib) for d in Direction}
+        self._tables: dict[int, tuple[CopyPlanner, np.ndarray, int]] = {}
+        self._requests: dict[Direction, acl.StagedRequest] = {}
+        self._groups: dict[Direction, "ctypes.Array[acl.StagedGroup]"] = {}
 
     def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter, on ``stream`` (benchmarks)."""
@@ -90,7 +98,76 @@ class AclStagedPipeline:
             address(link_bounds))
         acl.staged_run(job, self.lib)
 
+    # -- native planning (npu_offload_acl_staged_submit) ---------------------------------------------
+    def _table(self, planner: CopyPlanner) -> int:
+        """The address of ``planner``'s host pair table (made at first use, kept with the planner)."""
+        hit = self._tables.get(id(planner))
+        if hit is None:  # the planner is kept alive with its table, so its id stays unique
+            table = planner.pair_table()
+            hit = self._tables[id(planner)] = (planner, table, address(table))
+        return hit[2]
+
+    def _request(self, stager: "Stager", direction: Direction) -> acl.StagedRequest:
+        """``direction``'s request, made once (geometry, events, copy settings) and reused: the engine
+        enqueues one transfer at a time, under its lock, on the engine thread."""
+        req = self._requests.get(direction)
+        if req is None:
+            req = self._requests[direction] = acl.StagedRequest()
+            geo = stager.native_geometry(direction)
+            j = req.job
+            j.store, j.batch, j.max_per_call = int(direction is Direction.D2H), int(self.local.batch), \
+                self.local.max_batch
+            j.events, j.slots = self.events[direction], geo["slots"]
+            for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
+                setattr(req, k, geo[k])
+        return req
+
+    def request(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: int, aux: int | None,
+                link: bool = True) -> acl.StagedRequest:
+        """The native request for ``transfer`` on raw streams ``stream`` / ``aux``."""
+        d = Direction(transfer.direction)
+        req, store = self._request(stager, d), d is Direction.D2H
+        groups = self._groups.get(d)
+        if groups is None or len(groups) < len(transfer.groups):
+            groups = self._groups[d] = (acl.StagedGroup * max(4, len(transfer.groups)))()
+            req.groups = groups
+        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
+            g.pairs, g.n_pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), span[0], span[1]
+            g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
+            g.device_limit = planner.src_limit if store else planner.dst_limit
+        req.n_groups = len(transfer.groups)
+        room = transfer.room
+        req.out_src, req.out_dst, req.out_size = room.addrs
+        req.capacity = room.capacity
+        j = req.job
+        j.stream, j.aux, j.link = stream, aux, int(link)
+        req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
+        return req
+
+    def submit(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: Any, aux: Any,
+               link: bool = True) -> int:
+        """Plan and enqueue ``transfer`` in one call (``link=False``: only the gather/scatter, on
+        ``stream``); its link copies."""
+        handle = self.local.stream_handle
+        req = self.request(stager, transfer, handle(stream), handle(aux) if link else None, link)
+        return acl.staged_submit(req, self.lib)[1]
+
+    def plan_only(self, stager: "Stager", transfer: "NativeStagedTransfer") -> dict[str, np.ndarray]:
+        """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan;
+        benchmarks time it): page and link descriptors (copies of the room's rows) and slice bounds."""
+        n = sum(len(g[2]) for g in transfer.groups)
+        bounds = np.zeros((2, n + 1), np.int64)
+        out = acl.StagedPlanOut(address(bounds[0]), address(bounds[1]), n)
+        acl.staged_plan(self.request(stager, transfer, 0, 0), out, self.lib)
+        k, p, m, room = out.n_slices, out.n_local, out.n_links, transfer.room
+        rows = {"src": room.src_np, "dst": room.dst_np, "size": room.sizes_np}
+        res = {f"local_{key}": a[:p].copy() for key, a in rows.items()}
+        res.update({f"link_{key}": a[p:p + m].copy() for key, a in rows.items()})
+        res["local_bounds"], res["link_bounds"] = bounds[0, :k + 1], bounds[1, :k + 1]
+        return res
+
     def close(self) -> None:
         for evs in self.events.values():
             acl.destroy_events(evs, self.lib)
         self.events = {}
+        self._tables, self._requests, self._groups = {}, {}, {}  # the requests name the events
