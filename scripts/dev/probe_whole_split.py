@@ -7,7 +7,8 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
 
 - ``plan``: ``OffloadWorkerCore.plan`` (split, host order, slice layout, table ids, link runs);
 - ``submit_py``: ``TransferEngine.submit`` less the native call (events, stream order, the job
-  struct); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer);
+  struct or request); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer), or
+  with the native planner ``npo_cuda_staged_submit`` (its planning and every driver call);
 - ``wait``: from submit's return until the end event's synchronize returns; ``finish``: the poll
   that reports it; ``span``: the engine's device span; ``whole``: all of it;
 - ``ref``: one contiguous copy of the same bytes, enqueue + synchronize (the 100% line).
@@ -42,14 +43,20 @@ PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref"
 def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, float]:
     core, platform = rig.core, rig.platform
     native_s: list[float] = []
-    real = lib.staged_run
+    real_run, real_submit = lib.staged_run, lib.staged_submit
 
-    def timed(job, rows):
+    def timed_run(job, rows):
         t = time.perf_counter()
-        real(job, rows)
+        real_run(job, rows)
         native_s.append(time.perf_counter() - t)
 
-    lib.staged_run = timed
+    def timed_submit(request):
+        t = time.perf_counter()
+        links = real_submit(request)
+        native_s.append(time.perf_counter() - t)
+        return links
+
+    lib.staged_run, lib.staged_submit = timed_run, timed_submit
     rows: dict[str, list[float]] = {k: [] for k in PARTS}
     try:
         for rep in range(reps + 3):
@@ -74,7 +81,7 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
                          ("finish", t4 - t3), ("whole", t4 - t0), ("span", res[0].seconds)):
                 rows[k].append(v)
     finally:
-        lib.staged_run = real
+        lib.staged_run, lib.staged_submit = real_run, real_submit
     nbytes = rig.shape.blocks * sum(rig.shape.pages)
     host_t = core.host.tensor[:nbytes]
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
