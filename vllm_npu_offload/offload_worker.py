@@ -171,7 +171,8 @@ class OffloadWorkerCore:
         lay, g = self.layout, self.stager.geometry
         key = (f"{self.platform.device_name()}|pages={','.join(map(str, lay.page_bytes))}"
                f"|bpc={lay.blocks_per_chunk}|slots={g.slots}x{g.slot_blocks}|local={self.stager.local_path.name}"
-               f"|link={self.stager.link_path.name}|direct={self.backend.choice.load},{self.backend.choice.store}")
+               f"|link={self.stager.link_path.name}|direct={self.backend.choice.load},{self.backend.choice.store}"
+               f"|plan={'native' if self.stager.plans_natively else 'python'}")
         rest = [0] * (self.num_groups - 1)
         jobs = itertools.count(-1, -1)
 

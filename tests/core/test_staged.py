@@ -483,6 +483,7 @@ def test_calibration_measures_every_size_and_both_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_MEMO", {})
     core, tensors, refs, rng = random_core(4, 2, staging_chunks=8, groups=2)
     target = core.calibration_target()
+    assert target.key.endswith("|plan=python")  # the planner is part of the key: switching it re-measures
     entry = staging_choice.measure(target)
     assert entry["sizes"] == [1, 2, 4, 8, 16, 32]  # not 64: the rig has 48 device blocks
     for d in ("H2D", "D2H"):
