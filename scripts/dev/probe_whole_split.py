@@ -166,6 +166,13 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
     stream.synchronize()
     for p in plans:
         core.pool.release(p.buffers)
+    if core.stager.plans_natively:  # the native path's Python: the transfer and its request
+        transfers = []
+        out["native_transfer"] = _med_us(lambda: transfers.append(core._native_staged(d, parts, len(dev))), reps)
+        raw = platform.raw_stream_handle(stream)
+        out["native_request"] = _med_us(lambda: core.stager._fused.request(core.stager, transfers[-1], raw, raw), reps)
+        for t in transfers:
+            core.pool.release(t.buffers)
     prof = cProfile.Profile()
     for rep in range(reps):
         dev, chunks = rig.ids("seq", seed=rep)
