@@ -42,6 +42,10 @@ for toggle in 1 0; do
     NPU_OFFLOAD_STAGE_PIPELINE=$pipe "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
       --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}_${pipe}.json" || status=1
   done
+  # ... and the native pipeline with the Python planner (the library's planner is the run above)
+  echo "--- staged planner NPU_OFFLOAD_STAGE_PLAN=python (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=$toggle) ---"
+  NPU_OFFLOAD_STAGE_PLAN=python "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
+    --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}_pyplan.json" || status=1
 done
 unset NPU_OFFLOAD_NATIVE_DIR
 echo "=== CPU test suite (emulation) ==="

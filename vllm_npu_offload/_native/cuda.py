@@ -45,8 +45,8 @@ class NativeCudaLib:
         lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
-                   "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create", "npo_cuda_events_destroy", "npo_cuda_stream_create",
-                   "npo_cuda_stream_destroy"):
+                   "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create",
+                   "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
         if abi != ABI_VERSION:

@@ -124,7 +124,8 @@ class CudaStagedPipeline:
             req = self._requests[d] = StagedRequest()
             geo = stager.native_geometry(d)
             j = req.job
-            j.store, j.programs, j.min_page, j.slots = int(d is Direction.D2H), self.programs[d], self.min_page, geo["slots"]
+            j.store, j.programs, j.min_page = int(d is Direction.D2H), self.programs[d], self.min_page
+            j.slots = geo["slots"]
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base"):
                 setattr(req, k, geo[k])
@@ -178,4 +179,4 @@ class CudaStagedPipeline:
         for evs in self.events.values():
             self.lib.destroy_events(evs)
         self.events = {}
-        self._tables = {}
+        self._tables, self._requests, self._groups = {}, {}, {}  # the requests name the events
