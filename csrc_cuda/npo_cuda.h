@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 4
+#define NPO_CUDA_ABI_VERSION 5
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -118,6 +118,11 @@ typedef struct {
     uint64_t staging_base;      /* this direction's staging area */
     uint64_t host_base;
     uint64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
+    /* The engine's stream order, when it hands it over (each NULL: skipped): job.stream first waits
+     * for `compute`'s work so far (through `compute_mark`, recorded there) and for `after` (the
+     * direction's previous job's end), then records `start`; after the copies it records `end`,
+     * also when a copy fails to enqueue (the engine then sees the job finish and fail). */
+    void *compute, *compute_mark, *after, *start, *end;
 } npo_staged_request;
 /* The plan alone, into the caller's arrays (capacities in entries; tests, benchmarks). */
 typedef struct {

@@ -221,16 +221,55 @@ extern "C" int npo_cuda_staged_plan(const npo_staged_request *req, npo_staged_pl
     }
 }
 
+namespace {
+
+// The engine's order before the copies (see npo_staged_request): each driver call checked.
+int order_before(const npo_driver *drv, const npo_staged_request *r, char *msg, size_t msg_len) {
+    CUstream stream = (CUstream)r->job.stream;
+    if ((r->compute || r->after || r->start || r->end) && (!drv->event_record || !drv->stream_wait_event))
+        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_submit: the driver lacks cuEventRecord/"
+                         "cuStreamWaitEvent");
+    CUresult e = CUDA_SUCCESS;
+    const char *call = "";
+    if (r->compute) {
+        if (!r->compute_mark)
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: a compute stream without its "
+                             "mark event");
+        if ((e = drv->event_record((CUevent)r->compute_mark, (CUstream)r->compute)) != CUDA_SUCCESS)
+            call = "cuEventRecord (the compute stream's mark)";
+        else if ((e = drv->stream_wait_event(stream, (CUevent)r->compute_mark, 0)) != CUDA_SUCCESS)
+            call = "cuStreamWaitEvent (the compute stream)";
+    }
+    if (e == CUDA_SUCCESS && r->after && (e = drv->stream_wait_event(stream, (CUevent)r->after, 0)) != CUDA_SUCCESS)
+        call = "cuStreamWaitEvent (the previous job's end)";
+    if (e == CUDA_SUCCESS && r->start && (e = drv->event_record((CUevent)r->start, stream)) != CUDA_SUCCESS)
+        call = "cuEventRecord (the job's start)";
+    return e == CUDA_SUCCESS ? 0 : npo_fail(drv, e, call, -1, msg, msg_len);
+}
+
+}  // namespace
+
 extern "C" int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *links, char *msg, size_t msg_len) {
+    const npo_driver *drv = npo_driver_get();
+    int rc = 0;
     try {
         Scratch &s = t_scratch;
-        int rc = plan(req, s, msg, msg_len);
-        if (rc) return rc;
-        npo_staged_job job;
-        fill_job(req, s, &job);
-        if (links) *links = s.link_src.size();
-        return npo_cuda_staged_run(&job, msg, msg_len);
+        rc = plan(req, s, msg, msg_len);
+        if (!rc && drv->status != 0) rc = npo_failf(drv->status, msg, msg_len, "npo_cuda_staged_submit: %s", drv->error);
+        if (!rc) rc = order_before(drv, req, msg, msg_len);
+        if (!rc) {
+            npo_staged_job job;
+            fill_job(req, s, &job);
+            if (links) *links = s.link_src.size();
+            rc = npo_cuda_staged_run(&job, msg, msg_len);
+        }
     } catch (const std::bad_alloc &) {
-        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: out of host memory");
+        rc = npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: out of host memory");
     }
+    // the end is recorded whatever happened before, so the engine sees the job finish (failed)
+    if (req && req->end && drv->status == 0 && drv->event_record) {
+        CUresult e = drv->event_record((CUevent)req->end, (CUstream)req->job.stream);
+        if (e != CUDA_SUCCESS && !rc) rc = npo_fail(drv, e, "cuEventRecord (the job's end)", -1, msg, msg_len);
+    }
+    return rc;
 }

@@ -145,8 +145,11 @@ class TransferEngine:
             stream = ring[self._turn[direction] % len(ring)]
             self._turn[direction] += 1
             start, end = self._event(), self._event()
-            compute = self.platform.current_stream()
             prev = queue[-1] if queue else None
+            if transfer.orders_itself:  # one native call: stream order, events and copies
+                self._submit_ordered(job_id, direction, transfer, stream, start, end, prev, len(ring) > 1, t_submit)
+                return
+            compute = self.platform.current_stream()
             if self._threaded and transfer.enqueue_anywhere and not direction.is_load:
                 item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, threading.Event())
                 ready = self._event()
@@ -174,6 +177,20 @@ class TransferEngine:
                 end.record(stream)
             queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
             self._job_ids.add(job_id)
+
+    def _submit_ordered(self, job_id: int, direction: Direction, transfer: Transfer, stream: Any, start: Any,
+                        end: Any, prev: _InFlight | None, chain: bool, t_submit: float) -> None:
+        """``submit`` for a transfer that takes the stream order itself (the same order: after the
+        compute stream's work so far and, on a ring, after the previous job's end)."""
+        if prev is not None:
+            prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
+        error = None
+        try:
+            transfer.enqueue_ordered(stream, self.platform, start, end, prev.end if prev is not None and chain else None)
+        except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
+            error = f"{type(e).__name__}: {e}"
+        self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
+        self._job_ids.add(job_id)
 
     def _event(self) -> Any:
         return self._events.pop() if self._events else self.platform.new_event()

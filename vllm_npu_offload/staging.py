@@ -182,6 +182,10 @@ class Stager:
         self.table_form = bool(getattr(self._fused, "table_form", False))
         # the native pipeline plans transfers itself (host order, slices, ids or page descriptors, link runs)
         self.plans_natively = bool(getattr(self._fused, "plans_natively", False)) and env.get(ENV_PLAN) == "native"
+        # ... and takes the engine's stream order in the same call (not with the diagnosis switches
+        # that move a store's gathers onto another stream)
+        self.orders_natively = (self.plans_natively and bool(getattr(self._fused, "orders_natively", False))
+                                and platform.raw_events and self._store_gathers_on == "1")
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
         self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
@@ -435,10 +439,11 @@ class Stager:
         """(MIN_SLICE_BYTES, RAMP, GROWTH) as they stand now (tests patch the module's values)."""
         return MIN_SLICE_BYTES, RAMP, GROWTH
 
-    def run_native(self, transfer, stream: Any, link: bool = True, compute: Any = None) -> int:
-        """Plan and enqueue a ``NativeStagedTransfer`` in one native call; its link copy count."""
+    def run_native(self, transfer, stream: Any, link: bool = True, compute: Any = None, order=None) -> int:
+        """Plan and enqueue a ``NativeStagedTransfer`` in one native call; its link copy count
+        (``order``: the engine's raw stream order, where ``orders_natively``)."""
         aux = self._aux_for(transfer.direction, stream, compute)
-        return self._fused.submit(self, transfer, stream, aux, link=link)
+        return self._fused.submit(self, transfer, stream, aux, link=link, order=order)
 
     def release(self) -> None:
         if self._fused is not None:

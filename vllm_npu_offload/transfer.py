@@ -30,6 +30,8 @@ class Transfer(ABC):
     # True: ``enqueue`` names every stream it uses (raw handles), so the engine need not make
     # ``stream`` the current one around it
     names_streams: bool = False
+    # True: ``enqueue_ordered`` takes the engine's stream order and events itself (one native call)
+    orders_itself: bool = False
 
     @property
     @abstractmethod
@@ -132,6 +134,18 @@ class NativeStagedTransfer(Transfer):
     def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
         self.links = self.stager.run_native(self, stream, link=link, compute=compute)
+
+    @property
+    def orders_itself(self) -> bool:
+        return self.stager.orders_natively
+
+    def enqueue_ordered(self, stream: Any, platform: Any, start: Any, end: Any, after: Any = None) -> None:
+        """``enqueue`` with the engine's stream order in the same native call: ``stream`` waits for
+        the compute stream's work so far and for ``after`` (the previous job's end), then records
+        ``start``; ``end`` is recorded after the copies, also when one fails to enqueue."""
+        ev = platform.raw_event_handle
+        order = (platform.raw_current_stream(), ev(after) if after is not None else 0, ev(start), ev(end))
+        self.links = self.stager.run_native(self, stream, order=order)
 
 
 __all__ = ["DirectTransfer", "NativeStagedTransfer", "StagedTransfer", "Transfer"]

@@ -194,6 +194,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--detail", default="qwen2.5-0.5b", help="shape whose host-side pieces are timed one by one")
+    ap.add_argument("--engine-order", action="store_true",
+                    help="natively planned transfers leave the stream order to the engine (torch calls), as "
+                         "before the library took it")
     a = ap.parse_args()
     platform = get_platform()
     lib = load_library()
@@ -202,6 +205,8 @@ def main() -> None:
     print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS) + "  whole%")
     for name in [s for s in a.shapes.split(",") if s]:
         rig = CoreRig(platform, SHAPES[name])
+        if a.engine_order and rig.core.stager is not None:
+            rig.core.stager.orders_natively = False
         res["shapes"][name] = {}
         for d in Direction:
             r = split_one(rig, d, a.reps, lib)

@@ -429,6 +429,46 @@ def test_cuda_submit_thread_stores_byte_exact(monkeypatch):
     core.shutdown()
 
 
+@pytest.mark.gpu
+def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
+    """On CUDA a staged transfer takes the engine's stream order inside its one native call
+    (compute-stream wait, the previous job's end, start/end events): a store reads what the model's
+    still-busy stream writes just before the submit, and two loads back to back (on the ring, the
+    second after the first's end) land byte-exact, each reported once with its bytes."""
+    platform = _platform("cuda")
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
+    page, n = 4096, 12
+    rng = np.random.default_rng(8)
+    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(6)]
+    refs = [[GroupRef(i, page) for i in range(6)]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
+    assert core.stager.plans_natively and core.stager.orders_natively
+    dev_ids = rng.choice(DEV_BLOCKS, 2 * n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, 2 * n, 0, 1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the model's stream is busy; the writes below land after it
+    want = [torch.from_numpy(rng.integers(0, 256, (2 * n, page), dtype=np.uint8)).cuda(non_blocking=True)
+            for _ in tensors]
+    for t, w in zip(tensors, want):
+        t[dev_ids] = w
+    core.submit(1, Direction.D2H, dev_ids, [2 * n], [0], chunks, staged=True)
+    settle(core, [1])
+    for i, w in enumerate(want):
+        assert torch.equal(core.host_view(i)[chunks], w.cpu()), i
+    for t in tensors:
+        t.zero_()
+    torch.cuda._sleep(50_000_000)
+    core.submit(2, Direction.H2D, dev_ids[:n], [n], [0], chunks[:n], staged=True)
+    core.submit(3, Direction.H2D, dev_ids[n:], [n], [0], chunks[n:], staged=True)
+    core.wait([2, 3])
+    res = {r.job_id: r for r in core.poll()}
+    assert [res[j].success for j in (2, 3)] == [True, True], res
+    assert res[2].num_bytes == res[3].num_bytes == n * 6 * page
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
 def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
     slot = core.stager.geometry.slot_blocks

@@ -52,7 +52,8 @@ class StagedRequest(ctypes.Structure):
     _fields_ = [("job", StagedJob), ("ids_capacity", ctypes.c_uint64), ("groups", ctypes.POINTER(StagedGroup)),
                 ("n_groups", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in (
                     "slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "min_slice_bytes",
-                    "ramp", "growth")]
+                    "ramp", "growth")] + [(name, ctypes.c_void_p) for name in (
+                        "compute", "compute_mark", "after", "start", "end")]
 
 
 class StagedPlanOut(ctypes.Structure):
@@ -74,6 +75,7 @@ class CudaStagedPipeline:
 
     table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
     plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
+    orders_natively = True  # ... and takes the engine's stream order and events in the same call
 
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
         self.lib, self.platform, self.slots = lib, platform, slots
@@ -151,10 +153,18 @@ class CudaStagedPipeline:
         req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
         return req
 
-    def submit(self, stager, transfer, stream: Any, aux: Any, link: bool = True) -> int:
-        """Plan and enqueue ``transfer`` (a ``NativeStagedTransfer``) in one call; its link copies."""
+    def submit(self, stager, transfer, stream: Any, aux: Any, link: bool = True, order=None) -> int:
+        """Plan and enqueue ``transfer`` (a ``NativeStagedTransfer``) in one call; its link copies.
+        ``order``: the engine's (compute stream, previous end, start, end) as raw handles (0: none),
+        waited for and recorded in the same call."""
         raw = self.platform.raw_stream_handle
-        return self.lib.staged_submit(self.request(stager, transfer, raw(stream), raw(aux), link))
+        req = self.request(stager, transfer, raw(stream), raw(aux), link)
+        if order is None:
+            req.compute = req.after = req.start = req.end = None
+        else:
+            req.compute, req.after, req.start, req.end = (h or None for h in order)
+            req.compute_mark = self.events[transfer.direction][0]  # the pipeline's entry: free before its run
+        return self.lib.staged_submit(req)
 
     def plan_only(self, stager, transfer) -> dict[str, np.ndarray]:
         """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan):

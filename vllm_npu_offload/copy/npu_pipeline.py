@@ -145,9 +145,11 @@ class AclStagedPipeline:
         return req
 
     def submit(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: Any, aux: Any,
-               link: bool = True) -> int:
+               link: bool = True, order: None = None) -> int:
         """Plan and enqueue ``transfer`` in one call (``link=False``: only the gather/scatter, on
         ``stream``); its link copies."""
+        if order is not None:  # orders_natively is False here: the engine keeps the order itself
+            raise CopyError("the ACL pipeline does not take the engine's stream order", "npu_offload_acl_staged_submit")
         handle = self.local.stream_handle
         req = self.request(stager, transfer, handle(stream), handle(aux) if link else None, link)
         return acl.staged_submit(req, self.lib)[1]

@@ -115,11 +115,25 @@ static CUresult f_event_create(CUevent *e, unsigned flags) {
     return CUDA_SUCCESS;
 }
 static CUresult f_event_destroy(CUevent e) { (void)e; fake_events--; return CUDA_SUCCESS; }
-static CUresult f_event_record(CUevent e, CUstream s) { (void)s; if (!e) return CUDA_ERROR_INVALID_HANDLE; fake_records++; return CUDA_SUCCESS; }
+/* The last FAKE_LOG event operations, for order checks: (1 record / 2 wait, event, stream). */
+#define FAKE_LOG 4096
+unsigned long long fake_log[FAKE_LOG][3];
+long long fake_log_n = 0;
+static void log_op(unsigned long long kind, CUevent e, CUstream s) {
+    unsigned long long *row = fake_log[fake_log_n++ % FAKE_LOG];
+    row[0] = kind, row[1] = (unsigned long long)(uintptr_t)e, row[2] = (unsigned long long)(uintptr_t)s;
+}
+static CUresult f_event_record(CUevent e, CUstream s) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    fake_records++;
+    log_op(1, e, s);
+    return CUDA_SUCCESS;
+}
 static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
-    (void)s; (void)f;
+    (void)f;
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     fake_waits++;
+    log_op(2, e, s);
     return CUDA_SUCCESS;
 }
 

@@ -385,6 +385,64 @@ def case_native_plan():
     print("native_plan ok")
 
 
+def _event_ops_since(n0):
+    """(kind, event, stream) of every event operation since the fake's log count ``n0``."""
+    log = (ctypes.c_ulonglong * 3 * 4096).in_dll(fake, "fake_log")
+    n = counter("fake_log_n", ctypes.c_longlong)
+    return [(("record", "wait")[log[i % 4096][0] - 1], log[i % 4096][1], log[i % 4096][2]) for i in range(n0, n)]
+
+
+def case_staged_ordered():
+    """The engine's stream order in the submit call: the job stream first waits for the compute
+    stream (through a mark recorded there) and the previous job's end, then records the start; the
+    end is recorded after the copies, and also when the plan fails (the job then finishes, failed)."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+    from vllm_npu_offload.errors import CopyError
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_PLAN="native")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    rng = np.random.default_rng(4)
+    pages = [512, 256]
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 24, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
+    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
+    compute, after, start, end = 0xC0, 0xAF, 0x57, 0xE0
+    for direction in Direction:
+        parts = core._split("src" if direction is Direction.D2H else "dst", dev, [6], [0], chunks)
+        transfer = core._native_staged(direction, parts, 6)
+        mark = fused.events[direction][0]
+        n0 = counter("fake_log_n", ctypes.c_longlong)
+        core.stager.run_native(transfer, object(), order=(compute, after, start, end))
+        ops = _event_ops_since(n0)
+        assert ops[:4] == [("record", mark, compute), ("wait", mark, stream), ("wait", after, stream),
+                           ("record", start, stream)], ops[:4]
+        assert ops[-1] == ("record", end, stream) and [op for op in ops if op[1] in (start, end)] == [
+            ("record", start, stream), ("record", end, stream)], ops
+        n0 = counter("fake_log_n", ctypes.c_longlong)
+        core.stager.run_native(transfer, object())  # no order: none of it
+        assert not [op for op in _event_ops_since(n0) if op[1] in (compute, after, start, end)]
+        # a failing plan (a device id past the tensors is caught by the split; an impossible growth
+        # is not): nothing is copied, the end is recorded all the same
+        staging.GROWTH = 1
+        n0 = counter("fake_log_n", ctypes.c_longlong)
+        try:
+            core.stager.run_native(transfer, object(), order=(compute, after, start, end))
+            raise AssertionError("a growth of 1 was accepted")
+        except CopyError as e:
+            assert "growth" in str(e), e
+        finally:
+            staging.GROWTH = 4
+        assert _event_ops_since(n0) == [("record", end, stream)]
+        core.pool.release(transfer.buffers)
+    core.shutdown()
+    print("staged_ordered ok")
+
+
 def case_errors():
     p = FakeCuda()
     lib = load_library()
