@@ -8,7 +8,9 @@ no-reuse round with direct stores). The streams are created once (see ``Platform
 for why they are never torch's pooled ones). Every job (loads too)
 also waits for the compute stream, which closes both known races: a store reading KV
 that the model is still writing, and a load overwriting a block that attention still
-reads. Completion is detected by polling end events; each job is reported exactly
+reads. A transfer that can (a staged one on CUDA, planned by the native library) takes that order
+in its own native call: the compute-stream wait, the previous job's end and its start/end events,
+with no torch call per transfer (``_submit_ordered``). Completion is detected by polling end events; each job is reported exactly
 once, with bytes and seconds, and a failed copy is reported as ``success=False``
 rather than raised, so the caller can fail its requests instead of hanging.
 
