@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 LIB_NAME = "libnpu_offload_cuda.so"
-SOURCES = ("driver.cc", "loop_copy.cc", "batch_copy.cc", "mode.cc", "gather_launch.cc", "staged_run.cc", "staged_plan.cc", "streams.cc")
+SOURCES = ("driver.cc", "loop_copy.cc", "batch_copy.cc", "mode.cc", "gather_launch.cc", "staged_run.cc",
+           "staged_plan.cc", "streams.cc")
 KERNEL = "gather_kernel.cu"
 ENV_BATCH = "NPU_OFFLOAD_CUDA_BATCH_MEMCPY"
 ENV_GATHER = "NPU_OFFLOAD_CUDA_GATHER"

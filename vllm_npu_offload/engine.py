@@ -10,9 +10,9 @@ also waits for the compute stream, which closes both known races: a store readin
 that the model is still writing, and a load overwriting a block that attention still
 reads. A transfer that can (a staged one on CUDA, planned by the native library) takes that order
 in its own native call: the compute-stream wait, the previous job's end and its start/end events,
-with no torch call per transfer (``_submit_ordered``). Completion is detected by polling end events; each job is reported exactly
-once, with bytes and seconds, and a failed copy is reported as ``success=False``
-rather than raised, so the caller can fail its requests instead of hanging.
+with no torch call per transfer (``_submit_ordered``). Completion is detected by polling end
+events; each job is reported exactly once, with bytes and seconds, and a failed copy is reported
+as ``success=False`` rather than raised, so the caller can fail its requests instead of hanging.
 
 With ``NPU_OFFLOAD_SUBMIT_THREAD=1`` a direct store (one driver copy per page: ~0.44 us each
 on CUDA, 3.5 ms for an 8,000-page store) is enqueued by a thread of the engine's own: the
@@ -186,9 +186,9 @@ class TransferEngine:
         compute stream's work so far and, on a ring, after the previous job's end)."""
         if prev is not None:
             prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
-        error = None
+        error, after = None, prev.end if prev is not None and chain else None
         try:
-            transfer.enqueue_ordered(stream, self.platform, start, end, prev.end if prev is not None and chain else None)
+            transfer.enqueue_ordered(stream, self.platform, start, end, after)
         except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
             error = f"{type(e).__name__}: {e}"
         self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
