@@ -95,7 +95,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_PLAN", "choice", "native",
          "who plans a staged transfer (host order, slices, CUDA's block ids or Ascend's page descriptors, link "
-         "runs): the native library, in the call that enqueues it, or the Python planner (the reference)",
+         "runs): the native library, in the call that enqueues it (on CUDA that call also takes the engine's "
+         "stream order and events), or the Python planner (the reference)",
          ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
          "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
