@@ -98,6 +98,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "runs): the native library, in the call that enqueues it (on CUDA that call also takes the engine's "
          "stream order and events), or the Python planner (the reference)",
          ("native", "python")),
+    Knob("NPU_OFFLOAD_STAGE_ORDER", "choice", "native",
+         "who orders a natively planned CUDA staged transfer after the model's stream and the previous job "
+         "and records its events: the library, in the same call, or the engine through torch (diagnosis, A/B)",
+         ("native", "engine")),
     Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
          "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
          "its link copies; compute the model's stream, which then waits for the link (both diagnosis)",

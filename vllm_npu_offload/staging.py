@@ -36,6 +36,7 @@ from .platform import Platform
 logger = logging.getLogger(__name__)
 ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
 ENV_PLAN = "NPU_OFFLOAD_STAGE_PLAN"  # python: Stager.plan, never the native planner
+ENV_ORDER = "NPU_OFFLOAD_STAGE_ORDER"  # engine: the engine orders natively planned transfers (torch calls)
 ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # where store gathers run: 1 aux, 0 own stream, compute
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
@@ -185,7 +186,8 @@ class Stager:
         # ... and takes the engine's stream order in the same call (not with the diagnosis switches
         # that move a store's gathers onto another stream)
         self.orders_natively = (self.plans_natively and bool(getattr(self._fused, "orders_natively", False))
-                                and platform.raw_events and self._store_gathers_on == "1")
+                                and platform.raw_events and self._store_gathers_on == "1"
+                                and env.get(ENV_ORDER) == "native")
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
         self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",

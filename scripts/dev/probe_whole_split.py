@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--detail", default="qwen2.5-0.5b", help="shape whose host-side pieces are timed one by one")
     ap.add_argument("--engine-order", action="store_true",
                     help="natively planned transfers leave the stream order to the engine (torch calls), as "
-                         "before the library took it")
+                         "before the library took it (as NPU_OFFLOAD_STAGE_ORDER=engine)")
     a = ap.parse_args()
     platform = get_platform()
     lib = load_library()

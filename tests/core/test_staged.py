@@ -444,6 +444,10 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     refs = [[GroupRef(i, page) for i in range(6)]]
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
     assert core.stager.plans_natively and core.stager.orders_natively
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_ORDER", "engine")
+    other = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
+    assert other.stager.plans_natively and not other.stager.orders_natively  # the A/B switch
+    other.shutdown()
     dev_ids = rng.choice(DEV_BLOCKS, 2 * n, replace=False).astype(np.int64)
     chunks = chunks_for(rng, 2 * n, 0, 1)
     torch.cuda.synchronize()
