@@ -21,8 +21,11 @@ one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -131,10 +134,6 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
     """CPU us of the host-side pieces of one staged load of ``shape`` (torch stream and event
     calls as the engine makes them, the planner's steps, the pipeline's job building with the
     native call a no-op), then a cProfile of ``reps`` whole submits."""
-    import cProfile
-    import io
-    import pstats
-
     rig = CoreRig(platform, SHAPES[shape])
     core, d = rig.core, Direction.H2D
     stream, compute = core.engine.stream(d), platform.current_stream()

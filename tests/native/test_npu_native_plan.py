@@ -109,6 +109,38 @@ def test_native_plan_equals_python_plan(built, emu, monkeypatch, kind, bpc):
     core.shutdown()
 
 
+def test_native_plan_equals_python_plan_at_a_real_shape(built, emu, monkeypatch):
+    """Llama-3-8B per layer with K and V apart, as vLLM-Ascend hands it: 64 tensors of 32 KiB pages,
+    4 blocks per host chunk, a 1.25 GiB host buffer, the default 256 MiB of staging, transfers of up
+    to 240 blocks (about 30k page descriptors) in several slices."""
+    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(built[0]["1"]).parent))
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    platform = fake_npu_platform()
+    monkeypatch.setattr(type(platform), "device", property(lambda self: torch.device("cpu")))
+    page, tensors, blocks, chunks_total = 32 << 10, 64, 256, 160
+    kv = [torch.empty(blocks, page, dtype=torch.uint8) for _ in range(tensors)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page)
+                             for i in range(tensors)]], 4, chunks_total, platform)
+    assert core.stager.plans_natively and core.host.nbytes == chunks_total * 4 * tensors * page
+    rng, pipe = np.random.default_rng(64), core.stager._fused
+    for n, hosts in ((12, "seq"), (64, "rev"), (240, "shuffled"), (240, "rev")):
+        for direction in Direction:
+            k = -(-n // 4)
+            chunks = {"seq": np.arange(7, 7 + k), "rev": np.arange(7, 7 + k)[::-1],
+                      "shuffled": rng.choice(chunks_total, k, replace=False)}[hosts].astype(np.int64)
+            dev = rng.choice(blocks, n, replace=False).astype(np.int64)
+            parts = core._split("src" if direction is Direction.D2H else "dst", dev, [n], [0], chunks)
+            want = _python_plan(core, direction, parts)
+            transfer = core._native_staged(direction, parts, n)
+            got = pipe.plan_only(core.stager, transfer)
+            core.pool.release(transfer.buffers)
+            for key, w in want.items():
+                assert np.array_equal(got[key], w), (n, hosts, direction.name, key)
+            assert len(want["local_src"]) == n * tensors
+            assert len(want["link_bounds"]) > 2 or n < 64  # several slices at the larger sizes
+    core.shutdown()
+
+
 def _transfer(core: OffloadWorkerCore, direction: Direction, dev: list[int], chunks: list[int]) -> NativeStagedTransfer:
     """A natively planned transfer of group 0, its ids unchecked (the checks under test are the library's)."""
     dev_ids, host_ids = np.array(dev, np.int64), np.array(chunks, np.int64)

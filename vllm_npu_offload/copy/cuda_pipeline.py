@@ -93,6 +93,13 @@ class CudaStagedPipeline:
             hit = self._tables[id(planner)] = (planner, table)
         return hit[1]
 
+    def _device_ids(self, bufs) -> int:
+        """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
+        device mirror, allocated at its first use and reused with the set."""
+        if bufs.device_cols is None:
+            bufs.device_cols = torch.empty(bufs.packed.numel(), dtype=torch.int64, device=self.platform.device)
+        return bufs.device_cols.data_ptr()
+
     def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter (benchmarks)."""
         if plan.table_ranges is None or plan.ids is None:
@@ -105,12 +112,10 @@ class CudaStagedPipeline:
         bounds = np.ascontiguousarray(plan.link_bounds, np.uint64)
         lk = [np.ascontiguousarray(a, np.int64) for a in (plan.link.src, plan.link.dst, plan.link.sizes)]
         ids = plan.ids
-        if ids.device_cols is None:  # the set's device mirror: allocated once, reused with the set
-            ids.device_cols = torch.empty(ids.packed.numel(), dtype=torch.int64, device=self.platform.device)
         job = StagedJob(
             int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
             self.platform.raw_stream_handle(stream),
-            self.platform.raw_stream_handle(aux), ctypes.cast(ids.packed.data_ptr(), _u64p), ids.device_cols.data_ptr(),
+            self.platform.raw_stream_handle(aux), ctypes.cast(ids.packed.data_ptr(), _u64p), self._device_ids(ids),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
             _ptr(bounds), self.events[direction], int(not link),
             int(self.inline_store_ids and Direction(direction) is Direction.D2H))
@@ -141,12 +146,10 @@ class CudaStagedPipeline:
             g.device_ids, g.host_ids, g.blocks = dev.ctypes.data, host.ctypes.data, len(dev)
         req.n_groups = len(transfer.groups)
         ids = transfer.room
-        if ids.device_cols is None:  # the set's device mirror: allocated once, reused with the set
-            ids.device_cols = torch.empty(ids.packed.numel(), dtype=torch.int64, device=self.platform.device)
         j = req.job
         j.stream, j.aux = stream, aux
         j.host_ids = ctypes.cast(ids.addrs[0], _u64p)
-        j.dev_ids = ids.device_cols.data_ptr()
+        j.dev_ids = self._device_ids(ids)
         j.skip_link = int(not link)
         j.inline_ids = int(self.inline_store_ids and d is Direction.D2H)
         req.ids_capacity = ids.packed.numel()

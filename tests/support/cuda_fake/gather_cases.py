@@ -382,6 +382,29 @@ def case_native_plan():
                         checked += 1
                 core.shutdown()
     assert checked == 3 * 3 * 3 * 3 * 2, checked
+    # a real model's shape: Llama-3-8B per layer with K and V apart (64 tensors of 32 KiB pages),
+    # 4 blocks per host chunk, a 1.25 GiB host buffer, 256 MiB of staging, transfers up to 240 blocks
+    staging.MIN_SLOT_BYTES, staging.MIN_SLICE_BYTES = 4 << 20, 512 << 10
+    page, tensors = 32 << 10, 64
+    kv = [torch.empty(256, page, dtype=torch.uint8) for _ in range(tensors)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page)
+                             for i in range(tensors)]], 4, 160, FakeCuda())
+    assert core.host.nbytes == 160 * 4 * tensors * page and core.stager.plans_natively
+    for n, hosts in ((12, "seq"), (64, "rev"), (240, "random"), (240, "rev")):
+        for direction in Direction:
+            k = -(-n // 4)
+            chunks = {"seq": np.arange(7, 7 + k), "rev": np.arange(7, 7 + k)[::-1],
+                      "random": rng.choice(160, k, replace=False)}[hosts].astype(np.int64)
+            dev = rng.choice(256, n, replace=False).astype(np.int64)
+            parts = core._split("src" if direction is Direction.D2H else "dst", dev, [n], [0], chunks)
+            want = _python_plan(core, direction, parts, n)
+            transfer = core._native_staged(direction, parts, n)
+            got = core.stager._fused.plan_only(core.stager, transfer)
+            core.pool.release(transfer.buffers)
+            for key, w in want.items():
+                assert np.array_equal(got[key], w), ("llama-8b", n, hosts, direction, key)
+            assert len(want["link_bounds"]) > 2 or n < 64  # several slices at the larger sizes
+    core.shutdown()
     print("native_plan ok")
 
 
