@@ -112,7 +112,7 @@ def test_native_plan_equals_python_plan(built, emu, monkeypatch, kind, bpc):
 def test_native_plan_equals_python_plan_at_a_real_shape(built, emu, monkeypatch):
     """Llama-3-8B per layer with K and V apart, as vLLM-Ascend hands it: 64 tensors of 32 KiB pages,
     4 blocks per host chunk, a 1.25 GiB host buffer, the default 256 MiB of staging, transfers of up
-    to 240 blocks (about 30k page descriptors) in several slices."""
+    to 240 blocks (15,360 page descriptors) in several slices."""
     monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(built[0]["1"]).parent))
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     platform = fake_npu_platform()
