@@ -11,7 +11,10 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
   with the native planner ``npo_cuda_staged_submit`` (its planning and every driver call);
 - ``wait``: from submit's return until the end event's synchronize returns; ``finish``: the poll
   that reports it; ``span``: the engine's device span; ``whole``: all of it;
-- ``ref``: one contiguous copy of the same bytes, enqueue + synchronize (the 100% line).
+- ``ref``: one contiguous copy of the same bytes, enqueue + synchronize (the 100% line);
+- ``floor``: the same transfer's native call alone, its request built once beforehand (no split, no
+  request, no engine, no poll), enqueue + synchronize: what the library and the driver leave of the
+  100% line, the bound for any Python front end on this host (``floor%``).
 
 Then single driver calls through the library, with the stream held busy so none blocks: a
 one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
@@ -21,6 +24,7 @@ one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import json
@@ -40,7 +44,7 @@ from vllm_npu_offload._native.cuda import load_library  # noqa: E402
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
 from vllm_npu_offload.platform import get_platform  # noqa: E402
 
-PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref")
+PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref", "floor")
 
 
 def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, float]:
@@ -91,9 +95,39 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
     stream = platform.new_stream()
     ref = contiguous_copy_fn(platform, dev_t, host_t, direction, stream)
     rows["ref"] = [median_seconds(ref, stream.synchronize, reps)]
+    rows["floor"] = floor_one(rig, direction, reps, lib)
     out = {k: float(np.median(v)) * 1e6 for k, v in rows.items()}
     out["bytes"] = nbytes
     out["slices"] = len(rig.core.stager.slice_sizes(rig.shape.blocks, direction))
+    return out
+
+
+def floor_one(rig: CoreRig, direction: Direction, reps: int, lib) -> list[float]:
+    """Seconds per transfer of the native call alone (its request built once, the stream order and
+    events as the engine would pass them), enqueue + synchronize of the end event."""
+    core, platform = rig.core, rig.platform
+    stager = core.stager
+    if stager is None or not stager.plans_natively:
+        return [float("nan")]
+    dev, chunks = rig.ids("seq", seed=0)
+    transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
+    stream = core.engine.stream(direction)
+    raw = platform.raw_stream_handle
+    req = stager._fused.request(stager, transfer, raw(stream), raw(stager._aux_for(direction, stream, None)))
+    start, end = platform.new_event(), platform.new_event()
+    req.compute, req.after = platform.raw_current_stream() or None, None
+    req.start, req.end = platform.raw_event_handle(start), platform.raw_event_handle(end)
+    req.compute_mark = stager._fused.events[direction][0]
+    out = []
+    try:
+        for rep in range(reps + 3):
+            t = time.perf_counter()
+            lib.staged_submit(req)
+            end.synchronize()
+            if rep >= 3:
+                out.append(time.perf_counter() - t)
+    finally:
+        core.pool.release(transfer.buffers)
     return out
 
 
@@ -189,7 +223,8 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="qwen2.5-0.5b,llama-70b-tp8,qwen2.5-0.5b-fp8,llama-8b")
+    ap.add_argument("--shapes", default="qwen2.5-0.5b,llama-70b-tp8,qwen2.5-0.5b-fp8,llama-8b",
+                    help="comma list of core_bench shapes; NAME@N: N device blocks per transfer")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--detail", default="qwen2.5-0.5b", help="shape whose host-side pieces are timed one by one")
@@ -201,9 +236,11 @@ def main() -> None:
     lib = load_library()
     res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}}
     print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
-    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS) + "  whole%")
+    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS) + "  whole% floor%")
     for name in [s for s in a.shapes.split(",") if s]:
-        rig = CoreRig(platform, SHAPES[name])
+        base, _, blocks = name.partition("@")  # "shape@N": N device blocks per transfer
+        shape = SHAPES[base] if not blocks else dataclasses.replace(SHAPES[base], blocks=int(blocks))
+        rig = CoreRig(platform, shape)
         if a.engine_order and rig.core.stager is not None:
             rig.core.stager.orders_natively = False
         res["shapes"][name] = {}
@@ -211,7 +248,8 @@ def main() -> None:
             r = split_one(rig, d, a.reps, lib)
             res["shapes"][name][d.name] = r
             print(f"{name:18s} {d.name:3s} {r['bytes'] / 2**20:5.1f} {r['slices']:2d} "
-                  + " ".join(f"{r[k]:9.1f}" for k in PARTS) + f"  {100 * r['ref'] / r['whole']:5.1f}")
+                  + " ".join(f"{r[k]:9.1f}" for k in PARTS)
+                  + f"  {100 * r['ref'] / r['whole']:5.1f} {100 * r['ref'] / r['floor']:6.1f}")
         rig.close()
     res["driver_calls_us"] = driver_calls(platform, lib, a.reps)
     print("driver calls, CPU us each (stream held): "

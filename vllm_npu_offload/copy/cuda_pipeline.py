@@ -30,7 +30,7 @@ class StagedJob(ctypes.Structure):
 
     _fields_ = [
         ("store", ctypes.c_int), ("programs", ctypes.c_int), ("stream", ctypes.c_void_p), ("aux", ctypes.c_void_p),
-        ("host_ids", _u64p), ("dev_ids", ctypes.c_uint64), ("n_ids", ctypes.c_uint64),
+        ("host_ids", ctypes.c_void_p), ("dev_ids", ctypes.c_uint64), ("n_ids", ctypes.c_uint64),
         ("min_page", ctypes.c_uint64), ("n_slices", ctypes.c_uint64), ("slots", ctypes.c_uint64),
         ("range_off", _u64p), ("ranges", _u64p), ("link_src", _u64p), ("link_dst", _u64p), ("link_size", _u64p),
         ("link_bounds", _u64p), ("events", ctypes.POINTER(ctypes.c_void_p)), ("skip_link", ctypes.c_int),
@@ -85,6 +85,7 @@ class CudaStagedPipeline:
         self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
         self._requests: dict[Direction, StagedRequest] = {}
         self._groups: dict[Direction, Any] = {}
+        self._set_for: dict[Direction, list] = {}  # the planner each group slot's constant fields hold
 
     def _table(self, planner) -> torch.Tensor:
         hit = self._tables.get(id(planner))
@@ -115,7 +116,7 @@ class CudaStagedPipeline:
         job = StagedJob(
             int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
             self.platform.raw_stream_handle(stream),
-            self.platform.raw_stream_handle(aux), ctypes.cast(ids.packed.data_ptr(), _u64p), self._device_ids(ids),
+            self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
             _ptr(bounds), self.events[direction], int(not link),
             int(self.inline_store_ids and Direction(direction) is Direction.D2H))
@@ -136,19 +137,23 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base"):
                 setattr(req, k, geo[k])
-        groups = self._groups.get(d)
+        groups, set_for = self._groups.get(d), self._set_for.get(d)
         if groups is None or len(groups) < len(transfer.groups):
             groups = self._groups[d] = (StagedGroup * max(4, len(transfer.groups)))()
+            set_for = self._set_for[d] = [None] * len(groups)
             req.groups = groups
-        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
-            g.table = self._table(planner).data_ptr()
-            g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
+        for i, (planner, span, dev, host) in enumerate(transfer.groups):
+            g = groups[i]
+            if set_for[i] is not planner:  # a planner's table, pairs and span do not change
+                g.table = self._table(planner).data_ptr()
+                g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
+                set_for[i] = planner
             g.device_ids, g.host_ids, g.blocks = dev.ctypes.data, host.ctypes.data, len(dev)
         req.n_groups = len(transfer.groups)
         ids = transfer.room
         j = req.job
         j.stream, j.aux = stream, aux
-        j.host_ids = ctypes.cast(ids.addrs[0], _u64p)
+        j.host_ids = ids.addrs[0]
         j.dev_ids = self._device_ids(ids)
         j.skip_link = int(not link)
         j.inline_ids = int(self.inline_store_ids and d is Direction.D2H)
@@ -192,4 +197,4 @@ class CudaStagedPipeline:
         for evs in self.events.values():
             self.lib.destroy_events(evs)
         self.events = {}
-        self._tables, self._requests, self._groups = {}, {}, {}  # the requests name the events
+        self._tables, self._requests, self._groups, self._set_for = {}, {}, {}, {}  # the requests name the events
