@@ -30,6 +30,7 @@ LIB_NAME = "libnpu_offload_cuda.so"
 SOURCES = ("driver.cc", "loop_copy.cc", "batch_copy.cc", "mode.cc", "gather_launch.cc", "staged_run.cc",
            "staged_plan.cc", "streams.cc")
 KERNEL = "gather_kernel.cu"
+COMMON = "csrc_common"  # beside csrc_cuda: headers shared with csrc_npu (staged_plan_core.h)
 ENV_BATCH = "NPU_OFFLOAD_CUDA_BATCH_MEMCPY"
 ENV_GATHER = "NPU_OFFLOAD_CUDA_GATHER"
 ENV_ARCHS = "NPU_OFFLOAD_CUDA_ARCHS"
@@ -185,8 +186,8 @@ def build(src_dir: Path, out_dir: Path, required: bool = False, batch: str | Non
     sm = archs() if nvcc else []
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / LIB_NAME
-    flags = ["-O2", "-std=c++17", "-shared", f"-I{inc}", f"-I{src_dir}", f"-DNPO_BATCH_MEMCPY={int(use_batch)}",
-             f"-DNPO_GATHER_KERNEL={int(bool(nvcc))}"]
+    flags = ["-O2", "-std=c++17", "-shared", f"-I{inc}", f"-I{src_dir}", f"-I{src_dir.parent / COMMON}",
+             f"-DNPO_BATCH_MEMCPY={int(use_batch)}", f"-DNPO_GATHER_KERNEL={int(bool(nvcc))}"]
     if _is_nvcc(cxx):
         flags += ["-Xcompiler", "-fPIC,-fvisibility=hidden,-Wall"]
     else:

@@ -5,75 +5,27 @@
 // per transfer, most of the fixed cost that keeps a 20 MiB transfer at 60-70% of one
 // contiguous copy (docs/benchmarks.md); this is the same arithmetic in a few microseconds.
 // The Python planner stays the reference (NPU_OFFLOAD_STAGE_PLAN=python; the tests compare both).
+// The arithmetic the Ascend planner shares (host order, slices, positions, link runs) lives in
+// csrc_common/staged_plan_core.h; this file keeps the table form (ids, table ranges), the
+// request's checks, the per-thread scratch and the output.
 #include <stdio.h>
 #include <string.h>
 
 #include <algorithm>
 #include <new>
-#include <utility>
 #include <vector>
 
 #include "driver.h"
 #include "npo_cuda.h"
+#include "staged_plan_core.h"
 
 namespace {
 
 struct Scratch {  // per thread: the engine thread and the submit thread plan concurrently
     std::vector<int64_t> dev, host;
     std::vector<uint64_t> pos, edges, range_off, ranges, link_src, link_dst, link_size, link_bounds;
-    std::vector<std::pair<int64_t, int64_t>> pairs;
+    std::vector<spc_pair> sort_a, sort_b;
 };
-
-uint64_t ceil_div(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
-
-// staging.py's Stager.slice_sizes: a small unhidden slice (first for stores, last for loads),
-// then slices growing `growth`-fold up to the slot; a small remainder joins the slice before it.
-void slice_edges(const npo_staged_request *r, uint64_t n, bool store, std::vector<uint64_t> &edges) {
-    uint64_t first = std::max<uint64_t>({1, ceil_div(r->min_slice_bytes, r->record_bytes), ceil_div(n, r->ramp)});
-    std::vector<uint64_t> sizes;
-    uint64_t cur = first, left = n;
-    while (left > 0) {
-        uint64_t take = std::min({cur, r->slot_blocks, left});
-        if (left - take > 0 && left - take < first && left <= r->slot_blocks) take = left;
-        sizes.push_back(take);
-        left -= take;
-        cur = cur > r->slot_blocks ? cur : cur * r->growth;  // past the slot size it no longer matters
-    }
-    if (!store) std::reverse(sizes.begin(), sizes.end());
-    edges.assign(1, 0);
-    for (uint64_t s : sizes) edges.push_back(edges.back() + s);
-}
-
-// One group's (device, host) pairs in ascending host order, appended to s.dev / s.host.
-void host_ordered(const npo_staged_group &g, Scratch &s) {
-    const int64_t *h = g.host_ids, *d = g.device_ids;
-    const uint64_t k = g.blocks;
-    bool up = true, down = true;
-    for (uint64_t i = 1; i < k && (up || down); ++i) {
-        up = up && h[i] > h[i - 1];
-        down = down && h[i] < h[i - 1];
-    }
-    if (up || k < 2) {
-        s.dev.insert(s.dev.end(), d, d + k);
-        s.host.insert(s.host.end(), h, h + k);
-    } else if (down) {
-        for (uint64_t i = k; i-- > 0;) {
-            s.dev.push_back(d[i]);
-            s.host.push_back(h[i]);
-        }
-    } else {
-        s.pairs.resize(k);
-        for (uint64_t i = 0; i < k; ++i) s.pairs[i] = {h[i], d[i]};
-        std::stable_sort(s.pairs.begin(), s.pairs.end(),
-                         [](const std::pair<int64_t, int64_t> &a, const std::pair<int64_t, int64_t> &b) {
-                             return a.first < b.first;
-                         });
-        for (const auto &p : s.pairs) {
-            s.dev.push_back(p.second);
-            s.host.push_back(p.first);
-        }
-    }
-}
 
 int check_request(const npo_staged_request *r, uint64_t *n, char *msg, size_t msg_len) {
     if (!r || !r->groups || !r->n_groups || !r->job.host_ids || !r->record_bytes || !r->slot_blocks || !r->ramp ||
@@ -103,30 +55,15 @@ int check_request(const npo_staged_request *r, uint64_t *n, char *msg, size_t ms
     return 0;
 }
 
-// The plan into s (and the pinned ids); every array's size is its count.
-int plan(const npo_staged_request *r, Scratch &s, char *msg, size_t msg_len) {
-    uint64_t n = 0;
-    int rc = check_request(r, &n, msg, msg_len);
-    if (rc) return rc;
-    const bool store = r->job.store != 0;
-    s.dev.clear();
-    s.host.clear();
-    for (uint64_t g = 0; g < r->n_groups; ++g) host_ordered(r->groups[g], s);
-    slice_edges(r, n, store, s.edges);
-    const uint64_t n_slices = s.edges.size() - 1;
-    // each block's staging record: slice i fills slot i % slots from its start
-    s.pos.resize(n);
-    for (uint64_t i = 0; i < n_slices; ++i)
-        for (uint64_t j = s.edges[i]; j < s.edges[i + 1]; ++j)
-            s.pos[j] = (i % r->job.slots) * r->slot_blocks + (j - s.edges[i]);
-    // the ids of both sides: src ids then dst ids (a store: device -> staging record)
-    int64_t *ids = const_cast<int64_t *>(r->job.host_ids);
-    for (uint64_t j = 0; j < n; ++j) {
-        const int64_t p = (int64_t)s.pos[j];
-        ids[j] = store ? s.dev[j] : p;
-        ids[n + j] = store ? p : s.dev[j];
-    }
-    // per slice, one table range per group it covers, groups in order
+// The largest group's block count: the room its host-order sort needs.
+uint64_t largest_group(const npo_staged_request *r) {
+    uint64_t k = 0;
+    for (uint64_t g = 0; g < r->n_groups; ++g) k = std::max(k, r->groups[g].blocks);
+    return k;
+}
+
+// Per slice, one table range (table, pairs, first block, blocks) per group it covers, groups in order.
+void table_ranges(const npo_staged_request *r, uint64_t n_slices, Scratch &s) {
     s.range_off.assign(1, 0);
     s.ranges.clear();
     for (uint64_t i = 0; i < n_slices; ++i) {
@@ -139,40 +76,57 @@ int plan(const npo_staged_request *r, Scratch &s, char *msg, size_t msg_len) {
         }
         s.range_off.push_back(s.ranges.size() / 4);
     }
-    // link runs: consecutive host blocks within one slice and one group; a group that owns only
-    // part of a record copies each block on its own (staging.py's _plan_link says why)
-    const uint64_t rec = r->record_bytes;
-    s.link_src.clear();
-    s.link_dst.clear();
-    s.link_size.clear();
-    s.link_bounds.assign(1, 0);
-    uint64_t blk = 0, slice = 0;
-    for (uint64_t g = 0; g < r->n_groups; ++g) {
-        const npo_staged_group &gr = r->groups[g];
-        const bool part = !(gr.span_lo == 0 && gr.span_hi == r->pages_end) && gr.span_lo != gr.span_hi;
-        const uint64_t lo = gr.span_lo, width = gr.span_hi - gr.span_lo;
-        for (uint64_t j = blk; j < blk + gr.blocks; ++j) {
-            if (j == s.edges[slice + 1]) {  // slices are never empty: one step at a time
-                ++slice;
-                s.link_bounds.push_back(s.link_src.size());
-            }
-            const bool slice_start = j == s.edges[slice];
-            if (j == blk || slice_start || part || s.host[j] != s.host[j - 1] + 1) {
-                const uint64_t stg = s.pos[j] * rec + r->staging_base + lo;
-                const uint64_t hst = (uint64_t)s.host[j] * rec + lo + r->host_base;
-                s.link_src.push_back(store ? stg : hst);
-                s.link_dst.push_back(store ? hst : stg);
-                s.link_size.push_back(width);
-            } else {
-                s.link_size.back() += rec;  // one more whole record in the run
-            }
-        }
-        blk += gr.blocks;
+}
+
+// The link runs (staged_plan_core.h) into s.link_*: at most one copy a block.
+void link_runs(const npo_staged_request *r, uint64_t n, uint64_t n_slices, Scratch &s) {
+    s.link_src.resize(n);
+    s.link_dst.resize(n);
+    s.link_size.resize(n);
+    s.link_bounds.resize(n_slices + 1);
+    spc_links l = {};
+    l.edges = s.edges.data(), l.pos = s.pos.data(), l.host = s.host.data();
+    l.record_bytes = r->record_bytes, l.pages_end = r->pages_end;
+    l.staging_base = r->staging_base, l.host_base = r->host_base;
+    l.store = r->job.store != 0;
+    l.src = s.link_src.data(), l.dst = s.link_dst.data(), l.size = s.link_size.data();
+    l.bounds = s.link_bounds.data();
+    for (uint64_t g = 0; g < r->n_groups; ++g)
+        spc_links_group(&l, r->groups[g].blocks, r->groups[g].span_lo, r->groups[g].span_hi);
+    spc_links_finish(&l, n_slices);
+    s.link_src.resize(l.n);
+    s.link_dst.resize(l.n);
+    s.link_size.resize(l.n);
+}
+
+// The plan into s (and the pinned ids); every array's size is its count.
+int plan(const npo_staged_request *r, Scratch &s, char *msg, size_t msg_len) {
+    uint64_t n = 0;
+    int rc = check_request(r, &n, msg, msg_len);
+    if (rc) return rc;
+    const bool store = r->job.store != 0;
+    s.dev.resize(n);
+    s.host.resize(n);
+    s.sort_a.resize(largest_group(r));
+    s.sort_b.resize(s.sort_a.size());
+    for (uint64_t g = 0, at = 0; g < r->n_groups; at += r->groups[g++].blocks)
+        spc_host_ordered(r->groups[g].device_ids, r->groups[g].host_ids, r->groups[g].blocks, s.sort_a.data(),
+                         s.sort_b.data(), s.dev.data() + at, s.host.data() + at);
+    s.edges.resize(n + 1);
+    const uint64_t n_slices = spc_slice_edges(n, r->record_bytes, r->slot_blocks, r->min_slice_bytes, r->ramp,
+                                              r->growth, store, s.edges.data());
+    s.edges.resize(n_slices + 1);
+    s.pos.resize(n);
+    spc_positions(s.edges.data(), n_slices, r->job.slots, r->slot_blocks, s.pos.data());
+    // the ids of both sides: src ids then dst ids (a store: device -> staging record)
+    int64_t *ids = const_cast<int64_t *>(r->job.host_ids);
+    for (uint64_t j = 0; j < n; ++j) {
+        const int64_t p = (int64_t)s.pos[j];
+        ids[j] = store ? s.dev[j] : p;
+        ids[n + j] = store ? p : s.dev[j];
     }
-    s.link_bounds.push_back(s.link_src.size());
-    if (s.link_bounds.size() != n_slices + 1)
-        return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_plan: %llu slices but %llu link bounds",
-                         (unsigned long long)n_slices, (unsigned long long)s.link_bounds.size());
+    table_ranges(r, n_slices, s);
+    link_runs(r, n, n_slices, s);
     return 0;
 }
 

@@ -27,6 +27,7 @@ LIBRARY = "libnpu_offload_acl.so"
 EMULATION = "libacl_emulation.so"
 SOURCES = ("acl_symbols.c", "errors.c", "batch_copy.c", "loop_copy.c", "host_register.c", "info.c", "events.c",
            "staged_run.c", "staged_plan.c")
+COMMON = "csrc_common"  # beside csrc_npu: headers shared with csrc_cuda (staged_plan_core.h)
 TOGGLE = "VLLM_ASCEND_ENABLE_BATCH_MEMCPY"
 # Warnings are errors only where they mean a wrong call; other compilers' new warnings must not
 # break a build on an Ascend box. The ACL headers are -isystem: their own warnings are not ours.
@@ -156,7 +157,8 @@ def build(src_dir: Path, out_dir: Path, required: bool = False) -> list[str]:
     defines.append(f'NPU_OFFLOAD_HEADERS_ORIGIN="{origin}"')
     if batch:
         defines.append("NPU_OFFLOAD_BATCH_MEMCPY")
-    _compile(cc, include, [src_dir / s for s in SOURCES], out_dir / LIBRARY, defines)
+    common = (f"-I{src_dir.parent / COMMON}",)
+    _compile(cc, include, [src_dir / s for s in SOURCES], out_dir / LIBRARY, defines, common)
     mode = "batch" if batch else "loop"
     print(f"[csrc_npu] {LIBRARY}: mode={mode}, headers {include} ({origin}), declared "
           f"{sorted(k for k, ok in declared.items() if ok)}")

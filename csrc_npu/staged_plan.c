@@ -5,6 +5,9 @@
  * (npu_offload_acl_staged_run). Why: the Python planner costs 30-50 us of the engine thread per
  * transfer, about 100 us on a GPU server's host; this is the same arithmetic in a few microseconds.
  * The Python planner stays the reference (NPU_OFFLOAD_STAGE_PLAN=python; the tests compare both).
+ * The arithmetic the CUDA planner shares (host order, slices, positions, link runs) lives in
+ * csrc_common/staged_plan_core.h; this file keeps the page form (page descriptors, their slice
+ * bounds), the request's checks, the per-thread scratch and the output.
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -13,18 +16,16 @@
 #include <string.h>
 
 #include "npu_offload_acl.h"
-
-typedef struct {
-    int64_t host, dev;
-} id_pair;
+#include "staged_plan_core.h"
 
 /* Per thread (plans on different threads never share it), grown, never shrunk, freed at thread exit;
  * valid until the thread's next plan: npu_offload_acl_staged_run reads the bounds while it enqueues.
  * Every array holds cap + 1 entries: blocks, or slices + 1 (a slice has at least one block). */
 typedef struct {
-    int64_t *dev, *host, *pos;           /* per block, in plan order */
-    id_pair *sort_a, *sort_b;            /* merge sort room */
-    int64_t *edges, *local_bounds, *link_bounds;
+    int64_t *dev, *host;                 /* per block, in plan order */
+    uint64_t *pos, *edges;               /* per block; per slice + 1 */
+    spc_pair *sort_a, *sort_b;           /* merge sort room */
+    int64_t *local_bounds, *link_bounds;
     int64_t cap;
 } plan_scratch;
 
@@ -50,9 +51,7 @@ static void scratch_free(void *p) {
 
 static void key_create(void) { g_key_rc = pthread_key_create(&g_key, scratch_free); }
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-static int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 static int fail(const plan_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(const plan_ctx *c, const char *fmt, ...) {
@@ -87,7 +86,7 @@ static int scratch_for(plan_ctx *c, int64_t n) {
     c->s = s;
     if (n <= s->cap) return NPU_OFFLOAD_OK;
     const int64_t cap = max64(n, 2 * s->cap);
-    const size_t ids = (size_t)(cap + 1) * sizeof(int64_t), pairs = (size_t)(cap + 1) * sizeof(id_pair);
+    const size_t ids = (size_t)(cap + 1) * sizeof(int64_t), pairs = (size_t)(cap + 1) * sizeof(spc_pair);
     if (!grow_array((void **)&s->dev, ids) || !grow_array((void **)&s->host, ids) ||
         !grow_array((void **)&s->pos, ids) || !grow_array((void **)&s->sort_a, pairs) ||
         !grow_array((void **)&s->sort_b, pairs) || !grow_array((void **)&s->edges, ids) ||
@@ -162,84 +161,6 @@ static int check_request(plan_ctx *c) {
     return NPU_OFFLOAD_OK;
 }
 
-/* Stable bottom-up merge sort of k pairs by host id (a tie keeps its left element first): the
- * array that holds the result, a or b. */
-static id_pair *merge_sort(id_pair *a, id_pair *b, int64_t k) {
-    for (int64_t w = 1; w < k; w *= 2) {
-        for (int64_t lo = 0; lo < k; lo += 2 * w) {
-            const int64_t mid = min64(lo + w, k), hi = min64(lo + 2 * w, k);
-            int64_t i = lo, j = mid, o = lo;
-            while (i < mid && j < hi) b[o++] = a[j].host < a[i].host ? a[j++] : a[i++];
-            while (i < mid) b[o++] = a[i++];
-            while (j < hi) b[o++] = a[j++];
-        }
-        id_pair *t = a;
-        a = b;
-        b = t;
-    }
-    return a;
-}
-
-/* plan.host_ordered: group gr's (device, host) pairs in ascending host order (a stable sort),
- * written to the scratch from block `at`. Already ascending and descending need no sort. */
-static void host_ordered(const npu_offload_staged_group *gr, plan_scratch *s, int64_t at) {
-    const int64_t *h = gr->host_ids, *d = gr->device_ids, k = gr->blocks;
-    int up = 1, down = 1;
-    for (int64_t i = 1; i < k && (up || down); i++) {
-        up = up && h[i] >= h[i - 1];
-        down = down && h[i] < h[i - 1];
-    }
-    if (up) {
-        memcpy(s->dev + at, d, (size_t)k * sizeof(int64_t));
-        memcpy(s->host + at, h, (size_t)k * sizeof(int64_t));
-    } else if (down) {
-        for (int64_t i = 0; i < k; i++) {
-            s->dev[at + i] = d[k - 1 - i];
-            s->host[at + i] = h[k - 1 - i];
-        }
-    } else {
-        for (int64_t i = 0; i < k; i++) s->sort_a[i] = (id_pair){h[i], d[i]};
-        const id_pair *sorted = merge_sort(s->sort_a, s->sort_b, k);
-        for (int64_t i = 0; i < k; i++) {
-            s->dev[at + i] = sorted[i].dev;
-            s->host[at + i] = sorted[i].host;
-        }
-    }
-}
-
-/* Stager.slice_sizes as edges: a small unhidden slice (first for stores, last for loads), then
- * slices growing growth-fold up to the slot; a small remainder joins the slice before it. */
-static void slice_edges(plan_ctx *c) {
-    const npu_offload_staged_request *r = c->r;
-    int64_t *e = c->s->edges, k = 0, left = c->n;
-    const int64_t first = max64(1, max64(ceil_div(r->min_slice_bytes, r->record_bytes), ceil_div(c->n, r->ramp)));
-    int64_t cur = first;
-    while (left > 0) {
-        int64_t take = min64(min64(cur, r->slot_blocks), left);
-        if (left - take > 0 && left - take < first && left <= r->slot_blocks) take = left;
-        e[++k] = take;
-        left -= take;
-        cur = cur > r->slot_blocks / r->growth ? r->slot_blocks + 1 : cur * r->growth;  /* past a slot: all alike */
-    }
-    if (!r->job.store)
-        for (int64_t i = 1, j = k; i < j; i++, j--) {
-            const int64_t t = e[i];
-            e[i] = e[j];
-            e[j] = t;
-        }
-    e[0] = 0;
-    for (int64_t i = 1; i <= k; i++) e[i] += e[i - 1];
-    c->n_slices = k;
-}
-
-/* Stager._slice_layout's pos: slice i fills slot i % slots from its start. */
-static void positions(const plan_ctx *c) {
-    const plan_scratch *s = c->s;
-    for (int64_t i = 0; i < c->n_slices; i++)
-        for (int64_t j = s->edges[i]; j < s->edges[i + 1]; j++)
-            s->pos[j] = (i % c->r->job.slots) * c->r->slot_blocks + (j - s->edges[i]);
-}
-
 /* A stride shared by every pair (the usual case: one block layout for every tensor), else 0. */
 static int64_t uniform(const int64_t *stride, int64_t m) {
     for (int64_t p = 1; p < m; p++)
@@ -272,8 +193,9 @@ static void plan_pages(plan_ctx *c) {
         const int64_t m = gr->n_pairs, *t = gr->pairs;
         const int64_t src_same = uniform(t + m, m), dst_same = uniform(t + 3 * m, m);
         for (int64_t j = blk; j < blk + gr->blocks; j++, at += m) {
-            affine(m, t, t + m, src_same, store ? s->dev[j] : s->pos[j], src + at);
-            affine(m, t + 2 * m, t + 3 * m, dst_same, store ? s->pos[j] : s->dev[j], dst + at);
+            const int64_t p = (int64_t)s->pos[j];
+            affine(m, t, t + m, src_same, store ? s->dev[j] : p, src + at);
+            affine(m, t + 2 * m, t + 3 * m, dst_same, store ? p : s->dev[j], dst + at);
             memcpy(size + at, t + 4 * m, (size_t)m * sizeof(int64_t));
         }
         blk += gr->blocks;
@@ -287,7 +209,7 @@ static void local_bounds(const plan_ctx *c) {
     const plan_scratch *s = c->s;
     int64_t g = 0, blk = 0, desc = 0;  /* group g starts at block blk, descriptor desc */
     for (int64_t i = 0; i <= c->n_slices; i++) {
-        const int64_t e = s->edges[i];
+        const int64_t e = (int64_t)s->edges[i];
         for (; g < r->n_groups && e >= blk + r->groups[g].blocks; g++) {
             blk += r->groups[g].blocks;
             desc += r->groups[g].blocks * r->groups[g].n_pairs;
@@ -296,36 +218,23 @@ static void local_bounds(const plan_ctx *c) {
     }
 }
 
-/* Stager._plan_link: runs of consecutive host blocks within one slice and one group, after the
- * page descriptors; a group that owns only part of a record copies each block on its own (a run
- * would carry the other groups' bytes between its ends). */
+/* The link runs (staged_plan_core.h), after the page descriptors. The core writes uint64_t into
+ * the int64_t descriptors and bounds: a signed and an unsigned variant may alias (C11 6.5p7), and
+ * for a checked request the bits are those int64_t arithmetic would give. */
 static void plan_link(plan_ctx *c) {
     const npu_offload_staged_request *r = c->r;
     const plan_scratch *s = c->s;
-    const int store = r->job.store != 0;
-    const int64_t rec = r->record_bytes;
-    int64_t *src = r->out_src + c->n_local, *dst = r->out_dst + c->n_local, *size = r->out_size + c->n_local;
-    int64_t m = 0, blk = 0, slice = 0;
-    s->link_bounds[0] = 0;
+    spc_links l = {.edges = s->edges, .pos = s->pos, .host = s->host, .record_bytes = (uint64_t)r->record_bytes,
+                   .pages_end = (uint64_t)r->pages_end, .staging_base = (uint64_t)r->staging_base,
+                   .host_base = (uint64_t)r->host_base, .store = r->job.store != 0,
+                   .src = (uint64_t *)(r->out_src + c->n_local), .dst = (uint64_t *)(r->out_dst + c->n_local),
+                   .size = (uint64_t *)(r->out_size + c->n_local), .bounds = (uint64_t *)s->link_bounds};
     for (int64_t g = 0; g < r->n_groups; g++) {
         const npu_offload_staged_group *gr = &r->groups[g];
-        const int part = !(gr->span_lo == 0 && gr->span_hi == r->pages_end) && gr->span_lo != gr->span_hi;
-        const int64_t lo = gr->span_lo, width = gr->span_hi - gr->span_lo;
-        for (int64_t j = blk; j < blk + gr->blocks; j++) {
-            if (j == s->edges[slice + 1]) s->link_bounds[++slice] = m;  /* slices are never empty */
-            if (j == blk || j == s->edges[slice] || part || s->host[j] != s->host[j - 1] + 1) {
-                const int64_t stg = s->pos[j] * rec + r->staging_base + lo, hst = s->host[j] * rec + lo + r->host_base;
-                src[m] = store ? stg : hst;
-                dst[m] = store ? hst : stg;
-                size[m++] = width;
-            } else {
-                size[m - 1] += rec;  /* one more whole record in the run */
-            }
-        }
-        blk += gr->blocks;
+        spc_links_group(&l, (uint64_t)gr->blocks, (uint64_t)gr->span_lo, (uint64_t)gr->span_hi);
     }
-    s->link_bounds[c->n_slices] = m;
-    c->n_links = m;
+    spc_links_finish(&l, (uint64_t)c->n_slices);
+    c->n_links = (int64_t)l.n;
 }
 
 /* The whole plan: descriptors into the request's room, bounds into the scratch. */
@@ -333,10 +242,16 @@ static int plan(plan_ctx *c, const npu_offload_staged_request *req, npu_offload_
     *c = (plan_ctx){.r = req, .err = err, .who = who};
     int rc = check_request(c);
     if (rc || (rc = scratch_for(c, c->n))) return rc;
-    for (int64_t g = 0, at = 0; g < req->n_groups; at += req->groups[g++].blocks)
-        if (req->groups[g].blocks) host_ordered(&req->groups[g], c->s, at);
-    slice_edges(c);
-    positions(c);
+    plan_scratch *s = c->s;
+    for (int64_t g = 0, at = 0; g < req->n_groups; at += req->groups[g++].blocks) {
+        const npu_offload_staged_group *gr = &req->groups[g];
+        spc_host_ordered(gr->device_ids, gr->host_ids, (uint64_t)gr->blocks, s->sort_a, s->sort_b, s->dev + at,
+                         s->host + at);
+    }
+    c->n_slices = (int64_t)spc_slice_edges((uint64_t)c->n, (uint64_t)req->record_bytes, (uint64_t)req->slot_blocks,
+                                           (uint64_t)req->min_slice_bytes, (uint64_t)req->ramp,
+                                           (uint64_t)req->growth, req->job.store != 0, s->edges);
+    spc_positions(s->edges, (uint64_t)c->n_slices, (uint64_t)req->job.slots, (uint64_t)req->slot_blocks, s->pos);
     plan_pages(c);
     local_bounds(c);
     plan_link(c);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the native library: an older csrc_cuda (OLD_SRC) against the working tree's, on a lent GPU.
 #   here:   mkdir -p .gpu/ab_old && git archive REV csrc_cuda | tar -x -C .gpu/ab_old
+#           (a REV that has csrc_common/, the headers csrc_cuda includes from beside it: archive both)
 #   device: carry [".gpu/ab_old"], command: bash scripts/dev/ab_core.sh   (OLD_SRC=.gpu/ab_old/csrc_cuda)
 # Builds both, runs the GPU tests, then bench_core.py for each library in the order old, new, old,
 # new, the staged timeline probe, and prints the staged device % side by side; everything else

@@ -26,10 +26,11 @@ case "$cmd" in
       [ -f "$c" ] && sd+=(--sdist "$c")
     done
     "$PY" -m benchmarks.gpu_e2e.stage prepare --out "$GPU_E2E_DIR" "${sd[@]}" "$@" || exit $?
-    # the code the device runs: the package, benchmarks/, the CUDA library sources, this script, and
-    # vLLM's multi-turn client (taken out of the sdist by prepare; run there, not committed here)
+    # the code the device runs: the package, benchmarks/, the CUDA library sources with the headers
+    # they share with csrc_npu (csrc_common/), this script, and vLLM's multi-turn client (taken out
+    # of the sdist by prepare; run there, not committed here)
     rm -rf "$GPU_E2E_DIR/e2e_src" && mkdir -p "$GPU_E2E_DIR/e2e_src/scripts/dev"
-    cp -r vllm_npu_offload benchmarks csrc_cuda "$GPU_E2E_DIR/e2e_src/" && cp scripts/dev/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/dev/"
+    cp -r vllm_npu_offload benchmarks csrc_cuda csrc_common "$GPU_E2E_DIR/e2e_src/" && cp scripts/dev/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/dev/"
     cp -r "$GPU_E2E_DIR/vllm_multi_turn" "$GPU_E2E_DIR/e2e_src/vllm_multi_turn"
     find "$GPU_E2E_DIR/e2e_src" \( -name __pycache__ -o -name '*.so' \) -prune -exec rm -rf {} +
     echo "code copy: $GPU_E2E_DIR/e2e_src ($(du -sh "$GPU_E2E_DIR/e2e_src" | cut -f1))"
