@@ -17,6 +17,7 @@ import torch
 
 from .. import env
 from ..errors import CopyError
+from ..plan import address
 from ..platform import Platform
 from .base import Direction
 
@@ -148,7 +149,7 @@ class CudaStagedPipeline:
                 g.table = self._table(planner).data_ptr()
                 g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
                 set_for[i] = planner
-            g.device_ids, g.host_ids, g.blocks = dev.ctypes.data, host.ctypes.data, len(dev)
+            g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
         req.n_groups = len(transfer.groups)
         ids = transfer.room
         j = req.job
