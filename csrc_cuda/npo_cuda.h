@@ -118,10 +118,12 @@ typedef struct {
     uint64_t staging_base;      /* this direction's staging area */
     uint64_t host_base;
     uint64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
-    /* The engine's stream order, when it hands it over (each NULL: skipped): job.stream first waits
-     * for `compute`'s work so far (through `compute_mark`, recorded there) and for `after` (the
-     * direction's previous job's end), then records `start`; after the copies it records `end`,
-     * also when a copy fails to enqueue (the engine then sees the job finish and fail). */
+    /* The engine's stream order, when it hands it over (each NULL: skipped): `compute`'s work so
+     * far is marked by `compute_mark` (an event of its own, not one of job.events); a store's
+     * job.stream waits for it, a load's scatters do (its link copies into staging need not). Then
+     * job.stream waits for `after` (the direction's previous job's end) and records `start`; after
+     * the copies it records `end`, also when a copy fails to enqueue (the engine then sees the job
+     * finish and fail). */
     void *compute, *compute_mark, *after, *start, *end;
 } npo_staged_request;
 /* The plan alone, into the caller's arrays (capacities in entries; tests, benchmarks). */

@@ -17,6 +17,7 @@
 
 #include "driver.h"
 #include "npo_cuda.h"
+#include "staged_run.h"
 #include "staged_plan_core.h"
 
 namespace {
@@ -177,7 +178,9 @@ extern "C" int npo_cuda_staged_plan(const npo_staged_request *req, npo_staged_pl
 
 namespace {
 
-// The engine's order before the copies (see npo_staged_request): each driver call checked.
+// The engine's order before the copies (see npo_staged_request): each driver call checked. A store
+// waits for the model's stream before it reads a page; a load only marks it there (its scatters
+// wait for the mark, npo_staged_run_job), so its link copies overlap the model's step in flight.
 int order_before(const npo_driver *drv, const npo_staged_request *r, char *msg, size_t msg_len) {
     CUstream stream = (CUstream)r->job.stream;
     if ((r->compute || r->after || r->start || r->end) && (!drv->event_record || !drv->stream_wait_event))
@@ -191,7 +194,7 @@ int order_before(const npo_driver *drv, const npo_staged_request *r, char *msg, 
                              "mark event");
         if ((e = drv->event_record((CUevent)r->compute_mark, (CUstream)r->compute)) != CUDA_SUCCESS)
             call = "cuEventRecord (the compute stream's mark)";
-        else if ((e = drv->stream_wait_event(stream, (CUevent)r->compute_mark, 0)) != CUDA_SUCCESS)
+        else if (r->job.store && (e = drv->stream_wait_event(stream, (CUevent)r->compute_mark, 0)) != CUDA_SUCCESS)
             call = "cuStreamWaitEvent (the compute stream)";
     }
     if (e == CUDA_SUCCESS && r->after && (e = drv->stream_wait_event(stream, (CUevent)r->after, 0)) != CUDA_SUCCESS)
@@ -215,7 +218,7 @@ extern "C" int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *l
             npo_staged_job job;
             fill_job(req, s, &job);
             if (links) *links = s.link_src.size();
-            rc = npo_cuda_staged_run(&job, msg, msg_len);
+            rc = npo_staged_run_job(&job, req->compute ? req->compute_mark : nullptr, msg, msg_len);
         }
     } catch (const std::bad_alloc &) {
         rc = npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: out of host memory");

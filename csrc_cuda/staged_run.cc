@@ -11,6 +11,7 @@
 #include "driver.h"
 #include "gather_body.h"
 #include "npo_cuda.h"
+#include "staged_run.h"
 
 namespace {
 
@@ -40,6 +41,10 @@ struct Ctx {
 }  // namespace
 
 extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
+    return npo_staged_run_job(job, nullptr, msg, msg_len);
+}
+
+int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg, size_t msg_len) {
     const npo_driver *drv = npo_driver_get();
     if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
     npo_gather_fns fns = {nullptr, nullptr, nullptr};
@@ -64,6 +69,9 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     CUevent const *drained = (CUevent const *)job->events + 1 + job->slots;
     Ctx c{drv, msg, msg_len, 0};
     const bool store = job->store != 0, link = !job->skip_link;
+    // A load writes the KV pages only in its scatters: they alone wait for the model's stream
+    // (attention may still read or write a reused block), the link copies do not.
+    const CUevent model = store ? nullptr : (CUevent)scatter_after;
     const uint64_t n = job->n_slices;
     // The unhidden slice (a store's first gather, a load's last scatter) runs on the job stream
     // itself: no cross-stream event hop on the transfer's critical path. The other slices'
@@ -98,6 +106,7 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
     } else {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
+        if (model && (rc = c.wait(aux, model))) return rc;
         if (need_upload) rc = upload(aux);
     }
     if (rc) return rc;
@@ -134,6 +143,7 @@ extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t 
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
+        if (mine && model && (rc = c.wait(stream, model))) return rc;  // the load's last scatter
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)

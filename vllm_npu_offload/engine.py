@@ -10,7 +10,10 @@ also waits for the compute stream, which closes both known races: a store readin
 that the model is still writing, and a load overwriting a block that attention still
 reads. A transfer that can (a staged one on CUDA, planned by the native library) takes that order
 in its own native call: the compute-stream wait, the previous job's end and its start/end events,
-with no torch call per transfer (``_submit_ordered``). Completion is detected by polling end
+with no torch call per transfer (``_submit_ordered``). There a load waits for the compute stream
+only in its scatters, the one step that writes KV pages: its link copies into the staging slots
+overlap the model's step in flight (vLLM schedules asynchronously: that step may still use a block
+the load reuses, so the scatters must not skip the wait). Completion is detected by polling end
 events; each job is reported exactly once, with bytes and seconds, and a failed copy is reported
 as ``success=False`` rather than raised, so the caller can fail its requests instead of hanging.
 

@@ -100,7 +100,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("native", "python")),
     Knob("NPU_OFFLOAD_STAGE_ORDER", "choice", "native",
          "who orders a natively planned CUDA staged transfer after the model's stream and the previous job "
-         "and records its events: the library, in the same call, or the engine through torch (diagnosis, A/B)",
+         "and records its events: the library, in the same call (a load's link copies then start at once and "
+         "only its scatters wait for the model's stream), or the engine through torch (the whole load waits; "
+         "diagnosis, A/B)",
          ("native", "engine")),
     Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
          "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "

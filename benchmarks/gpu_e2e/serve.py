@@ -53,6 +53,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "sm2": {"NPU_OFFLOAD_STAGE_PROGRAMS": "2"},
     "sm16": {"NPU_OFFLOAD_STAGE_PROGRAMS": "16"},
     "st2": {"NPU_OFFLOAD_STAGE_STORE_PROGRAMS": "2"},  # stores' gather on 2 SMs, loads' scatter on 16
+    # the engine orders staged transfers through torch: a load's link copies wait for the model's step
+    # in flight too (before 2026-11-27 the library's order did the same)
+    "eorder": {"NPU_OFFLOAD_STAGE_ORDER": "engine"},
 }
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB

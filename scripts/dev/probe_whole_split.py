@@ -117,7 +117,7 @@ def floor_one(rig: CoreRig, direction: Direction, reps: int, lib) -> list[float]
     start, end = platform.new_event(), platform.new_event()
     req.compute, req.after = platform.raw_current_stream() or None, None
     req.start, req.end = platform.raw_event_handle(start), platform.raw_event_handle(end)
-    req.compute_mark = stager._fused.events[direction][0]
+    req.compute_mark = stager._fused.model_mark(direction)
     out = []
     try:
         for rep in range(reps + 3):

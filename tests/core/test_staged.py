@@ -434,7 +434,8 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     """On CUDA a staged transfer takes the engine's stream order inside its one native call
     (compute-stream wait, the previous job's end, start/end events): a store reads what the model's
     still-busy stream writes just before the submit, and two loads back to back (on the ring, the
-    second after the first's end) land byte-exact, each reported once with its bytes."""
+    second after the first's end) land byte-exact after what the busy stream writes into their blocks
+    before the submit, each reported once with its bytes."""
     platform = _platform("cuda")
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
@@ -460,9 +461,9 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     settle(core, [1])
     for i, w in enumerate(want):
         assert torch.equal(core.host_view(i)[chunks], w.cpu()), i
-    for t in tensors:
-        t.zero_()
     torch.cuda._sleep(50_000_000)
+    for t in tensors:  # the model's step in flight still writes the blocks the loads reuse: the
+        t.fill_(0x5A)  # loads' scatters (not their link copies) wait for it, so they land last
     core.submit(2, Direction.H2D, dev_ids[:n], [n], [0], chunks[:n], staged=True)
     core.submit(3, Direction.H2D, dev_ids[n:], [n], [0], chunks[n:], staged=True)
     core.wait([2, 3])

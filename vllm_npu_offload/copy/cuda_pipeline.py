@@ -81,7 +81,9 @@ class CudaStagedPipeline:
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
         self.lib, self.platform, self.slots = lib, platform, slots
         self.programs, self.min_page = programs, min_page
-        self.events = {d: lib.create_events(1 + 2 * slots) for d in Direction}
+        # the pipeline's entry and slot events, then the mark of the model's stream (its own: a load's
+        # scatters wait for it after the entry has been recorded again)
+        self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
         self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
         self._requests: dict[Direction, StagedRequest] = {}
@@ -172,8 +174,12 @@ class CudaStagedPipeline:
             req.compute = req.after = req.start = req.end = None
         else:
             req.compute, req.after, req.start, req.end = (h or None for h in order)
-            req.compute_mark = self.events[transfer.direction][0]  # the pipeline's entry: free before its run
+            req.compute_mark = self.model_mark(transfer.direction)
         return self.lib.staged_submit(req)
+
+    def model_mark(self, direction: Direction):
+        """The event that marks the model's stream for a natively ordered transfer (the last one)."""
+        return self.events[Direction(direction)][1 + 2 * self.slots]
 
     def plan_only(self, stager, transfer) -> dict[str, np.ndarray]:
         """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan):
