@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 5
+#define NPO_CUDA_ABI_VERSION 6
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))

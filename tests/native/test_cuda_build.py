@@ -82,7 +82,7 @@ def test_build_modes(libs):
     for mode, d in libs.items():
         lib = ctypes.CDLL(str(d / builder.LIB_NAME))
         assert lib.npo_cuda_built_mode() == int(mode)
-        assert lib.npo_cuda_abi_version() == 5
+        assert lib.npo_cuda_abi_version() == 6
 
 
 def test_bad_batch_flag_is_named(libs):

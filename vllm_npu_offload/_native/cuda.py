@@ -16,7 +16,7 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 5
+ABI_VERSION = 6
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 _MSG_LEN = 512
 
