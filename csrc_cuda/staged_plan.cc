@@ -1,6 +1,6 @@
 // npo_cuda_staged_plan / npo_cuda_staged_submit: plan a staged transfer (staging.py's
 // Stager.plan: host order, slice layout, the block ids of both sides, the per-slice table
-// ranges and the link runs) in C, and with submit enqueue it at once (npo_cuda_staged_run).
+// ranges and the link runs) in C, and with submit enqueue it at once (npo_staged_run_job).
 // Why: on a GPU server's host the Python planner and the job it hands over cost 100-250 us
 // per transfer, most of the fixed cost that keeps a 20 MiB transfer at 60-70% of one
 // contiguous copy (docs/benchmarks.md); this is the same arithmetic in a few microseconds.

@@ -185,8 +185,8 @@ class TransferEngine:
 
     def _submit_ordered(self, job_id: int, direction: Direction, transfer: Transfer, stream: Any, start: Any,
                         end: Any, prev: _InFlight | None, chain: bool, t_submit: float) -> None:
-        """``submit`` for a transfer that takes the stream order itself (the same order: after the
-        compute stream's work so far and, on a ring, after the previous job's end)."""
+        """``submit`` for a transfer that takes the stream order itself (after the compute stream's
+        work so far, for a load its scatters only, and, on a ring, after the previous job's end)."""
         if prev is not None:
             prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
         error, after = None, prev.end if prev is not None and chain else None

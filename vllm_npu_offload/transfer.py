@@ -140,9 +140,10 @@ class NativeStagedTransfer(Transfer):
         return self.stager.orders_natively
 
     def enqueue_ordered(self, stream: Any, platform: Any, start: Any, end: Any, after: Any = None) -> None:
-        """``enqueue`` with the engine's stream order in the same native call: ``stream`` waits for
-        the compute stream's work so far and for ``after`` (the previous job's end), then records
-        ``start``; ``end`` is recorded after the copies, also when one fails to enqueue."""
+        """``enqueue`` with the engine's stream order in the same native call: a store's ``stream``
+        waits for the compute stream's work so far, a load's scatters do (its link copies need not);
+        ``stream`` waits for ``after`` (the previous job's end), then records ``start``; ``end`` is
+        recorded after the copies, also when one fails to enqueue."""
         ev = platform.raw_event_handle
         order = (platform.raw_current_stream(), ev(after) if after is not None else 0, ev(start), ev(end))
         self.links = self.stager.run_native(self, stream, order=order)

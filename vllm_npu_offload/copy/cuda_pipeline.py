@@ -88,7 +88,6 @@ class CudaStagedPipeline:
         self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
         self._requests: dict[Direction, StagedRequest] = {}
         self._groups: dict[Direction, Any] = {}
-        self._set_for: dict[Direction, list] = {}  # the planner each group slot's constant fields hold
 
     def _table(self, planner) -> torch.Tensor:
         hit = self._tables.get(id(planner))
@@ -140,17 +139,12 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base"):
                 setattr(req, k, geo[k])
-        groups, set_for = self._groups.get(d), self._set_for.get(d)
+        groups = self._groups.get(d)
         if groups is None or len(groups) < len(transfer.groups):
             groups = self._groups[d] = (StagedGroup * max(4, len(transfer.groups)))()
-            set_for = self._set_for[d] = [None] * len(groups)
             req.groups = groups
-        for i, (planner, span, dev, host) in enumerate(transfer.groups):
-            g = groups[i]
-            if set_for[i] is not planner:  # a planner's table, pairs and span do not change
-                g.table = self._table(planner).data_ptr()
-                g.pairs, g.span_lo, g.span_hi = len(planner.pairs), span[0], span[1]
-                set_for[i] = planner
+        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
+            g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner).data_ptr(), len(planner.pairs), *span
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
         req.n_groups = len(transfer.groups)
         ids = transfer.room
@@ -204,4 +198,4 @@ class CudaStagedPipeline:
         for evs in self.events.values():
             self.lib.destroy_events(evs)
         self.events = {}
-        self._tables, self._requests, self._groups, self._set_for = {}, {}, {}, {}  # the requests name the events
+        self._tables, self._requests, self._groups = {}, {}, {}  # the requests name the events
