@@ -42,7 +42,9 @@ from benchmarks.core_bench import SHAPES, CoreRig  # noqa: E402
 from benchmarks.transfer import contiguous_copy_fn, median_seconds  # noqa: E402
 from vllm_npu_offload._native.cuda import load_library  # noqa: E402
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
+from vllm_npu_offload.engine import TransferResult  # noqa: E402
 from vllm_npu_offload.platform import get_platform  # noqa: E402
+from vllm_npu_offload.stats import TOTALS  # noqa: E402
 
 PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref", "floor")
 
@@ -186,7 +188,19 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
         "event_record": _med_us(lambda: ev.record(stream), reps),
         "event_query": _med_us(ev.query, reps),
         "split": _med_us(lambda: core._split("dst", dev, [len(dev)], [0], chunks), reps),
+        "raw_current_stream": _med_us(platform.raw_current_stream, reps),
+        "raw_event_handle": _med_us(lambda: platform.raw_event_handle(ev), reps),
+        "ctypes_call": _med_us(lib._lib.npo_cuda_abi_version, reps),
+        "stats_record": _med_us(lambda: TOTALS.record(True, True, 1 << 24, 3e-4, 4e-4), reps),
+        "pool_cycle": _med_us(lambda: core.pool.release([core.pool.acquire(64)]), reps),
     }
+    ev2 = platform.new_event()
+    ev.record(stream)
+    ev2.record(stream)
+    ev2.synchronize()
+    out["event_elapsed"] = _med_us(lambda: ev.elapsed_time(ev2), reps)
+    out["event_query_done"] = _med_us(ev2.query, reps)
+    out["result_object"] = _med_us(lambda: TransferResult(1, d, True, 1 << 24, 3e-4, 100, None), reps)
     plans = []
     out["staged_plan"] = _med_us(lambda: plans.append(core._staged_plan(d, parts)), reps)
     plan = plans[-1]
@@ -217,6 +231,17 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     out["profile"] = buf.getvalue()
+    prof = cProfile.Profile()  # the poll that reports one finished transfer
+    for rep in range(reps):
+        dev, chunks = rig.ids("seq", seed=rep)
+        core.submit(20_000 + rep, d, dev, [len(dev)], [0], chunks, staged=True)
+        core.engine._queues[d][-1].end.synchronize()
+        prof.enable()
+        core.poll()
+        prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(20)
+    out["profile_poll"] = buf.getvalue()
     rig.close()
     return out
 
@@ -257,8 +282,9 @@ def main() -> None:
     if a.detail:
         det = res["detail"] = detail(platform, lib, a.detail, a.reps)
         print(f"{a.detail} H2D host pieces, CPU us each: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in det.items() if k != "profile"))
+              + ", ".join(f"{k} {v:.1f}" for k, v in det.items() if not k.startswith("profile")))
         print(det["profile"])
+        print(det["profile_poll"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
