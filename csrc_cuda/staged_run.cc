@@ -93,8 +93,13 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
         inline_all = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
     // A load's ids travel as one more descriptor of its first link batch: a copy of their own
     // (another host->device operation) delayed the first link copy by ~4.5 us. Every scatter
-    // comes after that batch (aux waits for it, the last one follows it on the stream).
-    const bool ids_in_link = !store && link && n;
+    // comes after that batch (aux waits for it, the last one follows it on the stream). Not when
+    // the link copies start before the model's stream is through (`model`): the ids' device
+    // buffer may be memory that torch's allocator took from the model's stream moments ago (a
+    // room's first use), still read by the forward in flight; they are then uploaded on aux after
+    // the model's mark, and the load's last scatter (on the stream) waits for that upload too.
+    const bool ids_in_link = !store && link && n && !model;
+    const bool ids_after_model = !store && link && n && model;
     auto upload = [&](CUstream s) {
         return c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, s), "cuMemcpyAsync (block id upload)");
     };
@@ -108,6 +113,8 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
         if (model && (rc = c.wait(aux, model))) return rc;
         if (need_upload) rc = upload(aux);
+        // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
+        if (!rc && ids_after_model) rc = c.record(entry, aux);
     }
     if (rc) return rc;
     const uint64_t dev_src = job->dev_ids, dev_dst = job->dev_ids + 8 * job->n_ids;
@@ -136,14 +143,15 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
         if (i >= job->slots && (rc = c.wait(store ? aux : stream, drained[s]))) return rc;
         const uint64_t k0 = job->link_bounds[i], k1 = job->link_bounds[i + 1];
         if (!store && link) {
-            rc = i == 0 ? link_with_ids(k0, k1)
+            rc = i == 0 && ids_in_link ? link_with_ids(k0, k1)
                         : npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1,
                                           stream, msg, msg_len);
             if (rc) return rc;
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
-        if (mine && model && (rc = c.wait(stream, model))) return rc;  // the load's last scatter
+        // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after both)
+        if (mine && model && (rc = c.wait(stream, entry))) return rc;
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)

@@ -474,6 +474,49 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     core.shutdown()
 
 
+@pytest.mark.gpu
+def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
+    """A room's device mirror of the block ids is allocated at its first use on the model's stream,
+    so it may be memory that the model's stream freed moments ago and a kernel of the step in flight
+    still reads (vLLM 0.23's async scheduling; its serving crashed with an illegal address when the
+    ids were written at once). A natively ordered load starts its link copies at once but writes
+    the ids only after the model's stream is through: what the busy stream reads from that memory
+    is unchanged, and the load lands byte-exact."""
+    platform = _platform("cuda")
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
+    page, n = 4096, 12
+    rng = np.random.default_rng(9)
+    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    refs = [[GroupRef(i, page) for i in range(4)]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
+    assert core.stager.plans_natively and core.stager.orders_natively
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 1)
+    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
+    for t, w in zip(tensors, want):
+        t[dev_ids] = w
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks, staged=True)
+    settle(core, [1])
+    for t in tensors:
+        t.zero_()
+    while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
+        core.pool.acquire(0)
+    room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
+    torch.cuda.synchronize()
+    freed = torch.full((room.packed.numel(),), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the model's step in flight ...
+    seen = freed.clone()  # ... still reads the memory that the room's mirror takes (as if freed meanwhile)
+    room.device_cols = freed
+    core.pool.release([room])
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
+    assert room.device_cols is freed  # the load took that room
+    settle(core, [2])
+    assert bool((seen == 0x0123456789ABCDEF).all()), "the load wrote its block ids before the model's stream read them"
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
 def test_slices_ramp_small_then_slot_sized(monkeypatch):
     core, tensors, refs, rng = random_core(2, 1, staging_chunks=64)
     slot = core.stager.geometry.slot_blocks

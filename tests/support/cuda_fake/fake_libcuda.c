@@ -28,23 +28,27 @@ static int one(CUdeviceptr d, CUdeviceptr s, size_t n) {
 
 CUresult cuDriverGetVersion(int *v) { *v = version(); return CUDA_SUCCESS; }
 
+static void log_op(unsigned long long kind, CUevent e, CUstream s);
 static CUresult f_memcpy(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
-    (void)st; fake_memcpy_calls++;
+    fake_memcpy_calls++;
+    log_op(3, (CUevent)(uintptr_t)d, st);
     return one(d, s, n) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 static CUresult f_batch_v2(CUdeviceptr *d, CUdeviceptr *s, size_t *z, size_t n, CUmemcpyAttributes *a, size_t *ai,
                            size_t na, CUstream st) {
-    (void)ai; (void)na; (void)st;
+    (void)ai; (void)na;
     fake_batch_calls++; fake_last_order = a[0].srcAccessOrder;
     if ((long long)n > fake_max_batch) fake_max_batch = n;
+    for (size_t i = 0; i < n; ++i) log_op(3, (CUevent)(uintptr_t)d[i], st);
     for (size_t i = 0; i < n; ++i) if (one(d[i], s[i], z[i])) return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
 static CUresult f_batch_v1(CUdeviceptr *d, CUdeviceptr *s, size_t *z, size_t n, CUmemcpyAttributes *a, size_t *ai,
                            size_t na, size_t *fail, CUstream st) {
-    (void)ai; (void)na; (void)st;
+    (void)ai; (void)na;
     fake_batch_calls++; fake_last_order = a[0].srcAccessOrder;
     if ((long long)n > fake_max_batch) fake_max_batch = n;
+    for (size_t i = 0; i < n; ++i) log_op(3, (CUevent)(uintptr_t)d[i], st);
     for (size_t i = 0; i < n; ++i) if (one(d[i], s[i], z[i])) { *fail = i; return CUDA_ERROR_INVALID_VALUE; }
     return CUDA_SUCCESS;
 }
@@ -115,7 +119,8 @@ static CUresult f_event_create(CUevent *e, unsigned flags) {
     return CUDA_SUCCESS;
 }
 static CUresult f_event_destroy(CUevent e) { (void)e; fake_events--; return CUDA_SUCCESS; }
-/* The last FAKE_LOG event operations, for order checks: (1 record / 2 wait, event, stream). */
+/* The last FAKE_LOG stream operations, for order checks: (1 record / 2 wait, event, stream) or
+   (3 copy, destination address, stream): one row per copy, batched or not. */
 #define FAKE_LOG 4096
 unsigned long long fake_log[FAKE_LOG][3];
 long long fake_log_n = 0;

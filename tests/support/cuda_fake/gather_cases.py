@@ -408,11 +408,14 @@ def case_native_plan():
     print("native_plan ok")
 
 
-def _event_ops_since(n0):
-    """(kind, event, stream) of every event operation since the fake's log count ``n0``."""
+def _event_ops_since(n0, copies=False):
+    """(kind, event, stream) of every event operation since the fake's log count ``n0``; with
+    ``copies`` also ("copy", destination, stream) of every copy, in enqueue order."""
     log = (ctypes.c_ulonglong * 3 * 4096).in_dll(fake, "fake_log")
     n = counter("fake_log_n", ctypes.c_longlong)
-    return [(("record", "wait")[log[i % 4096][0] - 1], log[i % 4096][1], log[i % 4096][2]) for i in range(n0, n)]
+    ops = [(("record", "wait", "copy")[log[i % 4096][0] - 1], log[i % 4096][1], log[i % 4096][2])
+           for i in range(max(n0, n - 4096), n)]
+    return ops if copies else [op for op in ops if op[0] != "copy"]
 
 
 def case_staged_ordered():
@@ -442,14 +445,22 @@ def case_staged_ordered():
         n0 = counter("fake_log_n", ctypes.c_longlong)
         core.stager.run_native(transfer, object(), order=(compute, after, start, end))
         ops = _event_ops_since(n0)
+        ids = transfer.room.device_cols.data_ptr()  # where the block ids are uploaded to
+        with_copies = _event_ops_since(n0, copies=True)
         if direction is Direction.D2H:  # a store reads the pages: its stream waits for the model's
             assert ops[:4] == [("record", mark, compute), ("wait", mark, stream), ("wait", after, stream),
                                ("record", start, stream)], ops[:4]
         else:  # a load's link copies do not wait; its scatters (aux, then the last on the stream) do
             entry = fused.events[direction][0]
-            assert ops[:6] == [("record", mark, compute), ("wait", after, stream), ("record", start, stream),
-                               ("record", entry, stream), ("wait", entry, stream), ("wait", mark, stream)], ops[:6]
-            assert ops.count(("wait", mark, stream)) == 2, ops  # aux before its scatters, the stream before the last
+            # the ids go to the device on aux after the model's mark (their buffer may be memory the
+            # model's stream freed moments ago), then entry marks them there for the last scatter
+            assert with_copies[:8] == [("record", mark, compute), ("wait", after, stream), ("record", start, stream),
+                                       ("record", entry, stream), ("wait", entry, stream), ("wait", mark, stream),
+                                       ("copy", ids, stream), ("record", entry, stream)], with_copies[:8]
+            assert with_copies.count(("copy", ids, stream)) == 1, with_copies  # not again in a link batch
+            assert ops.count(("wait", mark, stream)) == 1, ops  # aux, before its scatters
+            waits = [op for op in ops if op[0] == "wait"]
+            assert waits[-2:] == [("wait", entry, stream), waits[-1]] and waits[-1][1] != mark, waits  # the last scatter
         assert ops[-1] == ("record", end, stream) and [op for op in ops if op[1] in (start, end)] == [
             ("record", start, stream), ("record", end, stream)], ops
         n0 = counter("fake_log_n", ctypes.c_longlong)
