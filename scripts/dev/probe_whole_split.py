@@ -14,7 +14,13 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
 - ``ref``: one contiguous copy of the same bytes, enqueue + synchronize (the 100% line);
 - ``floor``: the same transfer's native call alone, its request built once beforehand (no split, no
   request, no engine, no poll), enqueue + synchronize: what the library and the driver leave of the
-  100% line, the bound for any Python front end on this host (``floor%``).
+  100% line, the bound for any Python front end on this host (``floor%``);
+- the same three waited for by polling instead of a blocking sync (``spin``: submit, then
+  ``poll`` until it reports the transfer, the earliest a connector can see it; ``ref_spin``: the
+  copy, then the stream's query; ``floor_spin``: the native call, then the end's query) and
+  ``spin%`` = ref_spin / spin, ``fspin%`` = ref_spin / floor_spin. A blocking sync lets the thread
+  sleep and wake on a cold core (every step of the first poll after it ran 2-4x slower than in a
+  loop); vLLM's engine thread never sleeps between steps.
 
 Then single driver calls through the library, with the stream held busy so none blocks: a
 one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
@@ -47,6 +53,7 @@ from vllm_npu_offload.platform import get_platform  # noqa: E402
 from vllm_npu_offload.stats import TOTALS  # noqa: E402
 
 PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref", "floor")
+SPIN_PARTS = ("spin", "ref_spin", "floor_spin")
 
 
 def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, float]:
@@ -97,16 +104,48 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
     stream = platform.new_stream()
     ref = contiguous_copy_fn(platform, dev_t, host_t, direction, stream)
     rows["ref"] = [median_seconds(ref, stream.synchronize, reps)]
+    rows["ref_spin"] = [median_seconds(ref, lambda: _spin(stream.query), reps)]
     rows["floor"] = floor_one(rig, direction, reps, lib)
+    rows["floor_spin"] = floor_one(rig, direction, reps, lib, spin=True)
+    rows["spin"] = spin_one(rig, direction, reps)
     out = {k: float(np.median(v)) * 1e6 for k, v in rows.items()}
     out["bytes"] = nbytes
     out["slices"] = len(rig.core.stager.slice_sizes(rig.shape.blocks, direction))
     return out
 
 
-def floor_one(rig: CoreRig, direction: Direction, reps: int, lib) -> list[float]:
+def _spin(done) -> None:
+    """Wait by polling ``done()`` (no blocking sync: the thread stays on its core, as vLLM's engine
+    thread, busy every step, does)."""
+    while not done():
+        pass
+
+
+def spin_one(rig: CoreRig, direction: Direction, reps: int) -> list[float]:
+    """Seconds per whole transfer as the connector sees it: plan + submit, then ``poll`` again and
+    again until it reports the transfer (the earliest a connector that polls can see it)."""
+    core = rig.core
+    out = []
+    for rep in range(reps + 3):
+        dev, chunks = rig.ids("seq", seed=rep)
+        rig._job += 1
+        t0 = time.perf_counter()
+        core.submit(rig._job, direction, dev, [len(dev)], [0], chunks, staged=True)
+        res = core.poll()
+        while not res:
+            res = core.poll()
+        t1 = time.perf_counter()
+        if len(res) != 1 or not res[0].success:
+            raise RuntimeError(f"transfer failed: {res}")
+        if rep >= 3:
+            out.append(t1 - t0)
+    return out
+
+
+def floor_one(rig: CoreRig, direction: Direction, reps: int, lib, spin: bool = False) -> list[float]:
     """Seconds per transfer of the native call alone (its request built once, the stream order and
-    events as the engine would pass them), enqueue + synchronize of the end event."""
+    events as the engine would pass them), enqueue + synchronize of the end event (``spin``: + polls
+    of its query)."""
     core, platform = rig.core, rig.platform
     stager = core.stager
     if stager is None or not stager.plans_natively:
@@ -125,7 +164,7 @@ def floor_one(rig: CoreRig, direction: Direction, reps: int, lib) -> list[float]
         for rep in range(reps + 3):
             t = time.perf_counter()
             lib.staged_submit(req)
-            end.synchronize()
+            _spin(end.query) if spin else end.synchronize()
             if rep >= 3:
                 out.append(time.perf_counter() - t)
     finally:
@@ -261,7 +300,8 @@ def main() -> None:
     lib = load_library()
     res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}}
     print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
-    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS) + "  whole% floor%")
+    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS + SPIN_PARTS)
+          + "  whole% floor%  spin% fspin%")
     for name in [s for s in a.shapes.split(",") if s]:
         base, _, blocks = name.partition("@")  # "shape@N": N device blocks per transfer
         shape = SHAPES[base] if not blocks else dataclasses.replace(SHAPES[base], blocks=int(blocks))
@@ -273,8 +313,9 @@ def main() -> None:
             r = split_one(rig, d, a.reps, lib)
             res["shapes"][name][d.name] = r
             print(f"{name:18s} {d.name:3s} {r['bytes'] / 2**20:5.1f} {r['slices']:2d} "
-                  + " ".join(f"{r[k]:9.1f}" for k in PARTS)
-                  + f"  {100 * r['ref'] / r['whole']:5.1f} {100 * r['ref'] / r['floor']:6.1f}")
+                  + " ".join(f"{r[k]:9.1f}" for k in PARTS + SPIN_PARTS)
+                  + f"  {100 * r['ref'] / r['whole']:5.1f} {100 * r['ref'] / r['floor']:6.1f}"
+                  + f"  {100 * r['ref_spin'] / r['spin']:5.1f} {100 * r['ref_spin'] / r['floor_spin']:6.1f}")
         rig.close()
     res["driver_calls_us"] = driver_calls(platform, lib, a.reps)
     print("driver calls, CPU us each (stream held): "
