@@ -19,8 +19,8 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
   ``poll`` until it reports the transfer, the earliest a connector can see it; ``ref_spin``: the
   copy, then the stream's query; ``floor_spin``: the native call, then the end's query) and
   ``spin%`` = ref_spin / spin, ``fspin%`` = ref_spin / floor_spin. A blocking sync lets the thread
-  sleep and wake on a cold core (every step of the first poll after it ran 2-4x slower than in a
-  loop); vLLM's engine thread never sleeps between steps.
+  sleep (the poll after it took 16-28 us on an H200 host, its pieces timed in a loop 4-5 us:
+  docs/benchmarks.md, eleventh session); vLLM's engine thread is busy between steps.
 
 Then single driver calls through the library, with the stream held busy so none blocks: a
 one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
