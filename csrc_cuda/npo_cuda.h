@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 6
+#define NPO_CUDA_ABI_VERSION 7
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -24,6 +24,7 @@ extern "C" {
 #define NPO_ERR_NO_DRIVER   (-1) /* libcuda.so.1 or a required symbol not found */
 #define NPO_ERR_BAD_ARG     (-2) /* null array, null address or zero size */
 #define NPO_ERR_UNSUPPORTED (-3) /* batch path asked for but not built / not resolved */
+#define NPO_ERR_RANGE       (-4) /* a block id outside the device tensors or the host buffer (bad input) */
 
 /* Modes reported by npo_cuda_built_mode / npo_cuda_runtime_mode. */
 #define NPO_MODE_LOOP     0 /* cuMemcpyAsync per descriptor */
@@ -100,9 +101,10 @@ typedef struct {
     uint64_t table;             /* the group's pair table on the device ((5, pairs) int64 rows) */
     uint64_t pairs;
     uint64_t span_lo, span_hi;  /* the bytes of a host record that the group's pages occupy */
-    const int64_t *device_ids;  /* `blocks` device block ids */
-    const int64_t *host_ids;    /* their host block ids, in any order: planned ascending */
+    const int64_t *device_ids;  /* `blocks` device block ids, each < device_limit */
+    const int64_t *host_ids;    /* their host block ids, in any order (planned ascending), each < host_blocks */
     uint64_t blocks;
+    uint64_t device_limit;      /* the group's device blocks (NPO_ERR_RANGE past it) */
 } npo_staged_group;
 /* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is as for
  * npo_cuda_staged_run, less what the plan fills in (n_ids, n_slices and every array); its
@@ -117,6 +119,7 @@ typedef struct {
     uint64_t pages_end;         /* a group spanning [0, pages_end) owns whole records: its runs merge */
     uint64_t staging_base;      /* this direction's staging area */
     uint64_t host_base;
+    uint64_t host_blocks;       /* the host buffer's blocks (NPO_ERR_RANGE past it) */
     uint64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
     /* The engine's stream order, when it hands it over (each NULL: skipped): `compute`'s work so
      * far is marked by `compute_mark` (an event of its own, not one of job.events); a store's

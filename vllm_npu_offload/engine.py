@@ -177,6 +177,9 @@ class TransferEngine:
                 start.record(stream)
                 try:
                     transfer.enqueue(stream, compute)
+                except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
+                    self._events.extend((start, end))
+                    raise
                 except Exception as e:  # noqa: BLE001 - becomes a failed result
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)
@@ -192,6 +195,9 @@ class TransferEngine:
         error, after = None, prev.end if prev is not None and chain else None
         try:
             transfer.enqueue_ordered(stream, self.platform, start, end, after)
+        except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
+            self._events.extend((start, end))
+            raise
         except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
             error = f"{type(e).__name__}: {e}"
         self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))

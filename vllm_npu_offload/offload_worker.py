@@ -206,10 +206,13 @@ class OffloadWorkerCore:
         return self._split(None, device_block_ids, group_sizes, block_indices, chunk_ids)
 
     def _split(self, side: str | None, device_block_ids, group_sizes, block_indices,
-               chunk_ids) -> list[tuple[int, np.ndarray, np.ndarray]]:
+               chunk_ids, checked: bool = False) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """``split_groups``; with ``side`` ("src" for stores, "dst" for loads), the device block ids
         are range-checked too: the planners check nothing (host blocks of checked chunks and
-        staging positions are in range by construction)."""
+        staging positions are in range by construction). ``checked``: the native CUDA planner checks
+        both sides' ids itself (``NPO_ERR_RANGE``, raised as ValueError before anything is enqueued),
+        so neither range is checked here; the chunk ids are, when a chunk holds several blocks (their
+        expansion could wrap past int64)."""
         device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
         if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
@@ -219,11 +222,15 @@ class OffloadWorkerCore:
             )
         if sum(group_sizes) != len(device_block_ids):
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
-        if chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
+        bpc = self.blocks_per_chunk
+        if checked and bpc == 1:
+            side = None
+        elif chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
+        elif checked:
+            side = None
         if side is not None and self._device_limit is not None:  # one limit for every group: one check
             check_range(side, device_block_ids, self._device_limit)
-        bpc = self.blocks_per_chunk
         host_ids = chunk_ids if bpc == 1 else (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         out = []
         dev_off = chunk_off = 0
@@ -305,15 +312,17 @@ class OffloadWorkerCore:
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
         direction = as_direction(direction)
         side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
-        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids)
         n = sum(group_sizes)
         if staged is None:
             staged = self.uses_staging(direction, n)
         if staged and self.stager is None:
             raise ValueError("staged transfer asked for, but this worker has no staging (CPU, or paths unavailable)")
+        native = staged and n and self.stager.plans_natively
+        parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids,
+                            checked=bool(native) and self.stager.checks_ids)
+        if native:
+            return self._native_staged(direction, parts, n)
         if staged and n:
-            if self.stager.plans_natively:
-                return self._native_staged(direction, parts, n)
             return StagedTransfer(direction, self._staged_plan(direction, parts), self.stager)
         return DirectTransfer(direction, self._direct_descriptors(direction, parts), self.backend)
 

@@ -183,6 +183,8 @@ class Stager:
         self.table_form = bool(getattr(self._fused, "table_form", False))
         # the native pipeline plans transfers itself (host order, slices, ids or page descriptors, link runs)
         self.plans_natively = bool(getattr(self._fused, "plans_natively", False)) and env.get(ENV_PLAN) == "native"
+        # ... and checks both sides' block ids there, raising ValueError before anything is enqueued
+        self.checks_ids = self.plans_natively and bool(getattr(self._fused, "checks_ids", False))
         # ... and takes the engine's stream order in the same call (not with the diagnosis switches
         # that move a store's gathers onto another stream)
         self.orders_natively = (self.plans_natively and bool(getattr(self._fused, "orders_natively", False))

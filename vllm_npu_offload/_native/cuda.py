@@ -16,8 +16,9 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 6
+ABI_VERSION = 7
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
+NPO_ERR_RANGE = -4  # a block id out of range: bad input, raised as ValueError
 _MSG_LEN = 512
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -111,7 +112,10 @@ class NativeCudaLib:
         buf = self._msg()
         rc = fn(*args, buf, _MSG_LEN)
         if rc != 0:
-            raise CopyError(f"{buf.value.decode(errors='replace')} (rc={rc}{', ' + what if what else ''})", call)
+            text = buf.value.decode(errors="replace")
+            if rc == NPO_ERR_RANGE:  # checked before anything was enqueued
+                raise ValueError(text)
+            raise CopyError(f"{text} (rc={rc}{', ' + what if what else ''})", call)
 
     def gather(self, columns: tuple[int, int, int], first: int, width: int, rows: int, stride: int, min_page: int,
                programs: int, stream_handle: int) -> None:

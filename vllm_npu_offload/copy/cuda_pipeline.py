@@ -44,7 +44,7 @@ class StagedGroup(ctypes.Structure):
 
     _fields_ = [("table", ctypes.c_uint64), ("pairs", ctypes.c_uint64), ("span_lo", ctypes.c_uint64),
                 ("span_hi", ctypes.c_uint64), ("device_ids", ctypes.c_void_p), ("host_ids", ctypes.c_void_p),
-                ("blocks", ctypes.c_uint64)]
+                ("blocks", ctypes.c_uint64), ("device_limit", ctypes.c_uint64)]
 
 
 class StagedRequest(ctypes.Structure):
@@ -52,8 +52,8 @@ class StagedRequest(ctypes.Structure):
 
     _fields_ = [("job", StagedJob), ("ids_capacity", ctypes.c_uint64), ("groups", ctypes.POINTER(StagedGroup)),
                 ("n_groups", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in (
-                    "slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "min_slice_bytes",
-                    "ramp", "growth")] + [(name, ctypes.c_void_p) for name in (
+                    "slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks",
+                    "min_slice_bytes", "ramp", "growth")] + [(name, ctypes.c_void_p) for name in (
                         "compute", "compute_mark", "after", "start", "end")]
 
 
@@ -77,6 +77,7 @@ class CudaStagedPipeline:
     table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
     plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
     orders_natively = True  # ... and takes the engine's stream order and events in the same call
+    checks_ids = True  # ... and checks the block ids of both sides (NPO_ERR_RANGE: ValueError)
 
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
         self.lib, self.platform, self.slots = lib, platform, slots
@@ -137,15 +138,17 @@ class CudaStagedPipeline:
             j.store, j.programs, j.min_page = int(d is Direction.D2H), self.programs[d], self.min_page
             j.slots = geo["slots"]
             j.events = self.events[d]
-            for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base"):
+            for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
                 setattr(req, k, geo[k])
         groups = self._groups.get(d)
         if groups is None or len(groups) < len(transfer.groups):
             groups = self._groups[d] = (StagedGroup * max(4, len(transfer.groups)))()
             req.groups = groups
+        store = d is Direction.D2H
         for g, (planner, span, dev, host) in zip(groups, transfer.groups):
             g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner).data_ptr(), len(planner.pairs), *span
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
+            g.device_limit = planner.src_limit if store else planner.dst_limit  # the library checks the ids
         req.n_groups = len(transfer.groups)
         ids = transfer.room
         j = req.job

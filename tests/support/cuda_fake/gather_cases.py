@@ -43,6 +43,44 @@ class FakeCuda(CpuPlatform):
         return torch.device("cpu")
 
 
+class _RawEvent:
+    """An event the fake driver takes by handle (its copies are done at call time: always complete)."""
+
+    _next = 0xE000
+
+    def __init__(self):
+        _RawEvent._next += 1
+        self.cuda_event = _RawEvent._next
+
+    def record(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+class FakeCudaOrdered(FakeCuda):
+    """FakeCuda whose events have driver handles: the engine hands natively planned transfers
+    their stream order (``_submit_ordered``)."""
+
+    raw_events = True
+
+    def new_event(self):
+        return _RawEvent()
+
+    def raw_event_handle(self, event) -> int:
+        return event.cuda_event
+
+    def raw_current_stream(self) -> int:
+        return 0xC0
+
+
 def table(rng, rows, cols, sizes_per_row, span_extra=0):
     """A tensor-major (rows x cols) table of scattered descriptors with row-specific sizes."""
     sizes = np.repeat(np.asarray(sizes_per_row, np.int64), cols)
@@ -481,6 +519,59 @@ def case_staged_ordered():
         core.pool.release(transfer.buffers)
     core.shutdown()
     print("staged_ordered ok")
+
+
+def case_staged_ids_checked():
+    """The native CUDA planner checks both sides' block ids (the split then leaves the ranges to it):
+    an id past the device tensors or the host buffer, or a negative one, raises ValueError at submit
+    naming the id and the range, before anything is copied; the job is not queued, its room and
+    events go back, and the next transfer is byte-exact."""
+    from vllm_npu_offload import staging
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    for platform in (FakeCuda(), FakeCudaOrdered()):
+        _staged_ids_checked(platform)
+    print("staged_ids_checked ok")
+
+
+def _staged_ids_checked(platform):
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    rng = np.random.default_rng(6)
+    pages = [512, 256]
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 24, platform, staging_bytes=2 * 3 * 4 * sum(pages))
+    assert core.stager.checks_ids and core.stager.orders_natively == platform.raw_events
+    free, events = core.pool.num_free, len(core.engine._events)
+    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
+    for d in Direction:
+        for bad_dev, bad_chunk, want in ((32, 3, "device block id 32 out of range [0, 32)"),
+                                         (-1, 3, "device block id -1 out of range [0, 32)"),
+                                         (5, 24, "host block id 24 out of range [0, 24)")):
+            dv, ch = dev.copy(), chunks.copy()
+            dv[2], ch[4] = bad_dev, bad_chunk
+            copies = counter("fake_copied", ctypes.c_longlong)
+            try:
+                core.submit(1, d, dv, [6], [0], ch, staged=True)
+                raise AssertionError(f"{d.name}: {bad_dev}/{bad_chunk} accepted")
+            except ValueError as e:
+                assert want in str(e), (want, str(e))
+            assert counter("fake_copied", ctypes.c_longlong) == copies, "copied before the check"
+            assert core.engine.in_flight() == 0 and core.pool.num_free == max(free, 1), core.pool.num_free
+    assert len(core.engine._events) >= events
+    want = [t[dev].clone() for t in kv]
+    core.submit(2, Direction.D2H, dev, [6], [0], chunks, staged=True)
+    for t in kv:
+        t[dev] = 0
+    core.submit(3, Direction.H2D, dev, [6], [0], chunks, staged=True)
+    core.wait([2, 3])
+    assert [r.success for r in core.poll()] == [True, True]
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    core.shutdown()
 
 
 def case_errors():
