@@ -303,6 +303,7 @@ class DescriptorBuffers:
         self.flat_np = self.packed.view(-1).numpy()  # all three rows back to back
         self.addrs = tuple(int(a.ctypes.data) for a in (self.src_np, self.dst_np, self.sizes_np))
         self.device_cols = None  # a device mirror for paths that upload the rows (kept with the set)
+        self.device_addr = 0  # its address, once made
 
     def head(self, n: int, total_bytes: int) -> Descriptors:
         """The first ``n`` descriptors of the set (its rows' heads: their pointers are known)."""

@@ -507,7 +507,7 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
     freed = torch.full((room.packed.numel(),), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
     torch.cuda._sleep(50_000_000)  # the model's step in flight ...
     seen = freed.clone()  # ... still reads the memory that the room's mirror takes (as if freed meanwhile)
-    room.device_cols = freed
+    room.device_cols, room.device_addr = freed, freed.data_ptr()
     core.pool.release([room])
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
     assert room.device_cols is freed  # the load took that room

@@ -19,7 +19,7 @@ from .. import env
 from ..errors import CopyError
 from ..plan import address
 from ..platform import Platform
-from .base import Direction
+from .base import Direction, as_direction
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 # 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
@@ -86,23 +86,31 @@ class CudaStagedPipeline:
         # scatters wait for it after the entry has been recorded again)
         self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
         self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
-        self._tables: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._requests: dict[Direction, StagedRequest] = {}
         self._groups: dict[Direction, Any] = {}
+        self._marks = {d: self.events[d][1 + 2 * slots] for d in Direction}
 
-    def _table(self, planner) -> torch.Tensor:
+    def _table_entry(self, planner) -> tuple[Any, torch.Tensor, int]:
+        """(planner, its pair table on the device, the table's address)."""
         hit = self._tables.get(id(planner))
         if hit is None:  # the planner is kept alive with its table, so its id stays unique
             table = torch.from_numpy(planner.pair_table()).to(self.platform.device)
-            hit = self._tables[id(planner)] = (planner, table)
-        return hit[1]
+            hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
+        return hit
+
+    def _table(self, planner) -> torch.Tensor:
+        return self._table_entry(planner)[1]
 
     def _device_ids(self, bufs) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
-        device mirror, allocated at its first use and reused with the set."""
-        if bufs.device_cols is None:
-            bufs.device_cols = torch.empty(bufs.packed.numel(), dtype=torch.int64, device=self.platform.device)
-        return bufs.device_cols.data_ptr()
+        device mirror, allocated at its first use (on the model's stream: see npo_staged_run_job
+        for why a load writes it only after the model's mark) and reused with the set."""
+        addr = bufs.device_addr
+        if not addr:
+            bufs.device_cols = torch.empty(3 * bufs.capacity, dtype=torch.int64, device=self.platform.device)
+            addr = bufs.device_addr = bufs.device_cols.data_ptr()
+        return addr
 
     def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter (benchmarks)."""
@@ -129,7 +137,7 @@ class CudaStagedPipeline:
     def request(self, stager, transfer, stream: int, aux: int, link: bool = True) -> StagedRequest:
         """The native request for ``transfer`` on raw streams ``stream`` / ``aux`` (one request per
         direction, reused: the engine enqueues one transfer at a time, under its lock)."""
-        d = Direction(transfer.direction)
+        d = as_direction(transfer.direction)
         req = self._requests.get(d)
         if req is None:
             req = self._requests[d] = StagedRequest()
@@ -146,7 +154,7 @@ class CudaStagedPipeline:
             req.groups = groups
         store = d is Direction.D2H
         for g, (planner, span, dev, host) in zip(groups, transfer.groups):
-            g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner).data_ptr(), len(planner.pairs), *span
+            g.table, g.pairs, g.span_lo, g.span_hi = self._table_entry(planner)[2], len(planner.pairs), *span
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
             g.device_limit = planner.src_limit if store else planner.dst_limit  # the library checks the ids
         req.n_groups = len(transfer.groups)
@@ -155,9 +163,9 @@ class CudaStagedPipeline:
         j.stream, j.aux = stream, aux
         j.host_ids = ids.addrs[0]
         j.dev_ids = self._device_ids(ids)
-        j.skip_link = int(not link)
-        j.inline_ids = int(self.inline_store_ids and d is Direction.D2H)
-        req.ids_capacity = ids.packed.numel()
+        j.skip_link = 0 if link else 1
+        j.inline_ids = 1 if store and self.inline_store_ids else 0
+        req.ids_capacity = 3 * ids.capacity
         req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
         return req
 
@@ -170,13 +178,14 @@ class CudaStagedPipeline:
         if order is None:
             req.compute = req.after = req.start = req.end = None
         else:
-            req.compute, req.after, req.start, req.end = (h or None for h in order)
-            req.compute_mark = self.model_mark(transfer.direction)
+            compute, after, start, end = order
+            req.compute, req.after, req.start, req.end = compute or None, after or None, start or None, end or None
+            req.compute_mark = self._marks[transfer.direction]
         return self.lib.staged_submit(req)
 
     def model_mark(self, direction: Direction):
         """The event that marks the model's stream for a natively ordered transfer (the last one)."""
-        return self.events[Direction(direction)][1 + 2 * self.slots]
+        return self._marks[as_direction(direction)]
 
     def plan_only(self, stager, transfer) -> dict[str, np.ndarray]:
         """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan):
