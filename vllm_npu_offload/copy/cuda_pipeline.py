@@ -148,15 +148,20 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
                 setattr(req, k, geo[k])
-        groups = self._groups.get(d)
-        if groups is None or len(groups) < len(transfer.groups):
-            groups = self._groups[d] = (StagedGroup * max(4, len(transfer.groups)))()
-            req.groups = groups
+        hit = self._groups.get(d)
+        if hit is None or len(hit[0]) < len(transfer.groups):
+            n = max(4, len(transfer.groups))
+            hit = self._groups[d] = ((StagedGroup * n)(), [None] * n)
+            req.groups = hit[0]
+        groups, filled_for = hit
         store = d is Direction.D2H
-        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
-            g.table, g.pairs, g.span_lo, g.span_hi = self._table_entry(planner)[2], len(planner.pairs), *span
+        for i, (planner, span, dev, host) in enumerate(transfer.groups):
+            g = groups[i]
+            if filled_for[i] is not planner:  # a slot's table, span and limit change with its group only
+                g.table, g.pairs, g.span_lo, g.span_hi = self._table_entry(planner)[2], len(planner.pairs), *span
+                g.device_limit = planner.src_limit if store else planner.dst_limit  # the library checks the ids
+                filled_for[i] = planner
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
-            g.device_limit = planner.src_limit if store else planner.dst_limit  # the library checks the ids
         req.n_groups = len(transfer.groups)
         ids = transfer.room
         j = req.job
