@@ -22,6 +22,7 @@ enum {
     NPU_OFFLOAD_MISSING = 2,         /* libascendcl or a needed symbol is absent */
     NPU_OFFLOAD_BAD_ARGUMENT = 3,    /* caller error (direction, null pointer, alignment) */
     NPU_OFFLOAD_NOT_BUILT = 4,       /* this path was compiled out (loop-only build) */
+    NPU_OFFLOAD_OUT_OF_RANGE = 5,    /* a block id outside the device tensors or the host buffer (bad input) */
 };
 
 /* Directions: 0 and 1 number as vLLM-Ascend's swap_blocks_batch does; 2 is ours: copies within the

@@ -63,6 +63,17 @@ static int fail(const plan_ctx *c, const char *fmt, ...) {
     return npu_err_set(c->err, NPU_OFFLOAD_BAD_ARGUMENT, "argument", 0, -1, -1, "%s: %s", c->who, what);
 }
 
+/* A block id out of range: bad input (NPU_OFFLOAD_OUT_OF_RANGE, raised as ValueError at submit). */
+static int fail_range(const plan_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail_range(const plan_ctx *c, const char *fmt, ...) {
+    char what[448];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    return npu_err_set(c->err, NPU_OFFLOAD_OUT_OF_RANGE, "argument", 0, -1, -1, "%s: %s", c->who, what);
+}
+
 /* realloc that keeps the old array when it fails (the scratch stays consistent at its old cap). */
 static int grow_array(void **p, size_t bytes) {
     void *q = realloc(*p, bytes);
@@ -134,11 +145,11 @@ static int check_group(const plan_ctx *c, int64_t g) {
     for (int64_t j = 0; j < gr->blocks; j++) {
         const int64_t d = gr->device_ids[j], h = gr->host_ids[j];
         if (d < 0 || d >= gr->device_limit)
-            return fail(c, "group %lld block %lld: device block id %lld out of range [0, %lld)", (long long)g,
-                        (long long)j, (long long)d, (long long)gr->device_limit);
+            return fail_range(c, "device block id %lld out of range [0, %lld) (KV group %lld, block %lld of the "
+                              "transfer)", (long long)d, (long long)gr->device_limit, (long long)g, (long long)j);
         if (h < 0 || h >= r->host_blocks)
-            return fail(c, "group %lld block %lld: host block id %lld out of range [0, %lld)", (long long)g,
-                        (long long)j, (long long)h, (long long)r->host_blocks);
+            return fail_range(c, "host block id %lld out of range [0, %lld) (KV group %lld, block %lld of the "
+                              "transfer)", (long long)h, (long long)r->host_blocks, (long long)g, (long long)j);
     }
     return NPU_OFFLOAD_OK;
 }

@@ -148,8 +148,8 @@ def _transfer(core: OffloadWorkerCore, direction: Direction, dev: list[int], chu
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("device", "group 0 block 2: device block id 96 out of range [0, 96)"),
-    ("host", "group 0 block 1: host block id -3 out of range [0, 90)"),
+    ("device", "device block id 96 out of range [0, 96) (KV group 0, block 2 of the transfer)"),
+    ("host", "host block id -3 out of range [0, 90) (KV group 0, block 1 of the transfer)"),
     ("room", "4 pages and up to 1 link copies need room for 5 descriptors, the room holds 3"),
     ("growth", "growth=1"),
     ("span", "group 0 is invalid"),
@@ -167,13 +167,41 @@ def test_bad_request_fails_whole(built, emu, monkeypatch, case, needle):
         planner, span, *ids = transfer.groups[0]
         transfer.groups[0] = (planner, (span[1], span[0] + 1), *ids)
     emu.acl_emu_reset()
-    with pytest.raises(acl.AclCopyError, match="npu_offload_acl_staged_submit: .*" + re.escape(needle)) as e:
-        transfer.enqueue(STREAM)
-    assert e.value.status == acl.BAD_ARGUMENT and e.value.call == "argument"
-    with pytest.raises(acl.AclCopyError, match="npu_offload_acl_staged_plan: "):
-        core.stager._fused.plan_only(core.stager, transfer)
+    if case in ("device", "host"):  # a block id out of range is bad input: ValueError, as the split raises
+        with pytest.raises(ValueError, match="npu_offload_acl_staged_submit: .*" + re.escape(needle)):
+            transfer.enqueue(STREAM)
+        with pytest.raises(ValueError, match="npu_offload_acl_staged_plan: "):
+            core.stager._fused.plan_only(core.stager, transfer)
+    else:
+        with pytest.raises(acl.AclCopyError, match="npu_offload_acl_staged_submit: .*" + re.escape(needle)) as e:
+            transfer.enqueue(STREAM)
+        assert e.value.status == acl.BAD_ARGUMENT and e.value.call == "argument"
+        with pytest.raises(acl.AclCopyError, match="npu_offload_acl_staged_plan: "):
+            core.stager._fused.plan_only(core.stager, transfer)
     assert emu.acl_emu_log() == b""  # nothing was enqueued
     core.pool.release(transfer.buffers)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("dev, chunks, needle", [
+    ([4, 5, DEVICE_BLOCKS], [1, 2, 3], f"device block id {DEVICE_BLOCKS} out of range [0, {DEVICE_BLOCKS})"),
+    ([4, -1, 6], [1, 2, 3], f"device block id -1 out of range [0, {DEVICE_BLOCKS})"),
+])
+def test_submit_raises_on_ids_the_library_checks(built, emu, monkeypatch, dev, chunks, needle):
+    """The library checks a natively planned transfer's block ids, so the split leaves the ranges to it:
+    a bad id raises ValueError at submit naming it and the range, nothing is enqueued, the job is not
+    queued and its room goes back; the next transfer goes through."""
+    core = _core(built, monkeypatch, REFS["one"], 1)
+    assert core.stager.checks_ids
+    free = core.pool.num_free
+    emu.acl_emu_reset()
+    for d in Direction:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            core.submit(1, d, np.array(dev, np.int64), [3], [0], np.array(chunks, np.int64), staged=True)
+        assert emu.acl_emu_log() == b"" and core.engine.in_flight() == 0 and core.pool.num_free == max(free, 1)
+    core.submit(2, Direction.D2H, np.array([4, 5, 6], np.int64), [3], [0], np.array(chunks, np.int64), staged=True)
+    core.wait([2])
+    assert [r.success for r in core.poll()] == [True]
     core.shutdown()
 
 

@@ -47,12 +47,17 @@ class AclCopyError(CopyError):
         self.status = status
 
 
+OUT_OF_RANGE = 5  # NPU_OFFLOAD_OUT_OF_RANGE
+
+
 def _raise(err: AclError, what: str) -> None:
     idx = err.index if err.index >= 0 else None
     fail = err.fail_index if err.fail_index >= 0 else None
     msg = f"{what}: {err.message.decode(errors='replace')}"
     if idx is not None:
         msg += f" [descriptor {idx}" + (f", failIndex {fail}]" if fail is not None else "]")
+    if err.status == OUT_OF_RANGE:  # a block id the planner checked: bad input, nothing enqueued
+        raise ValueError(msg)
     raise AclCopyError(msg, err.call.decode(errors="replace"), idx, fail, err.acl_code, err.status)
 
 

@@ -74,6 +74,7 @@ class AclStagedPipeline:
 
     table_form = False  # Stager.plan hands over page descriptors and per-slice ranges
     plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
+    checks_ids = True  # ... and checks the block ids of both sides (NPU_OFFLOAD_OUT_OF_RANGE: ValueError)
 
     def __init__(self, local: "AclCopyPath", link: "AclCopyPath", slots: int):
         self.local, self.link, self.slots = local, link, slots
