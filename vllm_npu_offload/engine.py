@@ -131,7 +131,7 @@ class TransferEngine:
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
         self._done: dict[Direction, list[TransferResult]] = {d: [] for d in Direction}
-        self._retired: list[tuple[_InFlight, bool, float, float]] = []  # finished, reported, not yet retired
+        self._retired: list[_InFlight] = []  # finished and reported, buffers and events not yet returned
         self._closed = False
         self._threaded = bool(env.get(ENV_SUBMIT_THREAD)) and platform.submit_thread_ok
         self._submitter: _SubmitThread | None = None  # started on the first job it takes
@@ -254,9 +254,9 @@ class TransferEngine:
 
     # -- completion -------------------------------------------------------------------
     def _finish(self, item: _InFlight) -> TransferResult:
-        """The result of a finished job; its buffers, events and totals wait in ``_retired`` until
-        ``_retire`` (after the next submit's copies are on their way, or a poll with nothing to
-        report): the connector sees the completion first."""
+        """The result of a finished job (counted in the totals at once); its buffers and events wait
+        in ``_retired`` until ``_retire`` (after the next submit's copies are on their way, or a poll
+        with nothing to report): the connector sees the completion first."""
         error = item.error
         ev_err = getattr(item.end, "error", None)
         if error is None and ev_err is not None:
@@ -268,17 +268,17 @@ class TransferEngine:
         self._job_ids.discard(item.job_id)
         ok = error is None
         nbytes = item.transfer.total_bytes
-        self._retired.append((item, ok, seconds, time.perf_counter()))
+        TOTALS.record(item.direction.is_load, ok, nbytes, seconds, time.perf_counter() - item.submitted_at)
+        self._retired.append(item)
         return TransferResult(item.job_id, item.direction, ok, nbytes if ok else 0, seconds, len(item.transfer), error)
 
     def _retire(self) -> None:
-        """Return finished jobs' buffers to the pool and events to the free list, and count them."""
+        """Return reported jobs' buffers to the pool and their events to the free list."""
         retired, self._retired = self._retired, []
-        for item, ok, seconds, done_at in retired:
+        for item in retired:
             self.pool.release(item.transfer.buffers)
             if not self._threaded:  # a later job still with the submit thread may wait on this one's end
                 self._events.extend((item.start, item.end))
-            TOTALS.record(item.direction.is_load, ok, item.transfer.total_bytes, seconds, done_at - item.submitted_at)
 
     def poll(self, direction: Direction | None = None) -> list[TransferResult]:
         """Results of transfers that finished since the last call, each exactly once; only
