@@ -48,6 +48,7 @@ from .transfer import Transfer
 _DIRECTIONS = tuple(Direction)
 ENV_STREAMS = "NPU_OFFLOAD_TRANSFER_STREAMS"
 ENV_SUBMIT_THREAD = "NPU_OFFLOAD_SUBMIT_THREAD"
+ENV_EVENT_TIMING = "NPU_OFFLOAD_EVENT_TIMING"
 
 
 class TransferResult(NamedTuple):
@@ -134,6 +135,7 @@ class TransferEngine:
         self._retired: list[_InFlight] = []  # finished and reported, buffers and events not yet returned
         self._closed = False
         self._threaded = bool(env.get(ENV_SUBMIT_THREAD)) and platform.submit_thread_ok
+        self._timing = bool(env.get(ENV_EVENT_TIMING))  # a job's seconds: the device's span, else the host's
         self._submitter: _SubmitThread | None = None  # started on the first job it takes
 
     # -- submission -------------------------------------------------------------------
@@ -216,7 +218,7 @@ class TransferEngine:
             self._retire()
 
     def _event(self) -> Any:
-        return self._events.pop() if self._events else self.platform.new_event()
+        return self._events.pop() if self._events else self.platform.new_event(timing=self._timing)
 
     def _enqueue_later(self, item: _InFlight, stream: Any, ready: Any, prev: _InFlight | None, chain: bool,
                        bind_error: str | None) -> None:
@@ -261,14 +263,18 @@ class TransferEngine:
         ev_err = getattr(item.end, "error", None)
         if error is None and ev_err is not None:
             error = f"{type(ev_err).__name__}: {ev_err}"
-        try:
-            seconds = item.start.elapsed_time(item.end) * 1e-3
-        except Exception:  # noqa: BLE001 - timing is best effort
-            seconds = 0.0
+        wall = time.perf_counter() - item.submitted_at
+        if self._timing:
+            try:
+                seconds = item.start.elapsed_time(item.end) * 1e-3
+            except Exception:  # noqa: BLE001 - timing is best effort
+                seconds = 0.0
+        else:  # events without timing: from submit to this poll, an upper bound of the copies' span
+            seconds = wall
         self._job_ids.discard(item.job_id)
         ok = error is None
         nbytes = item.transfer.total_bytes
-        TOTALS.record(item.direction.is_load, ok, nbytes, seconds, time.perf_counter() - item.submitted_at)
+        TOTALS.record(item.direction.is_load, ok, nbytes, seconds, wall)
         self._retired.append(item)
         return TransferResult(item.job_id, item.direction, ok, nbytes if ok else 0, seconds, len(item.transfer), error)
 

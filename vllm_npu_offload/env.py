@@ -114,6 +114,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_TRANSFER_STREAMS", "int", 4,
          "streams per direction that transfers take in turn, each after the previous one (1: one stream, "
          "whose queue can fill behind a long forward and block the engine thread)", lo=1, hi=16),
+    Knob("NPU_OFFLOAD_EVENT_TIMING", "flag", True,
+         "0: the transfer engine's start/end events are made without timing (CUDA, NPU), which a device "
+         "records and queries at less cost; a transfer's seconds are then the host's time from its submit to "
+         "the poll that reports it, not the device's span (A/B of the poll's cost: docs/benchmarks.md, "
+         "eleventh session)"),
     Knob("NPU_OFFLOAD_SUBMIT_THREAD", "flag", False,
          "1: direct stores are enqueued by a thread of the transfer engine, not vLLM's engine thread (a direct "
          "store of 8,000 pages costs ~3.5 ms of driver calls on CUDA); the engine thread records where the "

@@ -56,8 +56,9 @@ class Platform(ABC):
         enqueues anything: driver calls made through the native libraries need a current context."""
 
     @abstractmethod
-    def new_event(self) -> Any:
-        """A timing event with ``record(stream)``, ``query()``, ``synchronize()``, ``elapsed_time(end)``."""
+    def new_event(self, timing: bool = True) -> Any:
+        """An event with ``record(stream)``, ``query()``, ``synchronize()`` and, when ``timing``,
+        ``elapsed_time(end)`` (an event without timing is cheaper for a device to record and query)."""
 
     @abstractmethod
     def raw_stream_handle(self, stream: Any) -> int:
@@ -133,8 +134,8 @@ class _TorchAcceleratorPlatform(Platform):
         # then makes that device's primary context current in this thread
         self._mod.current_stream().query()
 
-    def new_event(self):
-        return self._mod.Event(enable_timing=True)
+    def new_event(self, timing: bool = True):
+        return self._mod.Event(enable_timing=timing)
 
     def stream_context(self, stream):
         return self._mod.stream(stream)
@@ -400,7 +401,7 @@ class CpuPlatform(Platform):
     def new_stream(self) -> CpuStream:
         return CpuStream(threaded=self.threaded_streams)
 
-    def new_event(self) -> CpuEvent:
+    def new_event(self, timing: bool = True) -> CpuEvent:
         return CpuEvent()
 
     def raw_stream_handle(self, stream) -> int:

@@ -62,7 +62,7 @@ class FakeCudaPlatform(CpuPlatform):
     def raw_stream_handle(self, stream): return 0x51
     def raw_event_handle(self, ev): return ev.cuda_event
     def raw_current_stream(self): return 0x51
-    def new_event(self): return Ev()
+    def new_event(self, timing=True): return Ev()
     def device_name(self): return "fake"
     @property
     def device(self): return torch.device("cpu")

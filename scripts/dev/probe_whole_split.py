@@ -292,6 +292,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--detail", default="qwen2.5-0.5b", help="shape whose host-side pieces are timed one by one")
+    ap.add_argument("--event-timing", default="1",
+                    help="NPU_OFFLOAD_EVENT_TIMING per run of each shape: 1, 0 or 1,0 (both; rows of 0 are "
+                         "named SHAPE~notime, their span is the host's submit -> poll time)")
     ap.add_argument("--engine-order", action="store_true",
                     help="natively planned transfers leave the stream order to the engine (torch calls), as "
                          "before the library took it (as NPU_OFFLOAD_STAGE_ORDER=engine)")
@@ -300,10 +303,13 @@ def main() -> None:
     lib = load_library()
     res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}}
     print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
-    print(f"{'shape':18s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS + SPIN_PARTS)
+    print(f"{'shape':26s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS + SPIN_PARTS)
           + "  whole% floor%  spin% fspin%")
-    for name in [s for s in a.shapes.split(",") if s]:
-        base, _, blocks = name.partition("@")  # "shape@N": N device blocks per transfer
+    runs = [(s, t) for s in a.shapes.split(",") if s for t in a.event_timing.split(",")]
+    for shape_name, timing in runs:
+        name = shape_name if timing == "1" else f"{shape_name}~notime"  # ~notime: NPU_OFFLOAD_EVENT_TIMING=0
+        os.environ["NPU_OFFLOAD_EVENT_TIMING"] = timing
+        base, _, blocks = shape_name.partition("@")  # "shape@N": N device blocks per transfer
         shape = SHAPES[base] if not blocks else dataclasses.replace(SHAPES[base], blocks=int(blocks))
         rig = CoreRig(platform, shape)
         if a.engine_order and rig.core.stager is not None:
@@ -312,7 +318,7 @@ def main() -> None:
         for d in Direction:
             r = split_one(rig, d, a.reps, lib)
             res["shapes"][name][d.name] = r
-            print(f"{name:18s} {d.name:3s} {r['bytes'] / 2**20:5.1f} {r['slices']:2d} "
+            print(f"{name:26s} {d.name:3s} {r['bytes'] / 2**20:5.1f} {r['slices']:2d} "
                   + " ".join(f"{r[k]:9.1f}" for k in PARTS + SPIN_PARTS)
                   + f"  {100 * r['ref'] / r['whole']:5.1f} {100 * r['ref'] / r['floor']:6.1f}"
                   + f"  {100 * r['ref_spin'] / r['spin']:5.1f} {100 * r['ref_spin'] / r['floor_spin']:6.1f}")

@@ -59,6 +59,40 @@ def test_in_order_exactly_once_and_bytes(platform):
     assert pool.num_free >= 1, "descriptor buffers come back after completion"
 
 
+class _EventLog(CpuPlatform):
+    """A CPU platform that records the timing flag of every event it makes."""
+
+    def __init__(self):
+        super().__init__(threaded_streams=False)
+        self.timing = []
+
+    def new_event(self, timing=True):
+        self.timing.append(timing)
+        return super().new_event(timing)
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_event_timing_knob(monkeypatch, flag):
+    """NPU_OFFLOAD_EVENT_TIMING=0: the engine's events are made without timing, and a job's seconds
+    are the host's time from its submit to the poll that reports it (never more than the caller saw);
+    by default they are the events' span."""
+    monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", flag)
+    platform = _EventLog()
+    src = torch.ones((8, 16), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
+    t0 = time.perf_counter()
+    eng.submit(1, Direction.D2H, planner(src, dst, 16).plan([0, 1], [0, 1]))
+    eng.wait([1])
+    time.sleep(0.02)  # the copy is done; the poll that reports it comes 20 ms later
+    (res,) = eng.poll()
+    wall = time.perf_counter() - t0
+    assert res.success and torch.equal(dst[:2], src[:2])
+    assert platform.timing[-2:] == [flag == "1"] * 2, platform.timing
+    assert 0 <= res.seconds <= wall
+    assert (res.seconds >= 0.02) == (flag == "0"), res.seconds  # submit -> poll, or the copies' own span
+
+
 def test_many_jobs_from_threads_complete_once(platform):
     src = torch.arange(256, dtype=torch.uint8).repeat(128, 1)
     dst = torch.zeros_like(src)

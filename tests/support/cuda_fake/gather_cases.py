@@ -71,7 +71,7 @@ class FakeCudaOrdered(FakeCuda):
 
     raw_events = True
 
-    def new_event(self):
+    def new_event(self, timing=True):
         return _RawEvent()
 
     def raw_event_handle(self, event) -> int:
