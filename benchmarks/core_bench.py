@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -247,24 +247,32 @@ def format_interference(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def shape_named(name: str) -> KVShape:
+    """``SHAPES[name]``; ``NAME@N``: that shape with N device blocks per transfer (e.g. ``qwen2.5-0.5b@82``,
+    a 15.4 MiB transfer: issue #22's smallest whole-transfer size)."""
+    base, _, blocks = name.partition("@")
+    if base not in SHAPES or (blocks and not blocks.isdigit()):
+        raise ValueError(f"unknown KV shape {name!r}; allowed: {sorted(SHAPES)}, each optionally @BLOCKS")
+    return replace(SHAPES[base], name=name, blocks=int(blocks)) if blocks else SHAPES[base]
+
+
 def run(kind: str | None = None, shapes: list[str] | None = None, reps: int = 10, do_interference: bool = False,
         interference_shapes: list[str] | None = None, staging_bytes: int | None = None,
         json_path: str | None = None, printer=print) -> dict[str, Any]:
     platform = get_platform(kind)
     names = list(DEFAULT_SHAPES) if shapes is None else shapes
     for n in names + list(interference_shapes or []):
-        if n not in SHAPES:
-            raise ValueError(f"unknown KV shape {n!r}; allowed: {sorted(SHAPES)}")
+        shape_named(n)  # every name valid before anything runs
     report: dict[str, Any] = {"device": platform.device_name(), "kind": platform.kind, "torch": torch.__version__,
                               "shapes": [], "interference": []}
     printer(f"device: {report['device']} ({platform.kind})")
     for n in names:
-        res = bench_shape(platform, SHAPES[n], reps, staging_bytes)
+        res = bench_shape(platform, shape_named(n), reps, staging_bytes)
         report["shapes"].append(res)
         printer(format_shape(res))
     if do_interference and platform.kind != "cpu":
         for n in interference_shapes or ["llama-8b", "qwen2.5-0.5b"]:
-            res = interference(platform, SHAPES[n], staging_bytes=staging_bytes)
+            res = interference(platform, shape_named(n), staging_bytes=staging_bytes)
             report["interference"].append(res)
             printer(format_interference(res))
     if json_path:

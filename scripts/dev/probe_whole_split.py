@@ -30,7 +30,6 @@ one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import cProfile
 import io
 import json
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.core_bench import SHAPES, CoreRig  # noqa: E402
+from benchmarks.core_bench import CoreRig, shape_named  # noqa: E402
 from benchmarks.transfer import contiguous_copy_fn, median_seconds  # noqa: E402
 from vllm_npu_offload._native.cuda import load_library  # noqa: E402
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
@@ -209,7 +208,7 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
     """CPU us of the host-side pieces of one staged load of ``shape`` (torch stream and event
     calls as the engine makes them, the planner's steps, the pipeline's job building with the
     native call a no-op), then a cProfile of ``reps`` whole submits."""
-    rig = CoreRig(platform, SHAPES[shape])
+    rig = CoreRig(platform, shape_named(shape))
     core, d = rig.core, Direction.H2D
     stream, compute = core.engine.stream(d), platform.current_stream()
     ev = platform.new_event()
@@ -309,9 +308,7 @@ def main() -> None:
     for shape_name, timing in runs:
         name = shape_name if timing == "1" else f"{shape_name}~notime"  # ~notime: NPU_OFFLOAD_EVENT_TIMING=0
         os.environ["NPU_OFFLOAD_EVENT_TIMING"] = timing
-        base, _, blocks = shape_name.partition("@")  # "shape@N": N device blocks per transfer
-        shape = SHAPES[base] if not blocks else dataclasses.replace(SHAPES[base], blocks=int(blocks))
-        rig = CoreRig(platform, shape)
+        rig = CoreRig(platform, shape_named(shape_name))  # "shape@N": N device blocks per transfer
         if a.engine_order and rig.core.stager is not None:
             rig.core.stager.orders_natively = False
         res["shapes"][name] = {}
