@@ -7,7 +7,8 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
 
 - ``plan``: ``OffloadWorkerCore.plan`` (split, host order, slice layout, table ids, link runs);
 - ``submit_py``: ``TransferEngine.submit`` less the native call (events, stream order, the job
-  struct or request); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer), or
+  struct or request, and what follows the call, which overlaps the copies); ``pre_native``: from
+  submit until the native call begins (plan + pre_native + finish: the Python on the critical path); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer), or
   with the native planner ``npo_cuda_staged_submit`` (its planning and every driver call);
 - ``wait``: from submit's return until the end event's synchronize returns; ``finish``: the poll
   that reports it; ``span``: the engine's device span; ``whole``: all of it;
@@ -51,24 +52,27 @@ from vllm_npu_offload.engine import TransferResult  # noqa: E402
 from vllm_npu_offload.platform import get_platform  # noqa: E402
 from vllm_npu_offload.stats import TOTALS  # noqa: E402
 
-PARTS = ("plan", "submit_py", "native", "wait", "finish", "whole", "span", "ref", "floor")
+PARTS = ("plan", "submit_py", "pre_native", "native", "wait", "finish", "whole", "span", "ref", "floor")
 SPIN_PARTS = ("spin", "ref_spin", "floor_spin")
 
 
 def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, float]:
     core, platform = rig.core, rig.platform
     native_s: list[float] = []
+    native_at: list[float] = []  # when each native call began
     real_run, real_submit = lib.staged_run, lib.staged_submit
 
     def timed_run(job, rows):
         t = time.perf_counter()
         real_run(job, rows)
         native_s.append(time.perf_counter() - t)
+        native_at.append(t)
 
     def timed_submit(request):
         t = time.perf_counter()
         links = real_submit(request)
         native_s.append(time.perf_counter() - t)
+        native_at.append(t)
         return links
 
     lib.staged_run, lib.staged_submit = timed_run, timed_submit
@@ -77,6 +81,7 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
         for rep in range(reps + 3):
             dev, chunks = rig.ids("seq", seed=rep)
             native_s.clear()
+            native_at.clear()
             rig._job += 1
             t0 = time.perf_counter()
             transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
@@ -92,7 +97,9 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
             if rep < 3:
                 continue
             nat = sum(native_s)
-            for k, v in (("plan", t1 - t0), ("submit_py", t2 - t1 - nat), ("native", nat), ("wait", t3 - t2),
+            pre = native_at[0] - t1 if native_at else float("nan")
+            for k, v in (("plan", t1 - t0), ("submit_py", t2 - t1 - nat), ("pre_native", pre), ("native", nat),
+                         ("wait", t3 - t2),
                          ("finish", t4 - t3), ("whole", t4 - t0), ("span", res[0].seconds)):
                 rows[k].append(v)
     finally:
