@@ -53,26 +53,19 @@ static void key_create(void) { g_key_rc = pthread_key_create(&g_key, scratch_fre
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-static int fail(const plan_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(const plan_ctx *c, const char *fmt, ...) {
+/* A bad request: `status` NPU_OFFLOAD_BAD_ARGUMENT (fail), or NPU_OFFLOAD_OUT_OF_RANGE for a block id
+ * out of range (fail_range: bad input, raised as ValueError at submit). */
+static int fail_as(const plan_ctx *c, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail_as(const plan_ctx *c, int status, const char *fmt, ...) {
     char what[448];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(what, sizeof(what), fmt, ap);
     va_end(ap);
-    return npu_err_set(c->err, NPU_OFFLOAD_BAD_ARGUMENT, "argument", 0, -1, -1, "%s: %s", c->who, what);
+    return npu_err_set(c->err, status, "argument", 0, -1, -1, "%s: %s", c->who, what);
 }
-
-/* A block id out of range: bad input (NPU_OFFLOAD_OUT_OF_RANGE, raised as ValueError at submit). */
-static int fail_range(const plan_ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail_range(const plan_ctx *c, const char *fmt, ...) {
-    char what[448];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(what, sizeof(what), fmt, ap);
-    va_end(ap);
-    return npu_err_set(c->err, NPU_OFFLOAD_OUT_OF_RANGE, "argument", 0, -1, -1, "%s: %s", c->who, what);
-}
+#define fail(c, ...) fail_as((c), NPU_OFFLOAD_BAD_ARGUMENT, __VA_ARGS__)
+#define fail_range(c, ...) fail_as((c), NPU_OFFLOAD_OUT_OF_RANGE, __VA_ARGS__)
 
 /* realloc that keeps the old array when it fails (the scratch stays consistent at its old cap). */
 static int grow_array(void **p, size_t bytes) {

@@ -429,6 +429,20 @@ def test_cuda_submit_thread_stores_byte_exact(monkeypatch):
     core.shutdown()
 
 
+def _native_order_core(monkeypatch, n_tensors: int):
+    """A CUDA worker core over ``n_tensors`` 4 KiB-page tensors whose staged transfers the library
+    plans and orders; (core, tensors, refs, page, 12 blocks per transfer)."""
+    platform = _platform("cuda")
+    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
+    page = 4096
+    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(n_tensors)]
+    refs = [[GroupRef(i, page) for i in range(n_tensors)]]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
+    assert core.stager.plans_natively and core.stager.orders_natively
+    return core, tensors, refs, page, 12
+
+
 @pytest.mark.gpu
 def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     """On CUDA a staged transfer takes the engine's stream order inside its one native call
@@ -436,15 +450,8 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     still-busy stream writes just before the submit, and two loads back to back (on the ring, the
     second after the first's end) land byte-exact after what the busy stream writes into their blocks
     before the submit, each reported once with its bytes."""
-    platform = _platform("cuda")
-    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
-    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
-    page, n = 4096, 12
-    rng = np.random.default_rng(8)
-    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(6)]
-    refs = [[GroupRef(i, page) for i in range(6)]]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
-    assert core.stager.plans_natively and core.stager.orders_natively
+    core, tensors, refs, page, n = _native_order_core(monkeypatch, 6)
+    platform, rng = core.platform, np.random.default_rng(8)
     monkeypatch.setenv("NPU_OFFLOAD_STAGE_ORDER", "engine")
     other = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
     assert other.stager.plans_natively and not other.stager.orders_natively  # the A/B switch
@@ -482,15 +489,8 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
     ids were written at once). A natively ordered load starts its link copies at once but writes
     the ids only after the model's stream is through: what the busy stream reads from that memory
     is unchanged, and the load lands byte-exact."""
-    platform = _platform("cuda")
-    monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
-    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
-    page, n = 4096, 12
+    core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
     rng = np.random.default_rng(9)
-    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(4)]
-    refs = [[GroupRef(i, page) for i in range(4)]]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
-    assert core.stager.plans_natively and core.stager.orders_natively
     dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
     chunks = chunks_for(rng, n, 0, 1)
     want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
