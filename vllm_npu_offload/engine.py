@@ -16,6 +16,10 @@ overlap the model's step in flight (vLLM schedules asynchronously: that step may
 the load reuses, so the scatters must not skip the wait). Completion is detected by polling end
 events; each job is reported exactly once, with bytes and seconds, and a failed copy is reported
 as ``success=False`` rather than raised, so the caller can fail its requests instead of hanging.
+A reported job's pooled buffers and events go back after the next submit's copies are on their
+way (or at an idle poll): the poll that makes a completion visible does only what the caller needs.
+Bad input that a native planner checks (a block id out of range) raises ValueError at submit, with
+nothing enqueued, as the worker's own checks do.
 
 With ``NPU_OFFLOAD_SUBMIT_THREAD=1`` a direct store (one driver copy per page: ~0.44 us each
 on CUDA, 3.5 ms for an 8,000-page store) is enqueued by a thread of the engine's own: the
