@@ -334,8 +334,10 @@ class DescriptorPool:
 
     def release(self, bufs: "Iterable[DescriptorBuffers]") -> None:
         with self._lock:
-            for b in bufs:  # kept sorted by capacity; equal ones in the order they came back
-                bisect.insort(self._free, b, key=_CAPACITY)
+            for b in bufs:  # kept sorted by capacity; of equal ones the last to come back is taken first:
+                # a set in use stays in use (its device mirror made once, its rows warm in the caches),
+                # where taking the oldest first rotated through every set the pool ever made
+                bisect.insort_left(self._free, b, key=_CAPACITY)
 
     @property
     def num_free(self) -> int:

@@ -222,6 +222,9 @@ def test_slice_ranges_and_pool_order():
     sets = [pool.acquire(n) for n in (100, 8, 30, 8, 100)]
     pool.release([sets[4], sets[1]])
     pool.release([sets[0], sets[2], sets[3]])
-    # kept by capacity, equal capacities in the order they came back (as a stable sort gave)
-    assert pool._free == [sets[1], sets[3], sets[2], sets[4], sets[0]]
+    # kept by capacity; of equal capacities the last to come back first (a set in use stays in use)
+    assert pool._free == [sets[3], sets[1], sets[2], sets[0], sets[4]]
     assert pool.acquire(20) is sets[2]
+    assert pool.acquire(8) is sets[3]
+    pool.release([sets[3]])
+    assert pool.acquire(8) is sets[3]  # the same set again, not the older sets[1]
