@@ -183,23 +183,30 @@ def test_bad_request_fails_whole(built, emu, monkeypatch, case, needle):
     core.shutdown()
 
 
-@pytest.mark.parametrize("dev, chunks, needle", [
-    ([4, 5, DEVICE_BLOCKS], [1, 2, 3], f"device block id {DEVICE_BLOCKS} out of range [0, {DEVICE_BLOCKS})"),
-    ([4, -1, 6], [1, 2, 3], f"device block id -1 out of range [0, {DEVICE_BLOCKS})"),
+@pytest.mark.parametrize("bpc, dev, chunks, needle", [
+    (1, [4, 5, DEVICE_BLOCKS], [1, 2, 3], f"device block id {DEVICE_BLOCKS} out of range [0, {DEVICE_BLOCKS})"),
+    (1, [4, -1, 6], [1, 2, 3], f"device block id -1 out of range [0, {DEVICE_BLOCKS})"),
+    (1, [4, 5, 6], [1, CHUNKS, 3], f"host block id {CHUNKS} out of range [0, {CHUNKS})"),
+    (2, [4, 5, DEVICE_BLOCKS], [1, 2], f"device block id {DEVICE_BLOCKS} out of range [0, {DEVICE_BLOCKS})"),
+    # several blocks a chunk: the chunk ids are still checked in Python (their expansion could wrap)
+    (2, [4, 5, 6], [1, 1 << 62], f"host chunk id out of range [0, {CHUNKS})"),
 ])
-def test_submit_raises_on_ids_the_library_checks(built, emu, monkeypatch, dev, chunks, needle):
+def test_submit_raises_on_ids_the_library_checks(built, emu, monkeypatch, bpc, dev, chunks, needle):
     """The library checks a natively planned transfer's block ids, so the split leaves the ranges to it:
     a bad id raises ValueError at submit naming it and the range, nothing is enqueued, the job is not
     queued and its room goes back; the next transfer goes through."""
-    core = _core(built, monkeypatch, REFS["one"], 1)
+    core = _core(built, monkeypatch, REFS["one"], bpc)
     assert core.stager.checks_ids
-    free = core.pool.num_free
+    made = []  # every room the pool hands out must come back
+    acquire = core.pool.acquire
+    monkeypatch.setattr(core.pool, "acquire", lambda n: made.append(acquire(n)) or made[-1])
     emu.acl_emu_reset()
     for d in Direction:
         with pytest.raises(ValueError, match=re.escape(needle)):
             core.submit(1, d, np.array(dev, np.int64), [3], [0], np.array(chunks, np.int64), staged=True)
-        assert emu.acl_emu_log() == b"" and core.engine.in_flight() == 0 and core.pool.num_free == max(free, 1)
-    core.submit(2, Direction.D2H, np.array([4, 5, 6], np.int64), [3], [0], np.array(chunks, np.int64), staged=True)
+        assert emu.acl_emu_log() == b"" and core.engine.in_flight() == 0
+        assert all(r in core.pool._free for r in made), "a room of a rejected transfer was kept"
+    core.submit(2, Direction.D2H, np.array([4, 5, 6], np.int64), [3], [0], np.arange(1, 1 + len(chunks)), staged=True)
     core.wait([2])
     assert [r.success for r in core.poll()] == [True]
     core.shutdown()
