@@ -6,6 +6,6 @@
 #include "npo_cuda.h"
 
 // npo_cuda_staged_run, with `scatter_after` (a load's only, may be NULL): an event recorded on the
-// model's stream that every scatter into the KV pages waits for, while the link copies into the
-// staging slots start at once.
+// model's stream that every scatter into the KV pages, and the upload of the block ids, wait for,
+// while the link copies into the staging slots start at once.
 int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg, size_t msg_len);
