@@ -223,11 +223,9 @@ class OffloadWorkerCore:
         if sum(group_sizes) != len(device_block_ids):
             raise ValueError(f"group sizes {list(group_sizes)} do not add up to {len(device_block_ids)} device blocks")
         bpc = self.blocks_per_chunk
-        if checked and bpc == 1:
-            side = None
-        elif chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
+        if (not checked or bpc > 1) and chunk_ids.size and max_unsigned(chunk_ids) >= self.num_chunks:
             raise ValueError(f"host chunk id out of range [0, {self.num_chunks}): {chunk_ids.tolist()[:8]}")
-        elif checked:
+        if checked:
             side = None
         if side is not None and self._device_limit is not None:  # one limit for every group: one check
             check_range(side, device_block_ids, self._device_limit)
@@ -317,9 +315,9 @@ class OffloadWorkerCore:
             staged = self.uses_staging(direction, n)
         if staged and self.stager is None:
             raise ValueError("staged transfer asked for, but this worker has no staging (CPU, or paths unavailable)")
-        native = staged and n and self.stager.plans_natively
+        native = bool(staged and n) and self.stager.plans_natively
         parts = self._split(side, device_block_ids, group_sizes, block_indices, chunk_ids,
-                            checked=bool(native) and self.stager.checks_ids)
+                            checked=native and self.stager.checks_ids)
         if native:
             return self._native_staged(direction, parts, n)
         if staged and n:

@@ -91,16 +91,13 @@ class CudaStagedPipeline:
         self._groups: dict[Direction, Any] = {}
         self._marks = {d: self.events[d][1 + 2 * slots] for d in Direction}
 
-    def _table_entry(self, planner) -> tuple[Any, torch.Tensor, int]:
-        """(planner, its pair table on the device, the table's address)."""
+    def _table(self, planner) -> int:
+        """The device address of ``planner``'s pair table (uploaded at its first use)."""
         hit = self._tables.get(id(planner))
         if hit is None:  # the planner is kept alive with its table, so its id stays unique
             table = torch.from_numpy(planner.pair_table()).to(self.platform.device)
             hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
-        return hit
-
-    def _table(self, planner) -> torch.Tensor:
-        return self._table_entry(planner)[1]
+        return hit[2]
 
     def _device_ids(self, bufs) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
@@ -116,7 +113,7 @@ class CudaStagedPipeline:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter (benchmarks)."""
         if plan.table_ranges is None or plan.ids is None:
             raise CopyError("staged run: the plan is not in table form", "npo_cuda_staged_run")
-        rows = [(self._table(r.planner).data_ptr(), len(r.planner.pairs), r.block0, r.blocks)
+        rows = [(self._table(r.planner), len(r.planner.pairs), r.block0, r.blocks)
                 for per in plan.table_ranges for r in per]
         rng = np.array(rows, np.uint64).reshape(-1, 4)
         off = np.zeros(plan.num_slices + 1, np.uint64)
@@ -158,7 +155,7 @@ class CudaStagedPipeline:
         for i, (planner, span, dev, host) in enumerate(transfer.groups):
             g = groups[i]
             if filled_for[i] is not planner:  # a slot's table, span and limit change with its group only
-                g.table, g.pairs, g.span_lo, g.span_hi = self._table_entry(planner)[2], len(planner.pairs), *span
+                g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), *span
                 g.device_limit = planner.src_limit if store else planner.dst_limit  # the library checks the ids
                 filled_for[i] = planner
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)

@@ -365,7 +365,7 @@ def staged_round_trip(mode, planner="native"):
 def _python_plan(core, direction, parts, n):
     """Stager.plan's table-form plan, as arrays comparable with the native planner's."""
     plan = core._staged_plan(direction, parts)
-    ranges = [(core.stager._fused._table(r.planner).data_ptr(), len(r.planner.pairs), r.block0, r.blocks)
+    ranges = [(core.stager._fused._table(r.planner), len(r.planner.pairs), r.block0, r.blocks)
               for per in plan.table_ranges for r in per]
     out = {"ids": plan.ids.flat_np[:2 * n].copy(), "ranges": np.array(ranges, np.uint64).reshape(-1, 4),
            "range_off": np.cumsum([0] + [len(per) for per in plan.table_ranges]).astype(np.uint64),
