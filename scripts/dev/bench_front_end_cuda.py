@@ -39,40 +39,18 @@ import numpy as np, torch
 ctypes.CDLL(os.environ["BENCH_FAKE_DRIVER"], mode=ctypes.RTLD_GLOBAL)
 tree = os.environ["BENCH_TREE"]
 sys.path.insert(0, tree)
-from vllm_npu_offload import staging
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
 from vllm_npu_offload.offload_worker import OffloadWorkerCore
-from vllm_npu_offload.platform import CpuPlatform
-
-class Ev:
-    """A driver-handle event; the fake driver's copies are done at call time: always complete."""
-    n = 0xE000
-    def __init__(self):
-        Ev.n += 1
-        self.cuda_event = Ev.n
-    def record(self, stream=None): pass
-    def query(self): return True
-    def synchronize(self): pass
-    def elapsed_time(self, other): return 0.1
-
-class FakeCudaPlatform(CpuPlatform):
-    kind = "cuda"
-    raw_events = True
-    def raw_stream_handle(self, stream): return 0x51
-    def raw_event_handle(self, ev): return ev.cuda_event
-    def raw_current_stream(self): return 0x51
-    def new_event(self, timing=True): return Ev()
-    def device_name(self): return "fake"
-    @property
-    def device(self): return torch.device("cpu")
+sys.path.insert(1, os.environ["BENCH_FAKE_SUPPORT"])
+from fake_platform import FakeCudaOrdered  # driver-handle events, always complete (copies at call time)
 
 tensors, page, blocks, host_blocks, n = (int(os.environ[k]) for k in
                                          ("BENCH_TENSORS", "BENCH_PAGE", "BENCH_BLOCKS", "BENCH_HOST", "BENCH_N"))
 reps, warmup = int(os.environ["BENCH_REPS"]), int(os.environ["BENCH_WARMUP"])
 kv = [torch.zeros(blocks, page, dtype=torch.uint8) for _ in range(tensors)]
 core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page) for i in range(tensors)]],
-                         1, host_blocks, FakeCudaPlatform())
+                         1, host_blocks, FakeCudaOrdered())
 assert core.stager is not None and core.stager.plans_natively and core.stager.orders_natively, "not the native path"
 lib = core.stager._fused.lib
 real = lib.staged_submit
@@ -133,6 +111,7 @@ def fake_driver(out: Path) -> Path:
 
 def one(tree: Path, lib_dir: Path, driver: Path, a) -> dict[str, float]:
     env = dict(os.environ, BENCH_TREE=str(tree), BENCH_FAKE_DRIVER=str(driver), NPU_OFFLOAD_NATIVE_DIR=str(lib_dir),
+               BENCH_FAKE_SUPPORT=str(ROOT / "tests" / "support" / "cuda_fake"),
                NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", BENCH_TENSORS=str(a.tensors), BENCH_PAGE=str(a.page),
                BENCH_BLOCKS=str(a.device_blocks), BENCH_HOST=str(a.host_blocks), BENCH_N=str(a.blocks),
                BENCH_REPS=str(a.reps), BENCH_WARMUP=str(a.warmup), LD_LIBRARY_PATH=str(driver.parent))

@@ -17,68 +17,16 @@ from vllm_npu_offload.copy.cuda_gather import NativeGatherPath  # noqa: E402
 from vllm_npu_offload._native.cuda import load_library  # noqa: E402
 from vllm_npu_offload.errors import CopyError  # noqa: E402
 from vllm_npu_offload.plan import DescriptorBuffers, Descriptors  # noqa: E402
-from vllm_npu_offload.platform import CpuPlatform  # noqa: E402
 from staged_round_trip import store_then_load  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_platform import FakeCuda, FakeCudaOrdered  # noqa: E402
 
 POISON = 0xA5
 
 
 def counter(name, kind=ctypes.c_uint):
     return kind.in_dll(fake, name).value
-
-
-class FakeCuda(CpuPlatform):
-    """A CPU platform posing as 'cuda': streams run inline, the fake driver copies at call time."""
-
-    kind = "cuda"
-
-    def raw_stream_handle(self, stream) -> int:
-        return 0x51
-
-    def device_name(self) -> str:
-        return "fake-cuda"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-class _RawEvent:
-    """An event the fake driver takes by handle (its copies are done at call time: always complete)."""
-
-    _next = 0xE000
-
-    def __init__(self):
-        _RawEvent._next += 1
-        self.cuda_event = _RawEvent._next
-
-    def record(self, stream=None):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end) -> float:
-        return 0.0
-
-
-class FakeCudaOrdered(FakeCuda):
-    """FakeCuda whose events have driver handles: the engine hands natively planned transfers
-    their stream order (``_submit_ordered``)."""
-
-    raw_events = True
-
-    def new_event(self, timing=True):
-        return _RawEvent()
-
-    def raw_event_handle(self, event) -> int:
-        return event.cuda_event
-
-    def raw_current_stream(self) -> int:
-        return 0xC0
 
 
 def table(rng, rows, cols, sizes_per_row, span_extra=0):
