@@ -159,7 +159,9 @@ class TransferEngine:
             turn = self._turn[direction]
             stream = ring[turn % len(ring)]
             self._turn[direction] = turn + 1
-            start, end = self._event(), self._event()
+            free = self._events
+            start = free.pop() if free else self.platform.new_event(timing=self._timing)
+            end = free.pop() if free else self.platform.new_event(timing=self._timing)
             prev = queue[-1] if queue else None
             if transfer.orders_itself:  # one native call: stream order, events and copies
                 self._submit_ordered(job_id, direction, transfer, stream, start, end, prev, len(ring) > 1, t_submit)

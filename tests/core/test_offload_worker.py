@@ -86,6 +86,23 @@ def test_bad_transfers_raise_and_leak_nothing():
     assert core.engine.in_flight() == 0
 
 
+@pytest.mark.parametrize("bpc", [1, 2])  # 1: the one-group fast path of the split; 2: the general one
+def test_host_chunk_count_must_match_the_blocks(bpc):
+    core, _ = make_core(bpc)
+    need = -(-3 // bpc)
+    with pytest.raises(ValueError, match=f"group 0 needs {need} host chunks, transfer gives {need - 1}$"):
+        core.submit(1, Direction.D2H, np.array([1, 2, 3]), [3], [0], np.arange(need - 1))
+    with pytest.raises(ValueError, match=f"transfer gives {need + 1} host chunks but its groups use {need}$"):
+        core.submit(1, Direction.D2H, np.array([1, 2, 3]), [3], [0], np.arange(need + 1))
+    with pytest.raises(ValueError, match="transfer gives 1 host chunks but its groups use 0$"):
+        core.submit(1, Direction.D2H, np.array([], np.int64), [0], [0], np.array([4]))
+    assert core.split_groups(np.array([], np.int64), [0], [0], np.array([], np.int64)) == []
+    (g, dev, host), = core.split_groups(np.array([7, 8, 9]), [3], [0], np.arange(10, 10 + need))
+    assert g == 0 and dev.tolist() == [7, 8, 9]
+    assert host.tolist() == ([10, 11, 12] if bpc == 1 else [20, 21, 22])
+    assert core.engine.in_flight() == 0
+
+
 def test_host_memory_is_exact_and_block_first():
     lay = HostLayout.build([4096, 18432, 2048], blocks_per_chunk=4, num_chunks=250)  # K/V, MLA parts
     exact = (4096 + 18432 + 2048) * 1000

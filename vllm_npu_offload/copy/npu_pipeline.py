@@ -82,7 +82,7 @@ class AclStagedPipeline:
         self.events = {d: acl.create_events(1 + 2 * slots, self.lib) for d in Direction}
         self._tables: dict[int, tuple[CopyPlanner, np.ndarray, int]] = {}
         self._requests: dict[Direction, acl.StagedRequest] = {}
-        self._groups: dict[Direction, "ctypes.Array[acl.StagedGroup]"] = {}
+        self._groups: dict[Direction, tuple] = {}  # (the request's group slots, the planner each was filled for)
 
     def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
         """Enqueue ``plan``; ``link=False`` runs only the gather/scatter, on ``stream`` (benchmarks)."""
@@ -126,22 +126,27 @@ class AclStagedPipeline:
     def request(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: int, aux: int | None,
                 link: bool = True) -> acl.StagedRequest:
         """The native request for ``transfer`` on raw streams ``stream`` / ``aux``."""
-        d = Direction(transfer.direction)
+        d = as_direction(transfer.direction)
         req, store = self._request(stager, d), d is Direction.D2H
-        groups = self._groups.get(d)
-        if groups is None or len(groups) < len(transfer.groups):
-            groups = self._groups[d] = (acl.StagedGroup * max(4, len(transfer.groups)))()
-            req.groups = groups
-        for g, (planner, span, dev, host) in zip(groups, transfer.groups):
-            g.pairs, g.n_pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), span[0], span[1]
+        hit = self._groups.get(d)
+        if hit is None or len(hit[1]) < len(transfer.groups):
+            n = max(4, len(transfer.groups))
+            hit = self._groups[d] = ((acl.StagedGroup * n)(), [None] * n)
+            req.groups = hit[0]
+        groups, filled_for = hit
+        for i, (planner, span, dev, host) in enumerate(transfer.groups):
+            g = groups[i]
+            if filled_for[i] is not planner:  # a slot's table, span and limit change with its group only
+                g.pairs, g.n_pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), span[0], span[1]
+                g.device_limit = planner.src_limit if store else planner.dst_limit
+                filled_for[i] = planner
             g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
-            g.device_limit = planner.src_limit if store else planner.dst_limit
         req.n_groups = len(transfer.groups)
         room = transfer.room
         req.out_src, req.out_dst, req.out_size = room.addrs
         req.capacity = room.capacity
         j = req.job
-        j.stream, j.aux, j.link = stream, aux, int(link)
+        j.stream, j.aux, j.link = stream, aux, int(link)  # handles read each time: reading one flushes torch_npu's queue
         req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
         return req
 
