@@ -23,7 +23,9 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
   sleep (the poll after it took 16-28 us on an H200 host, its pieces timed in a loop 4-5 us:
   docs/benchmarks.md, eleventh session); vLLM's engine thread is busy between steps.
 
-Then single driver calls through the library, with the stream held busy so none blocks: a
+``--cpu-time`` adds a pass per shape and direction that reads the thread's CPU clock beside the wall
+clock around plan, submit and the reporting poll. ``--detail`` also times the whole front end in a loop
+with the native call a no-op (``hot_*``). Then single driver calls through the library, with the stream held busy so none blocks: a
 one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
 48-descriptor batch. Prints a table and writes JSON.
 """
@@ -118,6 +120,35 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
     out["bytes"] = nbytes
     out["slices"] = len(rig.core.stager.slice_sizes(rig.shape.blocks, direction))
     return out
+
+
+def cpu_one(rig: CoreRig, direction: Direction, reps: int) -> dict[str, float]:
+    """Wall and thread-CPU us of a real transfer's plan, submit and reporting poll (a pass of its own:
+    reading the thread's CPU clock is a system call). CPU near wall: the host ran the Python slowly
+    (caches, clocks); CPU well under wall: the thread was off its core or waiting (a lock, the GIL)."""
+    core = rig.core
+    rows: dict[str, list[float]] = {k: [] for k in ("plan", "plan_cpu", "submit", "submit_cpu", "finish",
+                                                   "finish_cpu")}
+    wall, cpu = time.perf_counter, time.thread_time
+    for rep in range(reps + 3):
+        dev, chunks = rig.ids("seq", seed=rep)
+        rig._job += 1
+        w0, c0 = wall(), cpu()
+        transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
+        w1, c1 = wall(), cpu()
+        core.engine.submit(rig._job, transfer)
+        w2, c2 = wall(), cpu()
+        core.engine._queues[direction][-1].end.synchronize()
+        w3, c3 = wall(), cpu()
+        res = core.poll()
+        w4, c4 = wall(), cpu()
+        if len(res) != 1 or not res[0].success:
+            raise RuntimeError(f"transfer failed: {res}")
+        if rep >= 3:
+            for k, v in (("plan", w1 - w0), ("plan_cpu", c1 - c0), ("submit", w2 - w1), ("submit_cpu", c2 - c1),
+                         ("finish", w4 - w3), ("finish_cpu", c4 - c3)):
+                rows[k].append(v)
+    return {k: float(np.median(v)) * 1e6 for k, v in rows.items()}
 
 
 def _spin(done) -> None:
@@ -334,6 +365,9 @@ def main() -> None:
     ap.add_argument("--engine-order", action="store_true",
                     help="natively planned transfers leave the stream order to the engine (torch calls), as "
                          "before the library took it (as NPU_OFFLOAD_STAGE_ORDER=engine)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="per shape and direction, a pass timing plan, submit and the reporting poll in wall and "
+                         "thread-CPU time")
     a = ap.parse_args()
     platform = get_platform()
     lib = load_library()
@@ -356,6 +390,11 @@ def main() -> None:
                   + " ".join(f"{r[k]:9.1f}" for k in PARTS + SPIN_PARTS)
                   + f"  {100 * r['ref'] / r['whole']:5.1f} {100 * r['ref'] / r['floor']:6.1f}"
                   + f"  {100 * r['ref_spin'] / r['spin']:5.1f} {100 * r['ref_spin'] / r['floor_spin']:6.1f}")
+            if a.cpu_time:
+                c = r["cpu"] = cpu_one(rig, d, a.reps)
+                print(f"{'':26s} {d.name:3s} wall / thread CPU us: plan {c['plan']:.1f} / {c['plan_cpu']:.1f}, "
+                      f"submit {c['submit']:.1f} / {c['submit_cpu']:.1f}, finish {c['finish']:.1f} / "
+                      f"{c['finish_cpu']:.1f}")
         rig.close()
     res["driver_calls_us"] = driver_calls(platform, lib, a.reps)
     print("driver calls, CPU us each (stream held): "
