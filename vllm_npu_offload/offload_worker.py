@@ -213,8 +213,9 @@ class OffloadWorkerCore:
         both sides' ids itself (``NPO_ERR_RANGE``, raised as ValueError before anything is enqueued),
         so neither range is checked here; the chunk ids are, when a chunk holds several blocks (their
         expansion could wrap past int64)."""
-        device_block_ids = np.asarray(device_block_ids, dtype=np.int64)
-        chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+        # contiguous int64 from here on (slices of them stay contiguous): native planners take them by address
+        device_block_ids = np.ascontiguousarray(device_block_ids, dtype=np.int64)
+        chunk_ids = np.ascontiguousarray(chunk_ids, dtype=np.int64)
         if len(group_sizes) != self.num_groups or len(block_indices) != self.num_groups:
             raise ValueError(
                 f"transfer names {len(group_sizes)} group sizes / {len(block_indices)} block indices "
@@ -293,7 +294,7 @@ class OffloadWorkerCore:
         for g, dev, host in parts:
             planner = self._staged[(g, direction)]
             if planner is not None:
-                groups.append((planner, self._spans[g], np.ascontiguousarray(dev), np.ascontiguousarray(host)))
+                groups.append((planner, self._spans[g], dev, host))  # contiguous int64: see _split
                 nbytes += planner.bytes_per_block * len(dev)
                 pages += len(planner.pairs) * len(dev)
         if not groups:
