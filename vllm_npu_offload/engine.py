@@ -140,6 +140,7 @@ class TransferEngine:
         self._closed = False
         self._threaded = bool(env.get(ENV_SUBMIT_THREAD)) and platform.submit_thread_ok
         self._timing = bool(env.get(ENV_EVENT_TIMING))  # a job's seconds: the device's span, else the host's
+        self._query = platform.completion_query(self._timing)  # (start, end) -> None while pending, else seconds
         self._submitter: _SubmitThread | None = None  # started on the first job it takes
 
     # -- submission -------------------------------------------------------------------
@@ -261,21 +262,17 @@ class TransferEngine:
             return self.streams(direction)[self._turn[direction] % self._ring]
 
     # -- completion -------------------------------------------------------------------
-    def _finish(self, item: _InFlight) -> TransferResult:
-        """The result of a finished job (counted in the totals at once); its buffers and events wait
-        in ``_retired`` until ``_retire`` (after the next submit's copies are on their way, or a poll
-        with nothing to report): the connector sees the completion first."""
+    def _finish(self, item: _InFlight, seconds: float) -> TransferResult:
+        """The result of a finished job (counted in the totals at once), ``seconds`` as ``_query``
+        gave them; its buffers and events wait in ``_retired`` until ``_retire`` (after the next
+        submit's copies are on their way, or a poll with nothing to report): the connector sees the
+        completion first."""
         error = item.error
         ev_err = getattr(item.end, "error", None)
         if error is None and ev_err is not None:
             error = f"{type(ev_err).__name__}: {ev_err}"
         wall = time.perf_counter() - item.submitted_at
-        if self._timing:
-            try:
-                seconds = item.start.elapsed_time(item.end) * 1e-3
-            except Exception:  # noqa: BLE001 - timing is best effort
-                seconds = 0.0
-        else:  # events without timing: from submit to this poll, an upper bound of the copies' span
+        if seconds < 0:  # events without timing: from submit to this poll, an upper bound of the copies' span
             seconds = wall
         self._job_ids.discard(item.job_id)
         ok = error is None
@@ -302,9 +299,12 @@ class TransferEngine:
                 if self._done[d]:
                     out += self._done[d]
                     self._done[d] = []
-                q = self._queues[d]
-                while q and q[0].on_stream() and q[0].end.query():
-                    out.append(self._finish(q.popleft()))
+                q, query = self._queues[d], self._query
+                while q and q[0].on_stream():
+                    seconds = query(q[0].start, q[0].end)
+                    if seconds is None:
+                        break
+                    out.append(self._finish(q.popleft(), seconds))
             if not out and self._retired:
                 self._retire()
             return out
@@ -344,7 +344,8 @@ class TransferEngine:
             for q in self._queues.values():
                 while q and id(q[0]) in items:  # not a job submitted meanwhile
                     item = q.popleft()
-                    self._done[item.direction].append(self._finish(item))
+                    seconds = self._query(item.start, item.end)  # done: its end was waited for above
+                    self._done[item.direction].append(self._finish(item, -1.0 if seconds is None else seconds))
             self._retire()
 
     def shutdown(self) -> None:

@@ -119,6 +119,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "records and queries at less cost; a transfer's seconds are then the host's time from its submit to "
          "the poll that reports it, not the device's span (A/B of the poll's cost: docs/benchmarks.md, "
          "eleventh session)"),
+    Knob("NPU_OFFLOAD_NATIVE_POLL", "flag", False,
+         "1: the transfer engine's poll asks the native library whether a CUDA job's end event has completed "
+         "and for its device time, in one call (cuEventQuery + cuEventElapsedTime), instead of torch's "
+         "Event.query and elapsed_time (A/B of the poll's cost on a GPU; CUDA only)"),
     Knob("NPU_OFFLOAD_SUBMIT_THREAD", "flag", False,
          "1: direct stores are enqueued by a thread of the transfer engine, not vLLM's engine thread (a direct "
          "store of 8,000 pages costs ~3.5 ms of driver calls on CUDA); the engine thread records where the "

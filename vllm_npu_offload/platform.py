@@ -9,6 +9,7 @@ for every device.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import queue
@@ -112,6 +113,39 @@ class Platform(ABC):
         """SMs / AI cores of the device (0 when not applicable); caps SM copy grids."""
         return 0
 
+    def completion_query(self, timing: bool) -> Callable[[Any, Any], float | None]:
+        """``query(start, end)`` for the transfer engine's poll: None while event ``end`` is pending,
+        else the seconds between the two events (``timing``), or -1.0 for events without timing (the
+        engine then takes the host's time). Here through the events' own calls."""
+        return functools.partial(event_seconds, timing)
+
+
+def event_seconds(timing: bool, start: Any, end: Any) -> float | None:
+    """``Platform.completion_query``'s query through the events' ``query`` and ``elapsed_time``."""
+    if not end.query():
+        return None
+    if not timing:
+        return -1.0
+    try:
+        return start.elapsed_time(end) * 1e-3
+    except Exception:  # noqa: BLE001 - timing is best effort
+        return 0.0
+
+
+def native_completion_query(lib: Any, handle: Callable[[Any], int], timing: bool) -> Callable[[Any, Any], float | None]:
+    """``Platform.completion_query``'s query through the native CUDA library, one call a job
+    (``lib.event_poll`` on the events' raw handles, ``handle``): torch's query and elapsed_time are a
+    Python and a C++ layer each, on the engine thread, ahead of the connector seeing the completion."""
+    poll = lib.event_poll
+
+    def query(start: Any, end: Any) -> float | None:
+        ms = poll(handle(start) if timing else 0, handle(end))
+        if ms is None:
+            return None
+        return ms * 1e-3 if timing else -1.0
+
+    return query
+
 
 class _TorchAcceleratorPlatform(Platform):
     """Shared code for CUDA and NPU: both follow the torch.cuda stream/event API."""
@@ -169,6 +203,13 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         return int(stream.cuda_stream) or CU_STREAM_LEGACY
 
     raw_events = True
+
+    def completion_query(self, timing: bool):
+        if not env.get("NPU_OFFLOAD_NATIVE_POLL"):
+            return super().completion_query(timing)
+        from ._native.cuda import load_library
+
+        return native_completion_query(load_library(), self.raw_event_handle, timing)
 
     def raw_event_handle(self, event) -> int:
         handle = event.cuda_event

@@ -365,6 +365,10 @@ def main() -> None:
     ap.add_argument("--engine-order", action="store_true",
                     help="natively planned transfers leave the stream order to the engine (torch calls), as "
                          "before the library took it (as NPU_OFFLOAD_STAGE_ORDER=engine)")
+    ap.add_argument("--native-poll", default="0",
+                    help="NPU_OFFLOAD_NATIVE_POLL per run of each shape: 0, 1 or 0,1 (both; rows of 1 are named "
+                         "SHAPE~npoll: the poll asks the library, one call, instead of torch's query and "
+                         "elapsed_time)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="per shape and direction, a pass timing plan, submit and the reporting poll in wall and "
                          "thread-CPU time")
@@ -375,10 +379,13 @@ def main() -> None:
     print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
     print(f"{'shape':26s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS + SPIN_PARTS)
           + "  whole% floor%  spin% fspin%")
-    runs = [(s, t) for s in a.shapes.split(",") if s for t in a.event_timing.split(",")]
-    for shape_name, timing in runs:
-        name = shape_name if timing == "1" else f"{shape_name}~notime"  # ~notime: NPU_OFFLOAD_EVENT_TIMING=0
+    runs = [(s, t, p) for s in a.shapes.split(",") if s for t in a.event_timing.split(",")
+            for p in a.native_poll.split(",")]
+    for shape_name, timing, native_poll in runs:
+        # ~notime: NPU_OFFLOAD_EVENT_TIMING=0; ~npoll: NPU_OFFLOAD_NATIVE_POLL=1
+        name = shape_name + ("" if timing == "1" else "~notime") + ("~npoll" if native_poll == "1" else "")
         os.environ["NPU_OFFLOAD_EVENT_TIMING"] = timing
+        os.environ["NPU_OFFLOAD_NATIVE_POLL"] = native_poll
         rig = CoreRig(platform, shape_named(shape_name))  # "shape@N": N device blocks per transfer
         if a.engine_order and rig.core.stager is not None:
             rig.core.stager.orders_natively = False

@@ -482,6 +482,41 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("timing", ["1", "0"])
+def test_cuda_native_poll_reports_each_job_once_when_done(monkeypatch, timing):
+    """NPU_OFFLOAD_NATIVE_POLL=1: the engine's poll asks the library (cuEventQuery +
+    cuEventElapsedTime, one call) instead of torch: a load behind a busy stream is not reported
+    while it runs, then once, byte-exact, with the device time torch's events give for it (timing)
+    or the host's time (no timing)."""
+    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", timing)
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
+    rng = np.random.default_rng(10)
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 1)
+    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
+    for t, w in zip(tensors, want):
+        t[dev_ids] = w
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks, staged=True)
+    settle(core, [1])
+    for t in tensors:
+        t.zero_()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the model's step: the load's scatters wait for it
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
+    assert core.poll() == [] and core.engine.in_flight() == 1
+    item = core.engine._queues[Direction.H2D][0]
+    item.end.synchronize()
+    (res,) = core.poll()
+    assert res.job_id == 2 and res.success and res.num_bytes == n * len(tensors) * page, res
+    if timing == "1":
+        assert res.seconds == pytest.approx(item.start.elapsed_time(item.end) * 1e-3, rel=1e-6), res
+    assert res.seconds > 0 and core.poll() == []
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
+@pytest.mark.gpu
 def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
     """A room's device mirror of the block ids is allocated at its first use on the model's stream,
     so it may be memory that the model's stream freed moments ago and a kernel of the step in flight

@@ -16,9 +16,10 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 7
+ABI_VERSION = 8
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 NPO_ERR_RANGE = -4  # a block id out of range: bad input, raised as ValueError
+NPO_PENDING = 1  # npo_cuda_event_poll: the end event has not completed
 _MSG_LEN = 512
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -44,10 +45,13 @@ class NativeCudaLib:
         lib.npo_cuda_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                                ctypes.c_size_t]
         lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_event_poll.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float),
+                                            ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
                    "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create",
-                   "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy"):
+                   "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy",
+                   "npo_cuda_event_poll"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
         if abi != ABI_VERSION:
@@ -154,6 +158,22 @@ class NativeCudaLib:
         if rc != 0:
             self._fail(rc, refs[4], "npo_cuda_staged_submit")
         return refs[2].value
+
+    def event_poll(self, start: int, end: int) -> float | None:
+        """Milliseconds from raw CUevent ``start`` to ``end`` once ``end`` has completed (0.0 when
+        ``start`` is 0: no timing), None while it has not; CopyError on a driver error (a failed
+        copy before the event). One library call where torch takes two (query, elapsed_time)."""
+        refs = getattr(self._tls, "poll", None)
+        if refs is None:
+            ms = ctypes.c_float()
+            refs = self._tls.poll = (ms, ctypes.byref(ms), self._msg())
+        refs[0].value = 0.0
+        rc = self._lib.npo_cuda_event_poll(start or None, end or None, refs[1], refs[2], _MSG_LEN)
+        if rc == 0:
+            return refs[0].value
+        if rc == NPO_PENDING:
+            return None
+        self._fail(rc, refs[2], "npo_cuda_event_poll")
 
     def create_events(self, n: int):
         """``n`` timing-disabled CUevents, as a ctypes array of handles."""

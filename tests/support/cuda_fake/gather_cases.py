@@ -522,6 +522,65 @@ def _staged_ids_checked(platform):
     core.shutdown()
 
 
+def case_event_poll():
+    """One library call answers the engine's poll (NPU_OFFLOAD_NATIVE_POLL=1): pending while the end
+    event is not ready (the job stays in flight), else the device time between the events; a failed
+    event raises CopyError naming cuEventQuery. Through the worker core, a job's seconds are the
+    driver's elapsed time (timing) or the host's (no timing)."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+    from vllm_npu_offload.platform import native_completion_query
+
+    lib = load_library()
+    pending = ctypes.c_int.in_dll(fake, "fake_event_pending")
+    elapsed = ctypes.c_float.in_dll(fake, "fake_elapsed_ms")
+    assert lib.event_poll(0x57, 0xE0) == 0.25 and lib.event_poll(0, 0xE0) == 0.0
+    pending.value = 1
+    assert lib.event_poll(0x57, 0xE0) is None
+    pending.value = 0
+    for end, needle in ((0xBAD, "cuEventQuery"), (0, "null end event")):
+        try:
+            lib.event_poll(0x57, end)
+            raise AssertionError(f"end {end:#x} accepted")
+        except CopyError as e:
+            assert needle in str(e) and e.call == "npo_cuda_event_poll", e
+
+    class NativePoll(FakeCudaOrdered):
+        def completion_query(self, timing):
+            return native_completion_query(lib, self.raw_event_handle, timing)
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    rng = np.random.default_rng(8)
+    kv = [torch.from_numpy(rng.integers(0, 256, (32, 512), dtype=np.uint8)).clone()]
+    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
+    for timing in ("1", "0"):
+        os.environ["NPU_OFFLOAD_EVENT_TIMING"] = timing
+        core = OffloadWorkerCore([DeviceKVTensor.from_block_view(kv[0])], [[GroupRef(0, 512)]], 1, 24, NativePoll(),
+                                 staging_bytes=2 * 3 * 4 * 512)
+        want = kv[0][dev].clone()
+        elapsed.value = 1.5
+        pending.value = 1
+        queries = counter("fake_queries", ctypes.c_longlong)
+        core.submit(1, Direction.D2H, dev, [6], [0], chunks, staged=True)
+        assert core.poll() == [] and core.engine.in_flight() == 1  # pending: not reported
+        assert counter("fake_queries", ctypes.c_longlong) > queries  # asked through the library
+        pending.value = 0
+        (res,) = core.poll()
+        assert res.success and res.job_id == 1, res
+        assert (res.seconds == 1.5e-3) == (timing == "1") and res.seconds > 0, res
+        kv[0][dev] = 0
+        core.submit(2, Direction.H2D, dev, [6], [0], chunks, staged=True)
+        core.engine.drain()
+        (res,) = core.poll()
+        assert res.success and torch.equal(kv[0][dev], want), res
+        core.shutdown()
+    os.environ.pop("NPU_OFFLOAD_EVENT_TIMING")
+    print("event_poll ok")
+
+
 def case_errors():
     p = FakeCuda()
     lib = load_library()
