@@ -56,6 +56,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     # the engine orders staged transfers through torch: a load's link copies wait for the model's step
     # in flight too (before 2026-11-27 the library's order did the same)
     "eorder": {"NPU_OFFLOAD_STAGE_ORDER": "engine"},
+    "npoll": {"NPU_OFFLOAD_NATIVE_POLL": "1"},  # the engine's poll through the library (one call a job)
+    "notime": {"NPU_OFFLOAD_EVENT_TIMING": "0"},  # the engine's events without timing (host seconds)
 }
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB
