@@ -443,6 +443,22 @@ def _native_order_core(monkeypatch, n_tensors: int):
     return core, tensors, refs, page, 12
 
 
+def _stored_then_cleared(core, tensors, page: int, n: int, seed: int):
+    """``n`` random blocks of random pages stored to host by job 1, then zeroed on the device:
+    (device ids, host chunks, the pages a load must bring back)."""
+    rng = np.random.default_rng(seed)
+    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
+    chunks = chunks_for(rng, n, 0, 1)
+    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
+    for t, w in zip(tensors, want):
+        t[dev_ids] = w
+    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks, staged=True)
+    settle(core, [1])
+    for t in tensors:
+        t.zero_()
+    return dev_ids, chunks, want
+
+
 @pytest.mark.gpu
 def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     """On CUDA a staged transfer takes the engine's stream order inside its one native call
@@ -491,16 +507,7 @@ def test_cuda_native_poll_reports_each_job_once_when_done(monkeypatch, timing):
     monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", "1")
     monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", timing)
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
-    rng = np.random.default_rng(10)
-    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
-    chunks = chunks_for(rng, n, 0, 1)
-    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
-    for t, w in zip(tensors, want):
-        t[dev_ids] = w
-    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks, staged=True)
-    settle(core, [1])
-    for t in tensors:
-        t.zero_()
+    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 10)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # the model's step: the load's scatters wait for it
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
@@ -525,16 +532,7 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
     the ids only after the model's stream is through: what the busy stream reads from that memory
     is unchanged, and the load lands byte-exact."""
     core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
-    rng = np.random.default_rng(9)
-    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
-    chunks = chunks_for(rng, n, 0, 1)
-    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda() for _ in tensors]
-    for t, w in zip(tensors, want):
-        t[dev_ids] = w
-    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks, staged=True)
-    settle(core, [1])
-    for t in tensors:
-        t.zero_()
+    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
     while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
         core.pool.acquire(0)
     room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
