@@ -14,7 +14,9 @@ extern "C" int npo_cuda_event_poll(void *start, void *end, float *ms, char *msg,
     CUresult r = drv->event_query((CUevent)end);
     if (r == CUDA_ERROR_NOT_READY) return NPO_PENDING;
     if (r != CUDA_SUCCESS) return npo_fail(drv, r, "cuEventQuery", -1, msg, msg_len);
-    if (start && ms && (r = drv->event_elapsed(ms, (CUevent)start, (CUevent)end)) != CUDA_SUCCESS)
-        return npo_fail(drv, r, "cuEventElapsedTime", -1, msg, msg_len);
+    if (start && ms && (r = drv->event_elapsed(ms, (CUevent)start, (CUevent)end)) != CUDA_SUCCESS) {
+        npo_fail(drv, r, "cuEventElapsedTime", -1, msg, msg_len);  // e.g. a start never recorded
+        return NPO_DONE_NO_TIME;
+    }
     return 0;
 }

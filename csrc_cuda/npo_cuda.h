@@ -145,8 +145,10 @@ NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_
 
 /* Whether a job's `end` event has completed, and (with `start`) the milliseconds between the two,
  * in one call: the engine's poll asks this of every job it reports. Returns 0 when done (*ms set
- * when start and ms are given), NPO_PENDING when `end` has not completed, else an error. */
+ * when start and ms are given), NPO_PENDING when `end` has not completed, NPO_DONE_NO_TIME when it
+ * has but cuEventElapsedTime failed (msg says why; the time is best effort), else an error. */
 #define NPO_PENDING 1
+#define NPO_DONE_NO_TIME 2
 NPO_EXPORT int npo_cuda_event_poll(void *start, void *end, float *ms, char *msg, size_t msg_len);
 
 /* A non-blocking stream of the caller's own, created by the driver with `priority` (0: the

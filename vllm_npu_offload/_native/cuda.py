@@ -20,6 +20,7 @@ ABI_VERSION = 8
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 NPO_ERR_RANGE = -4  # a block id out of range: bad input, raised as ValueError
 NPO_PENDING = 1  # npo_cuda_event_poll: the end event has not completed
+NPO_DONE_NO_TIME = 2  # ... it has, but its device time could not be read (timing is best effort)
 _MSG_LEN = 512
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -161,8 +162,9 @@ class NativeCudaLib:
 
     def event_poll(self, start: int, end: int) -> float | None:
         """Milliseconds from raw CUevent ``start`` to ``end`` once ``end`` has completed (0.0 when
-        ``start`` is 0: no timing), None while it has not; CopyError on a driver error (a failed
-        copy before the event). One library call where torch takes two (query, elapsed_time)."""
+        ``start`` is 0, or when the time cannot be read: best effort, as through torch), None while it
+        has not; CopyError when the query fails (a failed copy before the event). One library call
+        where torch takes two (query, elapsed_time)."""
         refs = getattr(self._tls, "poll", None)
         if refs is None:
             ms = ctypes.c_float()
@@ -173,6 +175,8 @@ class NativeCudaLib:
             return refs[0].value
         if rc == NPO_PENDING:
             return None
+        if rc == NPO_DONE_NO_TIME:
+            return 0.0
         self._fail(rc, refs[2], "npo_cuda_event_poll")
 
     def create_events(self, n: int):

@@ -143,7 +143,8 @@ static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
 }
 
 /* cuEventQuery / cuEventElapsedTime: tests set fake_event_pending (the next queries say not ready) and
-   fake_elapsed_ms; an event handle of 0xBAD fails with CUDA_ERROR_LAUNCH_FAILED (a failed copy). */
+   fake_elapsed_ms; an end event of 0xBAD fails its query with CUDA_ERROR_LAUNCH_FAILED (a failed copy),
+   a start event of 0xBAD its elapsed time. */
 int fake_event_pending = 0;
 float fake_elapsed_ms = 0.25f;
 long long fake_queries = 0;
@@ -155,6 +156,7 @@ static CUresult f_event_query(CUevent e) {
 }
 static CUresult f_event_elapsed(float *ms, CUevent a, CUevent b) {
     if (!ms || !a || !b) return CUDA_ERROR_INVALID_HANDLE;
+    if ((uintptr_t)a == 0xBAD) return CUDA_ERROR_INVALID_HANDLE; /* a start never recorded */
     *ms = fake_elapsed_ms;
     return CUDA_SUCCESS;
 }
