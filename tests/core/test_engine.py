@@ -93,6 +93,43 @@ def test_event_timing_knob(monkeypatch, flag):
     assert (res.seconds >= 0.02) == (flag == "0"), res.seconds  # submit -> poll, or the copies' own span
 
 
+@pytest.mark.parametrize("knob", ["0", "1"])
+def test_cuda_completion_query_takes_the_library_only_when_asked(monkeypatch, knob):
+    """CudaPlatform's poll query: torch's Event.query + elapsed_time by default, the native
+    library's one call on the events' raw handles with NPU_OFFLOAD_NATIVE_POLL=1 (no GPU: a stub
+    library and stub events)."""
+    from vllm_npu_offload._native import cuda as native
+    from vllm_npu_offload.platform import CudaPlatform
+
+    class Lib:
+        calls = []
+
+        def event_poll(self, start, end):
+            self.calls.append((start, end))
+            return None if end == 0xE1 else 2.0
+
+    class Ev:
+        def __init__(self, handle, done=True):
+            self.cuda_event, self.done = handle, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return 3.0
+
+    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", knob)
+    monkeypatch.setattr(native, "load_library", Lib)
+    timed, untimed = CudaPlatform().completion_query(True), CudaPlatform().completion_query(False)
+    if knob == "1":
+        assert timed(Ev(0x51), Ev(0xE0)) == 2e-3 and untimed(Ev(0x51), Ev(0xE0)) == -1.0
+        assert timed(Ev(0x51), Ev(0xE1)) is None  # pending
+        assert Lib.calls == [(0x51, 0xE0), (0, 0xE0), (0x51, 0xE1)]  # no start handle without timing
+    else:
+        assert timed(Ev(0x51), Ev(0xE0)) == 3e-3 and untimed(Ev(0x51), Ev(0xE0)) == -1.0
+        assert timed(Ev(0x51), Ev(0xE1, done=False)) is None and Lib.calls == []
+
+
 def test_many_jobs_from_threads_complete_once(platform):
     src = torch.arange(256, dtype=torch.uint8).repeat(128, 1)
     dst = torch.zeros_like(src)
