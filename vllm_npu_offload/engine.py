@@ -15,7 +15,8 @@ only in its scatters, the one step that writes KV pages: its link copies into th
 overlap the model's step in flight (vLLM schedules asynchronously: that step may still use a block
 the load reuses, so the scatters must not skip the wait). Completion is detected by polling end
 events; each job is reported exactly once, with bytes and seconds, and a failed copy is reported
-as ``success=False`` rather than raised, so the caller can fail its requests instead of hanging.
+as ``success=False`` rather than raised (also when the device reports the error only at the job's
+end event), so the caller can fail its requests instead of hanging.
 A reported job's pooled buffers and events go back after the next submit's copies are on their
 way (or at an idle poll): the poll that makes a completion visible does only what the caller needs.
 Bad input that a native planner checks (a block id out of range) raises ValueError at submit, with
@@ -262,6 +263,16 @@ class TransferEngine:
             return self.streams(direction)[self._turn[direction] % self._ring]
 
     # -- completion -------------------------------------------------------------------
+    def _seconds(self, item: _InFlight) -> float | None:
+        """``_query`` of a job: None while it runs; a query that fails (the device reports an error
+        at the job's end event) fails the job, reported like a failed copy rather than raised."""
+        try:
+            return self._query(item.start, item.end)
+        except Exception as e:  # noqa: BLE001 - becomes a failed result
+            if item.error is None:
+                item.error = f"{type(e).__name__}: {e}"
+            return 0.0
+
     def _finish(self, item: _InFlight, seconds: float) -> TransferResult:
         """The result of a finished job (counted in the totals at once), ``seconds`` as ``_query``
         gave them; its buffers and events wait in ``_retired`` until ``_retire`` (after the next
@@ -299,9 +310,9 @@ class TransferEngine:
                 if self._done[d]:
                     out += self._done[d]
                     self._done[d] = []
-                q, query = self._queues[d], self._query
+                q = self._queues[d]
                 while q and q[0].on_stream():
-                    seconds = query(q[0].start, q[0].end)
+                    seconds = self._seconds(q[0])
                     if seconds is None:
                         break
                     out.append(self._finish(q.popleft(), seconds))
@@ -344,7 +355,7 @@ class TransferEngine:
             for q in self._queues.values():
                 while q and id(q[0]) in items:  # not a job submitted meanwhile
                     item = q.popleft()
-                    seconds = self._query(item.start, item.end)  # done: its end was waited for above
+                    seconds = self._seconds(item)  # done: its end was waited for above
                     self._done[item.direction].append(self._finish(item, -1.0 if seconds is None else seconds))
             self._retire()
 

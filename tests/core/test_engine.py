@@ -130,6 +130,30 @@ def test_cuda_completion_query_takes_the_library_only_when_asked(monkeypatch, kn
         assert timed(Ev(0x51), Ev(0xE1, done=False)) is None and Lib.calls == []
 
 
+def test_a_failing_completion_query_fails_its_job_not_the_poll(platform):
+    """The device reports an error at a job's end event (torch's query raises, or the library's):
+    that job is reported failed, with the error, and the poll goes on; the next job is unaffected."""
+    src = torch.arange(64, dtype=torch.uint8).repeat(4, 1)
+    dst = torch.zeros_like(src)
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
+    pl = planner(src, dst, 64)
+    eng.submit(1, Direction.D2H, pl.plan([0], [0]))
+    eng.wait([1])
+    real = eng._query
+
+    def failing(start, end):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng._query = failing
+    (res,) = eng.poll()
+    eng._query = real
+    assert res.job_id == 1 and not res.success and res.num_bytes == 0 and "illegal memory access" in res.error
+    eng.submit(2, Direction.D2H, pl.plan([1], [1]))
+    eng.wait([2])
+    (res,) = eng.poll()
+    assert res.success and torch.equal(dst[1], src[1])
+
+
 def test_many_jobs_from_threads_complete_once(platform):
     src = torch.arange(256, dtype=torch.uint8).repeat(128, 1)
     dst = torch.zeros_like(src)

@@ -143,15 +143,16 @@ static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
 }
 
 /* cuEventQuery / cuEventElapsedTime: tests set fake_event_pending (the next queries say not ready) and
-   fake_elapsed_ms; an end event of 0xBAD fails its query with CUDA_ERROR_LAUNCH_FAILED (a failed copy),
+   fake_elapsed_ms; an end event of 0xBAD (or any, with fake_event_fail) fails its query with
+   CUDA_ERROR_LAUNCH_FAILED (a failed copy),
    a start event of 0xBAD its elapsed time. */
-int fake_event_pending = 0;
+int fake_event_pending = 0, fake_event_fail = 0;
 float fake_elapsed_ms = 0.25f;
 long long fake_queries = 0;
 static CUresult f_event_query(CUevent e) {
     fake_queries++;
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    if ((uintptr_t)e == 0xBAD) return CUDA_ERROR_LAUNCH_FAILED;
+    if ((uintptr_t)e == 0xBAD || fake_event_fail) return CUDA_ERROR_LAUNCH_FAILED;
     return fake_event_pending ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 static CUresult f_event_elapsed(float *ms, CUevent a, CUevent b) {

@@ -572,6 +572,12 @@ def case_event_poll():
         (res,) = core.poll()
         assert res.success and res.job_id == 1, res
         assert (res.seconds == 1.5e-3) == (timing == "1") and res.seconds > 0, res
+        fail = ctypes.c_int.in_dll(fake, "fake_event_fail")
+        fail.value = 1  # the device reports an error at the job's end: the job fails, the poll does not raise
+        core.submit(3, Direction.D2H, dev, [6], [0], chunks, staged=True)
+        (res,) = core.poll()
+        fail.value = 0
+        assert not res.success and res.num_bytes == 0 and "cuEventQuery" in res.error, res
         kv[0][dev] = 0
         core.submit(2, Direction.H2D, dev, [6], [0], chunks, staged=True)
         core.engine.drain()
