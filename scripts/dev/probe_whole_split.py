@@ -24,10 +24,10 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
   docs/benchmarks.md, eleventh session); vLLM's engine thread is busy between steps.
 
 ``--cpu-time`` adds a pass per shape and direction that reads the thread's CPU clock beside the wall
-clock around plan, submit and the reporting poll. ``--detail`` also times the whole front end in a loop
-with the native call a no-op (``hot_*``). Then single driver calls through the library, with the stream held busy so none blocks: a
-one-descriptor ``cuMemcpyBatchAsync``, the same copy by ``cuMemcpyAsync``, and a 3- and
-48-descriptor batch. Prints a table and writes JSON.
+clock around plan, submit and the reporting poll. ``--detail`` also times the whole front end in a
+loop with the native call a no-op (``hot_*``). Then single driver calls through the library, with the
+stream held busy so none blocks: a one-descriptor ``cuMemcpyBatchAsync``, the same copy by
+``cuMemcpyAsync``, and a 3- and 48-descriptor batch. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
