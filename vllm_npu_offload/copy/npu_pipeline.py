@@ -146,7 +146,8 @@ class AclStagedPipeline:
         req.out_src, req.out_dst, req.out_size = room.addrs
         req.capacity = room.capacity
         j = req.job
-        j.stream, j.aux, j.link = stream, aux, int(link)  # handles read each time: reading one flushes torch_npu's queue
+        # the stream handles are read for each call: reading one flushes torch_npu's task queue
+        j.stream, j.aux, j.link = stream, aux, int(link)
         req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
         return req
 
