@@ -161,9 +161,7 @@ class TransferEngine:
             turn = self._turn[direction]
             stream = ring[turn % len(ring)]
             self._turn[direction] = turn + 1
-            free = self._events
-            start = free.pop() if free else self.platform.new_event(timing=self._timing)
-            end = free.pop() if free else self.platform.new_event(timing=self._timing)
+            start, end = self._event(), self._event()
             prev = queue[-1] if queue else None
             if transfer.orders_itself:  # one native call: stream order, events and copies
                 self._submit_ordered(job_id, direction, transfer, stream, start, end, prev, len(ring) > 1, t_submit)
@@ -208,8 +206,7 @@ class TransferEngine:
         work so far, for a load its scatters only, and, on a ring, after the previous job's end)."""
         after = None
         if prev is not None:
-            if prev.enqueued is not None:  # an earlier job still with the submit thread: its end is not recorded yet
-                prev.enqueued.wait()
+            prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
             if chain:
                 after = prev.end
         error = None

@@ -230,13 +230,11 @@ class OffloadWorkerCore:
             side = None
         if side is not None and self._device_limit is not None:  # one limit for every group: one check
             check_range(side, device_block_ids, self._device_limit)
-        if bpc == 1 and self.num_groups == 1 and (side is None or self._device_limit is not None):
-            n = len(device_block_ids)  # one group, a block per chunk (the common case): the ids as given
-            if len(chunk_ids) != n:
-                raise ValueError(f"group 0 needs {n} host chunks, transfer gives {len(chunk_ids)}"
-                                 if len(chunk_ids) < n else
-                                 f"transfer gives {len(chunk_ids)} host chunks but its groups use {n}")
-            return [(0, device_block_ids, chunk_ids)] if n else []
+        if (bpc == 1 and self.num_groups == 1 and len(chunk_ids) == len(device_block_ids)
+                and (side is None or self._device_limit is not None)):
+            # one group, a block per chunk (the common case): the ids as given (a count that does not
+            # match goes on to the loop below, which names it)
+            return [(0, device_block_ids, chunk_ids)] if len(chunk_ids) else []
         host_ids = chunk_ids if bpc == 1 else (chunk_ids[:, None] * bpc + self._sub_blocks).ravel()
         out = []
         dev_off = chunk_off = 0

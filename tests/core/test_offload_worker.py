@@ -86,7 +86,7 @@ def test_bad_transfers_raise_and_leak_nothing():
     assert core.engine.in_flight() == 0
 
 
-@pytest.mark.parametrize("bpc", [1, 2])  # 1: the one-group fast path of the split; 2: the general one
+@pytest.mark.parametrize("bpc", [1, 2])  # 1: the split's one-group fast path (matching counts); 2: the loop
 def test_host_chunk_count_must_match_the_blocks(bpc):
     core, _ = make_core(bpc)
     need = -(-3 // bpc)

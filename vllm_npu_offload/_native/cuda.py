@@ -149,8 +149,8 @@ class NativeCudaLib:
         cache = getattr(self._tls, "submit", None)
         if cache is None:
             cache = self._tls.submit = {}
-        refs = cache.get(id(request))
-        if refs is None or refs[0] is not request:
+        refs = cache.get(id(request))  # held with its entry, so no other request takes its id meanwhile
+        if refs is None:
             if len(cache) >= 8:  # one request per direction and pipeline: a few; stay small
                 cache.clear()
             links = ctypes.c_uint64()

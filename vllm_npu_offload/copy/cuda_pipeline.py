@@ -205,8 +205,8 @@ class CudaStagedPipeline:
     def _raw_handle(self, stream: Any) -> int:
         """``stream``'s raw handle, kept with the stream (the engine's ring and the aux streams live as
         long as the worker; reading a torch stream's handle costs a C++ property call each time)."""
-        hit = self._raw.get(id(stream))
-        if hit is None or hit[0] is not stream:
+        hit = self._raw.get(id(stream))  # held with its entry, so no other stream takes its id meanwhile
+        if hit is None:
             if len(self._raw) >= 64:  # a compute stream may come as a new object each time: stay small
                 self._raw.clear()
             hit = self._raw[id(stream)] = (stream, self.platform.raw_stream_handle(stream))
