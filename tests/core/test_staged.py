@@ -5,6 +5,8 @@ where it would only add a memmove): the planner, the slice pipeline and the bloc
 host layout are the same code as on CUDA/NPU; only the copy paths differ.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from staged_round_trip import settle
 
 from vllm_npu_offload import staging, staging_choice
+from vllm_npu_offload._native.cuda import load_library
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
 from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
@@ -498,21 +501,27 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("timing", ["1", "0"])
-def test_cuda_native_poll_reports_each_job_once_when_done(monkeypatch, timing):
-    """NPU_OFFLOAD_NATIVE_POLL=1: the engine's poll asks the library (cuEventQuery +
-    cuEventElapsedTime, one call) instead of torch: a load behind a busy stream is not reported
+def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatch, timing, native):
+    """The engine's poll, through the library (NPU_OFFLOAD_NATIVE_POLL=1: cuEventQuery +
+    cuEventElapsedTime, one call) or through torch: a load behind a busy stream is not reported
     while it runs, then once, byte-exact, with the device time torch's events give for it (timing)
     or the host's time (no timing)."""
-    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", "1")
+    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", native)
     monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", timing)
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 10)
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the model's step: the load's scatters wait for it
+    busy = torch.cuda.current_stream()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(1_000_000_000)  # the model's step (~0.5 s): the load's scatters wait for it
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
-    assert core.poll() == [] and core.engine.in_flight() == 1
     item = core.engine._queues[Direction.H2D][0]
+    seen = (f"{(time.perf_counter() - t0) * 1e3:.1f} ms after the sleep's launch: model stream done "
+            f"{busy.query()}, torch end {item.end.query()}, torch start {item.start.query()}, library end "
+            f"{load_library().event_poll(0, core.platform.raw_event_handle(item.end))}")
+    assert core.poll() == [] and core.engine.in_flight() == 1, seen
     item.end.synchronize()
     (res,) = core.poll()
     assert res.job_id == 2 and res.success and res.num_bytes == n * len(tensors) * page, res
