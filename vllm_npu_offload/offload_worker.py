@@ -154,6 +154,7 @@ class OffloadWorkerCore:
         # stores go direct on the copy engines and the rest staged. Loads keep the faster path.
         self.backend.use_path(Direction.D2H, paths[1])
         self._staged = {(g, d): self._planner(g, d, self.stager) for g in range(self.num_groups) for d in Direction}
+        self.stager.prepare_tables(self._staged.values())
         self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
                        for refs in self.group_refs]
         pages = [r.page_bytes for refs in self.group_refs for r in refs]

@@ -196,6 +196,11 @@ class Stager:
                     self.buffer.numel() / 2**20, platform.kind, g.slots, g.slot_blocks,
                     local_path.name, link_path.name, "native" if self._fused is not None else "python")
 
+    def prepare_tables(self, planners) -> None:
+        """The native pipeline's pair tables of ``planners``, made before the first transfer."""
+        if self._fused is not None:
+            self._fused.prepare_tables(planners)
+
     def aux_streams(self) -> list:
         """The streams the gather/scatter runs on (one per direction)."""
         return list(self._aux.values())

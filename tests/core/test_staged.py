@@ -501,6 +501,24 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_cuda_first_transfers_do_not_wait_for_the_model_stream(monkeypatch):
+    """vLLM submits between steps while the step's kernels still run: a fresh worker's first store
+    and first load return while the model's stream is busy (their pair tables were uploaded at the
+    worker's start; uploaded at the first submit, that pageable copy waited out the step)."""
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
+    rng = np.random.default_rng(11)
+    dev_ids, chunks = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64), chunks_for(rng, n, 0, 1)
+    busy = torch.cuda.current_stream()
+    for job, direction in ((1, Direction.D2H), (2, Direction.H2D)):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)
+        core.submit(job, direction, dev_ids, [n], [0], chunks, staged=True)
+        assert not busy.query(), f"the first {direction.name} waited for the model's stream"
+        settle(core, [job])
+    core.shutdown()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("native", ["1", "0"])
 @pytest.mark.parametrize("timing", ["1", "0"])
 def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatch, timing, native):

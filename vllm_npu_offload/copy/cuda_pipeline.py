@@ -106,8 +106,18 @@ class CudaStagedPipeline:
         self._raw: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, its raw handle)
         self._marks = {d: self.events[d][1 + 2 * slots] for d in Direction}
 
+    def prepare_tables(self, planners) -> None:
+        """Upload every planner's pair table now, at the worker's start: the upload is a pageable
+        copy on the current stream, which waits for the model's stream, so made at a transfer's
+        first use it stalled that submit until the step in flight ended (~200 ms behind a 200 ms
+        kernel: scripts/dev/probe_submit_sync.py)."""
+        for planner in planners:
+            if planner is not None:
+                self._table(planner)
+
     def _table(self, planner) -> int:
-        """The device address of ``planner``'s pair table (uploaded at its first use)."""
+        """The device address of ``planner``'s pair table (uploaded by ``prepare_tables``; a planner
+        it was not given, at its first use)."""
         hit = self._tables.get(id(planner))
         if hit is None:  # the planner is kept alive with its table, so its id stays unique
             table = torch.from_numpy(planner.pair_table()).to(self.platform.device)

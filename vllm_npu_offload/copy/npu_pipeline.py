@@ -100,6 +100,12 @@ class AclStagedPipeline:
         acl.staged_run(job, self.lib)
 
     # -- native planning (npu_offload_acl_staged_submit) ---------------------------------------------
+    def prepare_tables(self, planners) -> None:
+        """Make every planner's host pair table now (the CUDA twin uploads its own at this point)."""
+        for planner in planners:
+            if planner is not None:
+                self._table(planner)
+
     def _table(self, planner: CopyPlanner) -> int:
         """The address of ``planner``'s host pair table (made at first use, kept with the planner)."""
         hit = self._tables.get(id(planner))

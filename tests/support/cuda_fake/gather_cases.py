@@ -422,6 +422,10 @@ def case_staged_ordered():
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
                              enumerate(pages)]], 1, 24, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
     fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
+    # every planner's pair table is on the device before the first transfer: uploaded at a submit,
+    # the copy waited for the model's stream (a whole step, on a GPU)
+    tables = {id(p) for p in core._staged.values() if p is not None}
+    assert len(tables) == 2 and set(fused._tables) == tables, (tables, fused._tables)
     dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
     compute, after, start, end = 0xC0, 0xAF, 0x57, 0xE0
     for direction in Direction:
@@ -465,6 +469,7 @@ def case_staged_ordered():
             staging.GROWTH = 4
         assert _event_ops_since(n0) == [("record", end, stream)]
         core.pool.release(transfer.buffers)
+    assert set(fused._tables) == tables, "a transfer uploaded a table"
     core.shutdown()
     print("staged_ordered ok")
 
