@@ -155,6 +155,15 @@ int npo_table_inline_launch(const npo_driver *drv, void *fn, uint64_t table, uin
     return 0;
 }
 
+// Loads the kernel's module and functions into the current context ahead of the first launch: loading
+// code may wait for the device (CUDA's lazy-loading hazards), and at a transfer's first launch that
+// was the rest of the model's step in flight (the process's first store, ~200 ms behind a 200 ms kernel).
+extern "C" int npo_cuda_gather_load(char *msg, size_t msg_len) {
+    const npo_driver *drv = npo_driver_get();
+    npo_gather_fns fns = {nullptr, nullptr, nullptr};
+    return npo_gather_ready(drv, nullptr, &fns, msg, msg_len);
+}
+
 extern "C" int npo_cuda_gather(uint64_t src, uint64_t dst, uint64_t size, uint64_t first, uint64_t width,
                                uint64_t rows, uint64_t stride, uint64_t min_page, int programs, void *stream,
                                char *msg, size_t msg_len) {

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 8
+#define NPO_CUDA_ABI_VERSION 9
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -56,6 +56,10 @@ NPO_EXPORT int npo_cuda_loop_copy(const uint64_t *src, const uint64_t *dst, cons
 
 /* 1 if the gather kernel (gather_kernel.cu, needs nvcc at build time) is compiled in. */
 NPO_EXPORT int npo_cuda_gather_built(void);
+
+/* Load the gather kernel into the calling thread's current context now (the worker's start), not at
+ * its first launch: loading may wait for the device. 0, or an error naming the call. */
+NPO_EXPORT int npo_cuda_gather_load(char *msg, size_t msg_len);
 
 /* Device-local gather/scatter: copy descriptors first + r * stride + c (r < rows,
  * c < width) whose columns src/dst/size are DEVICE arrays (uploaded by the caller), with

@@ -82,7 +82,7 @@ def test_build_modes(libs):
     for mode, d in libs.items():
         lib = ctypes.CDLL(str(d / builder.LIB_NAME))
         assert lib.npo_cuda_built_mode() == int(mode)
-        assert lib.npo_cuda_abi_version() == 8
+        assert lib.npo_cuda_abi_version() == 9
 
 
 def test_bad_batch_flag_is_named(libs):
@@ -233,6 +233,11 @@ def test_gather_kernel_ranges_staged_and_errors(libs, fake_driver):
              "staged_inline_all", "staged_dma_local", "staged_ordered", "staged_ids_checked", "event_poll", "errors"]
     out = _gather_cases(libs["1"], fake_driver, *cases)
     assert out.split() == [w for c in cases for w in (c, "ok")]
+
+
+@needs_nvcc
+def test_gather_kernel_loads_when_a_worker_starts(libs, fake_driver):
+    assert _gather_cases(libs["1"], fake_driver, "kernel_at_start").strip() == "kernel_at_start ok"
 
 
 @needs_nvcc

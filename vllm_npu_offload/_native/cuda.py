@@ -16,7 +16,7 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 8
+ABI_VERSION = 9
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 NPO_ERR_RANGE = -4  # a block id out of range: bad input, raised as ValueError
 NPO_PENDING = 1  # npo_cuda_event_poll: the end event has not completed
@@ -38,6 +38,7 @@ class NativeCudaLib:
         lib.npo_cuda_runtime_mode.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
         u64 = ctypes.c_uint64
         lib.npo_cuda_gather.argtypes = [u64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.npo_cuda_gather_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_submit.argtypes = [ctypes.c_void_p, _u64p, ctypes.c_char_p, ctypes.c_size_t]
@@ -49,7 +50,8 @@ class NativeCudaLib:
         lib.npo_cuda_event_poll.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float),
                                             ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
-                   "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_staged_run",
+                   "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_gather_load",
+                   "npo_cuda_staged_run",
                    "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create",
                    "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy",
                    "npo_cuda_event_poll"):
@@ -131,6 +133,11 @@ class NativeCudaLib:
         """Launch the gather kernel over device-resident descriptor ``columns`` (src, dst, size)."""
         self._call(self._lib.npo_cuda_gather, *columns, first, width, rows, stride, min_page, programs,
                    stream_handle or None, call="npo_cuda_gather", what=f"{rows * width} descriptors")
+
+    def gather_load(self) -> None:
+        """Load the gather kernel into the current context now: loading code may wait for the device,
+        so at a transfer's first launch it held that submit until the model's step ended."""
+        self._call(self._lib.npo_cuda_gather_load, call="npo_cuda_gather_load")
 
     def staged_run(self, job, rows: int) -> None:
         """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""

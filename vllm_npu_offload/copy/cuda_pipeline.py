@@ -100,6 +100,7 @@ class CudaStagedPipeline:
         # the pipeline's entry and slot events, then the mark of the model's stream (its own: a load's
         # scatters wait for it after the entry has been recorded again)
         self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
+        lib.gather_load()  # at the worker's start: loading the kernel at a first launch waited out a model step
         self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._lanes: dict[Direction, _Lane] = {}

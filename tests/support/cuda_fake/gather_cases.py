@@ -623,6 +623,33 @@ def case_errors():
     print("errors ok")
 
 
+def _fresh_core():
+    """A CUDA worker core whose staged transfers the library plans and orders (FakeCuda)."""
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
+    pages = [512, 256]
+    kv = [torch.zeros((32, q), dtype=torch.uint8) for q in pages]
+    return OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
+                             [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, 24, FakeCuda(),
+                             staging_bytes=2 * 3 * 4 * sum(pages))
+
+
+def case_kernel_at_start():
+    """The gather kernel is loaded when a worker starts, not at its first launch (loading code may
+    wait for the device: at a first submit it waited out the model's step). Run first in a process."""
+    assert counter("fake_modules", ctypes.c_longlong) == 0
+    core = _fresh_core()
+    assert counter("fake_modules", ctypes.c_longlong) == 1 and counter("fake_launches", ctypes.c_longlong) == 0
+    core.submit(1, Direction.D2H, np.arange(4, dtype=np.int64), [4], [0], np.arange(4, dtype=np.int64), staged=True)
+    core.wait([1])
+    assert [r.success for r in core.poll()] == [True]
+    assert counter("fake_modules", ctypes.c_longlong) == 1 and counter("fake_launches", ctypes.c_longlong) > 0
+    core.shutdown()
+    print("kernel_at_start ok")
+
+
 def case_no_binary():
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)
@@ -634,6 +661,12 @@ def case_no_binary():
         assert "NPU_OFFLOAD_CUDA_ARCHS" in str(e)
     else:
         raise AssertionError("a missing binary was not reported")
+    try:  # a staged worker loads the kernel when it starts: it refuses to start, naming why
+        _fresh_core()
+    except CopyError as e:
+        assert "cuModuleLoadData" in str(e) and "NPU_OFFLOAD_CUDA_ARCHS" in str(e), e
+    else:
+        raise AssertionError("a worker started without a kernel binary")
     print("no_binary ok")
 
 
