@@ -143,6 +143,8 @@ class TransferEngine:
         self._timing = bool(env.get(ENV_EVENT_TIMING))  # a job's seconds: the device's span, else the host's
         self._query = platform.completion_query(self._timing)  # (start, end) -> None while pending, else seconds
         self._submitter: _SubmitThread | None = None  # started on the first job it takes
+        for d in Direction:  # made now, not at a direction's first submit: making a stream is a driver
+            self.streams(d)  # call that may wait for the device, and submit runs while the model's step does
 
     # -- submission -------------------------------------------------------------------
     def submit(self, job_id: int, transfer: Transfer) -> None:
@@ -247,7 +249,7 @@ class TransferEngine:
             item.enqueued.set()
 
     def streams(self, direction: Direction) -> list[Any]:
-        """The streams this direction's transfers take in turn (made on first use)."""
+        """The streams this direction's transfers take in turn (made when the engine starts)."""
         with self._lock:
             ring = self._streams.get(direction)
             if ring is None:

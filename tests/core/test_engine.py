@@ -36,6 +36,23 @@ def planner(src, dst, page):
                                    BlockLayout(dst.data_ptr(), page, dst.shape[0]), page)])
 
 
+def test_streams_are_made_when_the_engine_starts(platform):
+    """Submit makes no stream: making one is a driver call that may wait for the device, and vLLM
+    submits while the model's step runs."""
+    made = []
+    new_stream = platform.new_stream
+    platform.new_stream = lambda: made.append(1) or new_stream()
+    dev = torch.arange(32 * 16, dtype=torch.uint8).reshape(32, 16)
+    host = torch.zeros((32, 16), dtype=torch.uint8)
+    eng = Engine(platform, NPUDmaCopyBackend(platform))
+    n = len(made)
+    assert n == 2 * len(eng.streams(Direction.H2D)) > 0
+    for job, (d, a, b) in enumerate(((Direction.D2H, dev, host), (Direction.H2D, host, dev)), 1):
+        eng.submit(job, d, planner(a, b, 16).plan(np.arange(8), np.arange(8)))
+        eng.wait([job])
+    assert len(made) == n and [r.success for r in eng.poll()] == [True, True]
+
+
 def test_in_order_exactly_once_and_bytes(platform):
     rng = np.random.default_rng(0)
     dev = torch.from_numpy(rng.integers(0, 256, (64, 96), dtype=np.uint8))
