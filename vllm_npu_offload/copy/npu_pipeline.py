@@ -107,7 +107,7 @@ class AclStagedPipeline:
                 self._table(planner)
 
     def _table(self, planner: CopyPlanner) -> int:
-        """The address of ``planner``'s host pair table (made at first use, kept with the planner)."""
+        """The address of ``planner``'s host pair table (made by ``prepare_tables``, kept with the planner)."""
         hit = self._tables.get(id(planner))
         if hit is None:  # the planner is kept alive with its table, so its id stays unique
             table = planner.pair_table()
