@@ -647,6 +647,19 @@ def case_kernel_at_start():
     assert [r.success for r in core.poll()] == [True]
     assert counter("fake_modules", ctypes.c_longlong) == 1 and counter("fake_launches", ctypes.c_longlong) > 0
     core.shutdown()
+    # an 80-layer model with K and V apart in two KV groups (160 tensors): every group's table in each
+    # direction is on the device at the start, one per group and direction, and the kernel not loaded again
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    kv = [torch.zeros((8, 64), dtype=torch.uint8) for _ in range(160)]
+    big = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
+                            [[GroupRef(i, 64) for i in range(g, 160, 2)] for g in range(2)], 1, 8, FakeCuda(),
+                            staging_bytes=2 * 3 * 160 * 64)
+    fused = big.stager._fused
+    assert sorted(len(p.pairs) for p, _, _ in fused._tables.values()) == [80] * 4, fused._tables
+    assert counter("fake_modules", ctypes.c_longlong) == 1
+    big.shutdown()
     print("kernel_at_start ok")
 
 
