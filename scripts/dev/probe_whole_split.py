@@ -39,6 +39,7 @@ import json
 import os
 import pstats
 import sys
+import threading
 import time
 
 import numpy as np
@@ -233,6 +234,23 @@ def driver_calls(platform, lib, reps: int) -> dict[str, float]:
     return out
 
 
+def _host() -> str:
+    """The host's CPU model, Python and clock source (a VM's clock may make every timer read a
+    system call, which the engine pays at each submit and poll)."""
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    try:
+        with open("/sys/devices/system/clocksource/clocksource0/current_clocksource") as f:
+            clock = f.read().strip()
+    except OSError:
+        clock = "?"
+    return f"{model}, Python {sys.version.split()[0]}, clocksource {clock}"
+
+
 def _med_us(fn, reps: int) -> float:
     ts = []
     for _ in range(reps + 5):
@@ -257,7 +275,16 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
         with platform.stream_context(stream):
             pass
 
-    out = {
+    lock = threading.Lock()
+
+    def lock_cycle():
+        with lock:
+            pass
+
+    out = {  # the host itself first: an empty call (what every row below includes), the clock, a lock
+        "noop": _med_us(lambda: None, reps),
+        "perf_counter": _med_us(time.perf_counter, reps),
+        "lock_cycle": _med_us(lock_cycle, reps),
         "current_stream": _med_us(platform.current_stream, reps),
         "wait_stream": _med_us(lambda: stream.wait_stream(compute), reps),
         "stream_context": _med_us(ctx, reps),
@@ -377,8 +404,9 @@ def main() -> None:
     a = ap.parse_args()
     platform = get_platform()
     lib = load_library()
-    res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}}
-    print(f"device: {res['device']}; us per staged transfer (median of {a.reps}), consecutive host chunks")
+    res = {"device": platform.device_name(), "library": lib.describe(), "shapes": {}, "host": _host()}
+    print(f"device: {res['device']}; host: {res['host']}")
+    print(f"us per staged transfer (median of {a.reps}), consecutive host chunks")
     print(f"{'shape':26s} {'dir':3s} {'MiB':>5s} {'sl':>2s} " + " ".join(f"{k:>9s}" for k in PARTS + SPIN_PARTS)
           + "  whole% floor%  spin% fspin%")
     runs = [(s, t, p) for s in a.shapes.split(",") if s for t in a.event_timing.split(",")
