@@ -131,8 +131,10 @@ class TransferEngine:
         self.pool = pool or DescriptorPool(platform)
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
-        self._streams: dict[Direction, list[Any]] = {}
         self._ring = env.get(ENV_STREAMS)
+        # made now, not at a direction's first submit: making a stream is a driver call that may wait
+        # for the device, and submit runs while the model's step does
+        self._streams = {d: [platform.new_stream() for _ in range(self._ring)] for d in Direction}
         self._turn = {d: 0 for d in Direction}
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
@@ -143,8 +145,6 @@ class TransferEngine:
         self._timing = bool(env.get(ENV_EVENT_TIMING))  # a job's seconds: the device's span, else the host's
         self._query = platform.completion_query(self._timing)  # (start, end) -> None while pending, else seconds
         self._submitter: _SubmitThread | None = None  # started on the first job it takes
-        for d in Direction:  # made now, not at a direction's first submit: making a stream is a driver
-            self.streams(d)  # call that may wait for the device, and submit runs while the model's step does
 
     # -- submission -------------------------------------------------------------------
     def submit(self, job_id: int, transfer: Transfer) -> None:
@@ -159,7 +159,7 @@ class TransferEngine:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id} is already in flight")
             queue = self._queues[direction]
-            ring = self._streams.get(direction) or self.streams(direction)
+            ring = self._streams[direction]
             turn = self._turn[direction]
             stream = ring[turn % len(ring)]
             self._turn[direction] = turn + 1
@@ -250,16 +250,12 @@ class TransferEngine:
 
     def streams(self, direction: Direction) -> list[Any]:
         """The streams this direction's transfers take in turn (made when the engine starts)."""
-        with self._lock:
-            ring = self._streams.get(direction)
-            if ring is None:
-                ring = self._streams[direction] = [self.platform.new_stream() for _ in range(self._ring)]
-            return ring
+        return self._streams[as_direction(direction)]
 
     def stream(self, direction: Direction) -> Any:
         """The stream this direction's next transfer takes."""
         with self._lock:
-            return self.streams(direction)[self._turn[direction] % self._ring]
+            return self._streams[as_direction(direction)][self._turn[direction] % self._ring]
 
     # -- completion -------------------------------------------------------------------
     def _seconds(self, item: _InFlight) -> float | None:
