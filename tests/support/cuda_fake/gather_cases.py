@@ -409,18 +409,12 @@ def case_staged_ordered():
     stream (through a mark recorded there) and the previous job's end, then records the start; the
     end is recorded after the copies, and also when the plan fails (the job then finishes, failed)."""
     from vllm_npu_offload import staging
-    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-    from vllm_npu_offload.offload_worker import OffloadWorkerCore
     from vllm_npu_offload.errors import CopyError
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native")
+    os.environ.update(NPU_OFFLOAD_STAGE_PIPELINE="native", NPU_OFFLOAD_STAGE_PLAN="native")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(4)
-    pages = [512, 256]
-    kv = [torch.from_numpy(rng.integers(0, 256, (32, q), dtype=np.uint8)).clone() for q in pages]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
-                             enumerate(pages)]], 1, 24, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    core = _fresh_core()
     fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
     # every planner's pair table is on the device before the first transfer: uploaded at a submit,
     # the copy waited for the model's stream (a whole step, on a GPU)
@@ -624,7 +618,7 @@ def case_errors():
 
 
 def _fresh_core():
-    """A CUDA worker core whose staged transfers the library plans and orders (FakeCuda)."""
+    """A staged CUDA worker core over two tensors of 512 and 256-byte pages in one KV group (FakeCuda)."""
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
