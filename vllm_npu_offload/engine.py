@@ -163,7 +163,9 @@ class TransferEngine:
             turn = self._turn[direction]
             stream = ring[turn % len(ring)]
             self._turn[direction] = turn + 1
-            start, end = self._event(), self._event()
+            events = self._events
+            start = events.pop() if events else self.platform.new_event(timing=self._timing)
+            end = events.pop() if events else self.platform.new_event(timing=self._timing)
             prev = queue[-1] if queue else None
             if transfer.orders_itself:  # one native call: stream order, events and copies
                 self._submit_ordered(job_id, direction, transfer, stream, start, end, prev, len(ring) > 1, t_submit)
@@ -208,7 +210,8 @@ class TransferEngine:
         work so far, for a load its scatters only, and, on a ring, after the previous job's end)."""
         after = None
         if prev is not None:
-            prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
+            if prev.enqueued is not None:  # an earlier job still with the submit thread: its end is not recorded yet
+                prev.enqueued.wait()
             if chain:
                 after = prev.end
         error = None
@@ -306,8 +309,16 @@ class TransferEngine:
                     out += self._done[d]
                     self._done[d] = []
                 q = self._queues[d]
-                while q and q[0].on_stream():
-                    seconds = self._seconds(q[0])
+                while q:  # ``on_stream`` and ``_seconds`` inline: this poll makes a completion visible
+                    item = q[0]
+                    if item.enqueued is not None and not item.enqueued.is_set():
+                        break
+                    try:
+                        seconds = self._query(item.start, item.end)
+                    except Exception as e:  # noqa: BLE001 - becomes a failed result
+                        if item.error is None:
+                            item.error = f"{type(e).__name__}: {e}"
+                        seconds = 0.0
                     if seconds is None:
                         break
                     out.append(self._finish(q.popleft(), seconds))

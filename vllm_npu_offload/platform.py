@@ -79,6 +79,12 @@ class Platform(ABC):
         """The driver handle of the stream compute runs on (``current_stream``), for native code."""
         return self.raw_stream_handle(self.current_stream())
 
+    def raw_order(self, start: Any, end: Any, after: Any = None) -> tuple[int, int, int, int]:
+        """(the compute stream, ``after`` or 0, ``start``, ``end``) as driver handles, for a native
+        call that takes the engine's stream order itself (where ``raw_events``)."""
+        ev = self.raw_event_handle
+        return self.raw_current_stream(), ev(after) if after is not None else 0, ev(start), ev(end)
+
     @property
     def pin_memory_available(self) -> bool:
         return False
@@ -205,11 +211,29 @@ class CudaPlatform(_TorchAcceleratorPlatform):
     raw_events = True
 
     def completion_query(self, timing: bool):
-        if not env.get("NPU_OFFLOAD_NATIVE_POLL"):
-            return super().completion_query(timing)
-        from ._native.cuda import load_library
+        if env.get("NPU_OFFLOAD_NATIVE_POLL"):
+            from ._native.cuda import load_library
 
-        return native_completion_query(load_library(), self.raw_event_handle, timing)
+            return native_completion_query(load_library(), self.raw_event_handle, timing)
+        # torch's C++ calls themselves: torch.cuda.Event's query and elapsed_time are Python methods
+        # that only call super(), one frame each on the poll that makes a completion visible (a
+        # torch built without CUDA has the base class without them: the events' own calls then)
+        base = getattr(torch._C, "_CudaEventBase", None)
+        query, elapsed = getattr(base, "query", None), getattr(base, "elapsed_time", None)
+        if query is None or elapsed is None:
+            return super().completion_query(timing)
+
+        def seconds(start: Any, end: Any) -> float | None:
+            if not query(end):
+                return None
+            if not timing:
+                return -1.0
+            try:
+                return elapsed(start, end) * 1e-3
+            except Exception:  # noqa: BLE001 - timing is best effort
+                return 0.0
+
+        return seconds
 
     def raw_event_handle(self, event) -> int:
         handle = event.cuda_event
@@ -221,6 +245,16 @@ class CudaPlatform(_TorchAcceleratorPlatform):
     def raw_current_stream(self) -> int:
         # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host)
         return int(torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())) or CU_STREAM_LEGACY
+
+    def raw_order(self, start, end, after=None) -> tuple[int, int, int, int]:
+        # one frame on every natively ordered submit: the handles read as attributes (an event made
+        # by the engine has its driver event once recorded, which the first submit's fallback does)
+        s, e = start.cuda_event, end.cuda_event
+        a = 0 if after is None else after.cuda_event
+        if not (s and e) or (after is not None and not a):
+            return super().raw_order(start, end, after)
+        c = torch._C
+        return c._cuda_getCurrentRawStream(c._cuda_getDevice()) or CU_STREAM_LEGACY, a, s, e
 
     def new_stream(self):
         """A transfer stream of our own: a non-blocking driver stream, kept for the process's

@@ -144,9 +144,7 @@ class NativeStagedTransfer(Transfer):
         waits for the compute stream's work so far, a load's scatters do (its link copies need not);
         ``stream`` waits for ``after`` (the previous job's end), then records ``start``; ``end`` is
         recorded after the copies, also when one fails to enqueue."""
-        ev = platform.raw_event_handle
-        order = (platform.raw_current_stream(), ev(after) if after is not None else 0, ev(start), ev(end))
-        self.links = self.stager.run_native(self, stream, order=order)
+        self.links = self.stager.run_native(self, stream, order=platform.raw_order(start, end, after))
 
 
 __all__ = ["DirectTransfer", "NativeStagedTransfer", "StagedTransfer", "Transfer"]

@@ -309,8 +309,9 @@ def test_transfer_streams_are_not_torch_pool_streams():
         eng.submit(job, DirectTransfer(Direction.D2H, planner.plan([job % 4], [job % 4], eng.pool), backend))
     eng.drain()
     assert all(r.success for r in eng.poll())
-    streams = [s for ring in eng._streams.values() for s in ring]
-    assert len(streams) == eng._ring and not {s.cuda_stream for s in streams} & pool
+    rings = eng._streams.values()  # each direction's ring, made when the engine started
+    streams = {s.cuda_stream for ring in rings for s in ring}
+    assert [len(r) for r in rings] == [eng._ring] * 2 and len(streams) == 2 * eng._ring and not streams & pool
     assert torch.equal(host.cpu(), dev.cpu())
     eng.shutdown()
 
