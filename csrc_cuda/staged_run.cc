@@ -106,27 +106,19 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     // A one-slice store with inline ids needs no upload at all; any other upload on aux is
     // followed by a gather there that the job stream waits for (or by the final wait below).
     const bool need_upload = !ids_in_link && !(inline_first && (n == 1 || inline_all));
-    // What aux does before its first gather/scatter: wait for the model's mark (a load), the ids'
-    // upload, then (a load) entry again, now on aux. It goes to the driver right after the slice
-    // on the transfer's critical path has its first operation (a store's first gather, a load's
-    // first link batch): the upload's driver call (~15 us on a GPU server's host) used to come
-    // first and delay that operation by as much. The device sees the same order: aux runs these
-    // after the entry wait below and before its first gather/scatter, as before.
-    const bool defer_aux = link && n && (store ? own == 0 && inline_first : true);
-    auto aux_setup = [&]() {
-        int r = 0;
-        if (model) r = c.wait(aux, model);
-        if (!r && need_upload) r = upload(aux);
-        // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
-        if (!r && ids_after_model) r = c.record(entry, aux);
-        return r;
-    };
     if (store && own == 0 && !inline_first) {
         rc = upload(stream);
     } else {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-        if (!defer_aux) rc = aux_setup();
+        if (model && (rc = c.wait(aux, model))) return rc;
+        // Before the first link batch, not after it: a load's upload enqueued after that batch
+        // waited behind it for the host-to-device copy engine, and every scatter with it (H200,
+        // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92%).
+        // A store's first gather gained nothing from it either (docs/benchmarks.md, 14th session).
+        if (need_upload) rc = upload(aux);
+        // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
+        if (!rc && ids_after_model) rc = c.record(entry, aux);
     }
     if (rc) return rc;
     const uint64_t dev_src = job->dev_ids, dev_dst = job->dev_ids + 8 * job->n_ids;
@@ -158,7 +150,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
             rc = i == 0 && ids_in_link ? link_with_ids(k0, k1)
                         : npo_batch_range(drv, job->link_src + k0, job->link_dst + k0, job->link_size + k0, k1 - k0, 1,
                                           stream, msg, msg_len);
-            if (rc || (i == 0 && defer_aux && (rc = aux_setup()))) return rc;
+            if (rc) return rc;
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
@@ -179,7 +171,6 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
                                         job->programs, local, msg, msg_len);
             if (rc) return rc;
         }
-        if (store && mine && defer_aux && (rc = aux_setup())) return rc;  // after the first gather's launch
         if (!link) {
             if ((rc = c.record(filled[s], aux)) || (rc = c.record(drained[s], aux))) return rc;
         } else if (store) {

@@ -84,9 +84,8 @@ static CUresult f_get_function(CUfunction *f, CUmodule m, const char *name) {
 }
 static CUresult f_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned shmem, CUstream st, void **p, void **extra) {
-    (void)shmem; (void)extra;
+    (void)shmem; (void)st; (void)extra;
     if (gy != 1 || gz != 1 || by != 1 || bz != 1 || !gx || !bx) return CUDA_ERROR_INVALID_VALUE;
-    log_op(4, (CUevent)f, st);
     if (f == (CUfunction)0x4) {
         npo_table_args t = {*(const int64_t **)p[0], *(const int64_t **)p[2], *(const int64_t **)p[3],
                             *(uint64_t *)p[1], *(uint64_t *)p[4], *(uint64_t *)p[5], *(uint32_t *)p[6]};
@@ -120,9 +119,8 @@ static CUresult f_event_create(CUevent *e, unsigned flags) {
     return CUDA_SUCCESS;
 }
 static CUresult f_event_destroy(CUevent e) { (void)e; fake_events--; return CUDA_SUCCESS; }
-/* The last FAKE_LOG stream operations, for order checks: (1 record / 2 wait, event, stream),
-   (3 copy, destination address, stream): one row per copy, batched or not, or (4 launch, kernel,
-   stream). */
+/* The last FAKE_LOG stream operations, for order checks: (1 record / 2 wait, event, stream) or
+   (3 copy, destination address, stream): one row per copy, batched or not. */
 #define FAKE_LOG 4096
 unsigned long long fake_log[FAKE_LOG][3];
 long long fake_log_n = 0;

@@ -396,13 +396,12 @@ def case_native_plan():
 
 def _event_ops_since(n0, copies=False):
     """(kind, event, stream) of every event operation since the fake's log count ``n0``; with
-    ``copies`` also ("copy", destination, stream) of every copy and ("launch", kernel, stream) of
-    every kernel launch, in enqueue order."""
+    ``copies`` also ("copy", destination, stream) of every copy, in enqueue order."""
     log = (ctypes.c_ulonglong * 3 * 4096).in_dll(fake, "fake_log")
     n = counter("fake_log_n", ctypes.c_longlong)
-    ops = [(("record", "wait", "copy", "launch")[log[i % 4096][0] - 1], log[i % 4096][1], log[i % 4096][2])
+    ops = [(("record", "wait", "copy")[log[i % 4096][0] - 1], log[i % 4096][1], log[i % 4096][2])
            for i in range(max(n0, n - 4096), n)]
-    return ops if copies else [op for op in ops if op[0] in ("record", "wait")]
+    return ops if copies else [op for op in ops if op[0] != "copy"]
 
 
 def case_staged_ordered():
@@ -432,27 +431,17 @@ def case_staged_ordered():
         ops = _event_ops_since(n0)
         ids = transfer.room.device_cols.data_ptr()  # where the block ids are uploaded to
         with_copies = _event_ops_since(n0, copies=True)
-        entry = fused.events[direction][0]
-        upload = with_copies.index(("copy", ids, stream))
-        assert with_copies.count(("copy", ids, stream)) == 1, with_copies  # not again in a link batch
         if direction is Direction.D2H:  # a store reads the pages: its stream waits for the model's
             assert ops[:4] == [("record", mark, compute), ("wait", mark, stream), ("wait", after, stream),
                                ("record", start, stream)], ops[:4]
-            # the first gather (its ids inline) goes to the driver before the ids' upload for the
-            # later gathers (on aux): that upload's call used to delay the transfer's first operation
-            assert with_copies[4:7] == [("record", entry, stream), ("wait", entry, stream),
-                                        ("launch", with_copies[6][1], stream)] and upload == 7, with_copies[:9]
         else:  # a load's link copies do not wait; its scatters (aux, then the last on the stream) do
-            # the first link batch goes to the driver first; then the ids go to the device on aux after
-            # the model's mark (their buffer may be memory the model's stream freed moments ago), then
-            # entry marks them there for the last scatter
-            links = next(i for i, op in enumerate(with_copies) if op[0] != "copy" and i > 5)
-            assert with_copies[:5] == [("record", mark, compute), ("wait", after, stream), ("record", start, stream),
-                                       ("record", entry, stream), ("wait", entry, stream)], with_copies[:5]
-            assert links > 5 and {op[0] for op in with_copies[5:links]} == {"copy"} and ids not in {
-                op[1] for op in with_copies[5:links]}, with_copies[:links + 3]
-            assert with_copies[links:links + 3] == [("wait", mark, stream), ("copy", ids, stream),
-                                                    ("record", entry, stream)], with_copies[:links + 3]
+            entry = fused.events[direction][0]
+            # the ids go to the device on aux after the model's mark (their buffer may be memory the
+            # model's stream freed moments ago), then entry marks them there for the last scatter
+            assert with_copies[:8] == [("record", mark, compute), ("wait", after, stream), ("record", start, stream),
+                                       ("record", entry, stream), ("wait", entry, stream), ("wait", mark, stream),
+                                       ("copy", ids, stream), ("record", entry, stream)], with_copies[:8]
+            assert with_copies.count(("copy", ids, stream)) == 1, with_copies  # not again in a link batch
             assert ops.count(("wait", mark, stream)) == 1, ops  # aux, before its scatters
             waits = [op for op in ops if op[0] == "wait"]
             assert waits[-2:] == [("wait", entry, stream), waits[-1]] and waits[-1][1] != mark, waits  # the last scatter
