@@ -51,6 +51,7 @@ from .transfer import Transfer
 
 
 _DIRECTIONS = tuple(Direction)
+_new_result = tuple.__new__
 ENV_STREAMS = "NPU_OFFLOAD_TRANSFER_STREAMS"
 ENV_SUBMIT_THREAD = "NPU_OFFLOAD_SUBMIT_THREAD"
 ENV_EVENT_TIMING = "NPU_OFFLOAD_EVENT_TIMING"
@@ -286,9 +287,11 @@ class TransferEngine:
         self._job_ids.discard(item.job_id)
         ok = error is None
         nbytes = item.transfer.total_bytes
-        TOTALS.record(item.direction.is_load, ok, nbytes, seconds, wall)
+        TOTALS.record(item.direction is Direction.H2D, ok, nbytes, seconds, wall)
         self._retired.append(item)
-        return TransferResult(item.job_id, item.direction, ok, nbytes if ok else 0, seconds, len(item.transfer), error)
+        # tuple.__new__: the named tuple's own __new__ is a Python function, a frame on this poll
+        return _new_result(TransferResult, (item.job_id, item.direction, ok, nbytes if ok else 0, seconds,
+                                            len(item.transfer), error))
 
     def _retire(self) -> None:
         """Return reported jobs' buffers to the pool and their events to the free list."""

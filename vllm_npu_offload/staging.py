@@ -190,6 +190,9 @@ class Stager:
         self.orders_natively = (self.plans_natively and bool(getattr(self._fused, "orders_natively", False))
                                 and platform.raw_events and self._store_gathers_on == "1"
                                 and env.get(ENV_ORDER) == "native")
+        # the engine's ordered submit straight into the pipeline, no frame of the stager's between:
+        # (transfer, stream, order) -> link copy count, where orders_natively (else None)
+        self.submit_ordered = functools.partial(self._fused.submit_ordered, self) if self.orders_natively else None
         self.slice_layout = functools.lru_cache(maxsize=SLICE_LAYOUTS)(self._slice_layout)
         self._whole_record = (0, layout.pages_end)
         logger.info("staging: %.1f MiB on %s, %d slots x %d blocks per direction (local=%s, link=%s, pipeline=%s)",
@@ -423,6 +426,10 @@ class Stager:
             if not store and plan.num_slices:
                 stream.wait_event(drained[(plan.num_slices - 1) % slots])
 
+    def aux_stream(self, direction: Direction) -> Any:
+        """The stream ``direction``'s gathers/scatters run on where the engine's order is native."""
+        return self._aux[direction]
+
     def _aux_for(self, direction: Direction, stream: Any, compute: Any) -> Any:
         """The stream a transfer's gathers/scatters run on (NPU_OFFLOAD_STAGE_STORE_AUX)."""
         if direction is Direction.D2H and self._store_gathers_on != "1":
@@ -458,4 +465,5 @@ class Stager:
         if self._fused is not None:
             self._fused.close()
             self._fused = None
+            self.submit_ordered = None
         self.buffer = None

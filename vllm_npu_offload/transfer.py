@@ -144,7 +144,7 @@ class NativeStagedTransfer(Transfer):
         waits for the compute stream's work so far, a load's scatters do (its link copies need not);
         ``stream`` waits for ``after`` (the previous job's end), then records ``start``; ``end`` is
         recorded after the copies, also when one fails to enqueue."""
-        self.links = self.stager.run_native(self, stream, order=platform.raw_order(start, end, after))
+        self.links = self.stager.submit_ordered(self, stream, platform.raw_order(start, end, after))
 
 
 __all__ = ["DirectTransfer", "NativeStagedTransfer", "StagedTransfer", "Transfer"]

@@ -23,6 +23,7 @@ from ..platform import Platform
 from .base import Direction, as_direction
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
+_addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
 # 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
 ENV_INLINE_STORE_IDS = "NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"
 
@@ -105,6 +106,8 @@ class CudaStagedPipeline:
         self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._lanes: dict[Direction, _Lane] = {}
         self._raw: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, its raw handle)
+        # per direction, id(stream) -> (stream, its raw handle, its aux's): submit_ordered's
+        self._ordered: dict[Direction, dict[int, tuple[Any, int, int]]] = {d: {} for d in Direction}
         self._marks = {d: self.events[d][1 + 2 * slots] for d in Direction}
 
     def prepare_tables(self, planners) -> None:
@@ -193,7 +196,11 @@ class CudaStagedPipeline:
                 g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), *span
                 g.device_limit = planner.src_limit if lane.store else planner.dst_limit  # the library checks the ids
                 filled_for[i] = planner
-            g.device_ids, g.host_ids, g.blocks = address(dev), address(host), len(dev)
+            try:  # plan.address inline (two frames less on the critical path); it for what this refuses
+                g.device_ids, g.host_ids = _addressof(_from_buffer(dev)), _addressof(_from_buffer(host))
+            except (TypeError, ValueError, BufferError):
+                g.device_ids, g.host_ids = address(dev), address(host)
+            g.blocks = len(dev)
         if req.n_groups != len(tg):
             req.n_groups = len(tg)
         ids = transfer.room
@@ -222,6 +229,22 @@ class CudaStagedPipeline:
                 self._raw.clear()
             hit = self._raw[id(stream)] = (stream, self.platform.raw_stream_handle(stream))
         return hit[1]
+
+    def submit_ordered(self, stager, transfer, stream: Any, order) -> int:
+        """``submit`` with the engine's order, the transfer's aux the direction's own (as where the
+        stager orders natively): one frame from the transfer to the request, the raw handles of a
+        stream and its aux looked up together (this is on every transfer's critical path)."""
+        by_stream = self._ordered[transfer.direction]
+        hit = by_stream.get(id(stream))  # held with its entry, so no other stream takes its id meanwhile
+        if hit is None:
+            if len(by_stream) >= 64:
+                by_stream.clear()
+            aux = stager.aux_stream(transfer.direction)
+            hit = by_stream[id(stream)] = (stream, self.platform.raw_stream_handle(stream),
+                                           self.platform.raw_stream_handle(aux))
+        req = self.request(stager, transfer, hit[1], hit[2])
+        req.compute, req.after, req.start, req.end = order
+        return self.lib.staged_submit(req)
 
     def submit(self, stager, transfer, stream: Any, aux: Any, link: bool = True, order=None) -> int:
         """Plan and enqueue ``transfer`` (a ``NativeStagedTransfer``) in one call; its link copies.
@@ -262,3 +285,4 @@ class CudaStagedPipeline:
             self.lib.destroy_events(evs)
         self.events = {}
         self._tables, self._lanes, self._raw = {}, {}, {}  # the requests name the events
+        self._ordered = {d: {} for d in Direction}
