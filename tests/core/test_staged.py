@@ -551,30 +551,70 @@ def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatc
 
 
 @pytest.mark.gpu
-def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
-    """A room's device mirror of the block ids is allocated at its first use on the model's stream,
-    so it may be memory that the model's stream freed moments ago and a kernel of the step in flight
-    still reads (vLLM 0.23's async scheduling; its serving crashed with an illegal address when the
-    ids were written at once). A natively ordered load starts its link copies at once but writes
-    the ids only after the model's stream is through: what the busy stream reads from that memory
-    is unchanged, and the load lands byte-exact."""
+def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch):
+    """A room's device mirror of the block ids is made at its first use, on a stream of ours:
+    torch's allocator hands a stream only blocks freed on that stream, so the mirror is never memory
+    that the model's stream freed while a kernel of its step in flight still reads it (vLLM 0.23's
+    async scheduling: its serving crashed with an illegal address when the mirror came from the
+    model's stream and the ids were written at once). A natively ordered load writes its ids at
+    once, in its first link batch: what the busy stream reads from its freed block is unchanged,
+    and the load lands byte-exact."""
     core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
     while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
         core.pool.acquire(0)
     room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
     torch.cuda.synchronize()
-    freed = torch.full((room.packed.numel(),), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    freed = torch.full((3 * room.capacity,), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    ptr = freed.data_ptr()
     torch.cuda._sleep(50_000_000)  # the model's step in flight ...
-    seen = freed.clone()  # ... still reads the memory that the room's mirror takes (as if freed meanwhile)
-    room.device_cols, room.device_addr = freed, freed.data_ptr()
+    seen = freed.clone()  # ... still reads the block, which the model's stream frees meanwhile
+    del freed
+    again = torch.empty(3 * room.capacity, dtype=torch.int64, device="cuda")
+    assert again.data_ptr() == ptr, "the allocator did not hand the model's stream its freed block (the premise)"
+    del again
     core.pool.release([room])
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
-    assert room.device_cols is freed  # the load took that room
+    assert room.device_addr and room.device_addr != ptr, "the ids' mirror is the block the model's stream freed"
     settle(core, [2])
-    assert bool((seen == 0x0123456789ABCDEF).all()), "the load wrote its block ids before the model's stream read them"
+    assert bool((seen == 0x0123456789ABCDEF).all()), "the load wrote its block ids into memory the model's stream read"
     assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
     core.shutdown()
+
+
+def test_cuda_ids_mirror_is_made_on_a_stream_of_ours():
+    """CudaStagedPipeline makes a room's device mirror inside the given stream's context (one of
+    ours), once per room: where it takes the model's stream, the native load's ids written in its
+    first link batch could land in memory a kernel of the step in flight still reads."""
+    from contextlib import contextmanager
+
+    from vllm_npu_offload.copy.cuda_pipeline import CudaStagedPipeline
+    from vllm_npu_offload.plan import DescriptorBuffers
+    from vllm_npu_offload.platform import CpuPlatform
+
+    seen = []
+
+    class Platform(CpuPlatform):
+        @contextmanager
+        def stream_context(self, stream):
+            seen.append(("enter", stream))
+            yield
+            seen.append(("exit", stream))
+
+    class Lib:
+        def create_events(self, n):
+            return [0] * n
+
+        def gather_load(self):
+            pass
+
+    plat = Platform()
+    pipe = CudaStagedPipeline(Lib(), plat, 2, {d: 1 for d in Direction}, 1024)
+    bufs, ours = DescriptorBuffers(plat, 16), object()
+    addr = pipe._device_ids(bufs, ours)
+    assert seen == [("enter", ours), ("exit", ours)] and addr == bufs.device_cols.data_ptr() != 0
+    assert bufs.device_cols.numel() == 3 * 16
+    assert pipe._device_ids(bufs, object()) == addr and len(seen) == 2  # made once, kept with the set
 
 
 def test_slices_ramp_small_then_slot_sized(monkeypatch):

@@ -128,13 +128,17 @@ class CudaStagedPipeline:
             hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
         return hit[2]
 
-    def _device_ids(self, bufs) -> int:
+    def _device_ids(self, bufs, stream: Any) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
-        device mirror, allocated at its first use (on the model's stream: see npo_staged_run_job
-        for why a load writes it only after the model's mark) and reused with the set."""
+        device mirror, allocated at its first use and reused with the set. Allocated on ``stream``
+        (one of ours): torch's allocator hands a stream only blocks freed on that same stream, so
+        the mirror is never memory the model's stream freed while a kernel of its step in flight
+        still reads it, and a load may write its ids at once, in its first link batch
+        (npo_staged_run_job). Made on the model's stream, such a write crashed vLLM 0.23's serving."""
         addr = bufs.device_addr
         if not addr:
-            bufs.device_cols = torch.empty(3 * bufs.capacity, dtype=torch.int64, device=self.platform.device)
+            with self.platform.stream_context(stream):
+                bufs.device_cols = torch.empty(3 * bufs.capacity, dtype=torch.int64, device=self.platform.device)
             addr = bufs.device_addr = bufs.device_cols.data_ptr()
         return addr
 
@@ -153,7 +157,7 @@ class CudaStagedPipeline:
         job = StagedJob(
             int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
             self.platform.raw_stream_handle(stream),
-            self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids),
+            self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids, aux),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
             _ptr(bounds), self.events[direction], int(not link),
             int(self.inline_store_ids and Direction(direction) is Direction.D2H))
@@ -206,7 +210,7 @@ class CudaStagedPipeline:
         ids = transfer.room
         if lane.room is not ids:  # the pool hands the set released last: mostly the same one
             j = req.job
-            j.host_ids, j.dev_ids = ids.addrs[0], self._device_ids(ids)
+            j.host_ids, j.dev_ids = ids.addrs[0], self._device_ids(ids, stager.aux_stream(transfer.direction))
             req.ids_capacity = 3 * ids.capacity
             lane.room = ids
         if lane.streams != (stream, aux):
