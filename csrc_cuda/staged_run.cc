@@ -93,12 +93,16 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
         inline_all = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
     // A load's ids travel as one more descriptor of its first link batch: a copy of their own
     // (another host->device operation) delayed the first link copy by ~4.5 us. Every scatter
-    // comes after that batch (aux waits for it, the last one follows it on the stream). Also when
-    // the link copies start before the model's stream is through (`model`): the ids' device buffer
-    // is allocated on a stream of ours (CudaStagedPipeline._device_ids), so it is never memory that
-    // torch's allocator hands over from the model's stream while a kernel of the step in flight
-    // still reads it (which crashed vLLM 0.23's serving when the buffer came from that stream).
-    const bool ids_in_link = !store && link && n;
+    // comes after that batch (aux waits for it, the last one follows it on the stream). Not when
+    // the link copies start before the model's stream is through (`model`): they are then uploaded
+    // on aux after the model's mark, and the load's last scatter (on the stream) waits for that
+    // upload too. Written at once, they crashed vLLM 0.23's serving once (an illegal address,
+    // 11th session), when their device buffer was allocated on the model's stream and could be
+    // memory a kernel of the step in flight still read. It is allocated on a stream of ours now
+    // (CudaStagedPipeline._device_ids), which rules that out; the ids still wait for the mark, since
+    // the crash's mechanism was inferred, not observed (sending them in the batch gained 0-4 us).
+    const bool ids_in_link = !store && link && n && !model;
+    const bool ids_after_model = !store && link && n && model;
     auto upload = [&](CUstream s) {
         return c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, s), "cuMemcpyAsync (block id upload)");
     };
@@ -110,12 +114,14 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     } else {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-        if (model && (rc = c.wait(aux, model))) return rc;  // a load's scatters on aux: after the model's mark
-        // Before the first gather, not after it (a store's: the load's ids go in its first link
-        // batch): enqueued after a load's first link batch, an upload of its own waited behind
-        // that batch for the host-to-device copy engine, and every scatter with it (H200,
+        if (model && (rc = c.wait(aux, model))) return rc;
+        // Before the first link batch, not after it: a load's upload enqueued after that batch
+        // waited behind it for the host-to-device copy engine, and every scatter with it (H200,
         // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92%).
+        // A store's first gather gained nothing from it either (docs/benchmarks.md, 14th session).
         if (need_upload) rc = upload(aux);
+        // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
+        if (!rc && ids_after_model) rc = c.record(entry, aux);
     }
     if (rc) return rc;
     const uint64_t dev_src = job->dev_ids, dev_dst = job->dev_ids + 8 * job->n_ids;
@@ -151,8 +157,8 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
-        // the load's last scatter (on the stream, after the first link batch and so the ids): after the model's mark
-        if (mine && model && (rc = c.wait(stream, model))) return rc;
+        // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after both)
+        if (mine && model && (rc = c.wait(stream, entry))) return rc;
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)

@@ -551,14 +551,39 @@ def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatc
 
 
 @pytest.mark.gpu
+def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
+    """A natively ordered load starts its link copies at once but writes its block ids only after
+    the model's stream is through, whatever memory their device mirror is: given a mirror that the
+    busy model stream still reads (as one allocated on that stream could be: vLLM 0.23's serving
+    crashed with an illegal address when the ids were written at once), what the stream reads from
+    it is unchanged, and the load lands byte-exact."""
+    core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
+    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
+    while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
+        core.pool.acquire(0)
+    room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
+    torch.cuda.synchronize()
+    freed = torch.full((room.packed.numel(),), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the model's step in flight ...
+    seen = freed.clone()  # ... still reads the memory that the room's mirror takes (as if freed meanwhile)
+    room.device_cols, room.device_addr = freed, freed.data_ptr()
+    core.pool.release([room])
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
+    assert room.device_cols is freed  # the load took that room
+    settle(core, [2])
+    assert bool((seen == 0x0123456789ABCDEF).all()), "the load wrote its block ids before the model's stream read them"
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
+@pytest.mark.gpu
 def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch):
     """A room's device mirror of the block ids is made at its first use, on a stream of ours:
     torch's allocator hands a stream only blocks freed on that stream, so the mirror is never memory
     that the model's stream freed while a kernel of its step in flight still reads it (vLLM 0.23's
     async scheduling: its serving crashed with an illegal address when the mirror came from the
-    model's stream and the ids were written at once). A natively ordered load writes its ids at
-    once, in its first link batch: what the busy stream reads from its freed block is unchanged,
-    and the load lands byte-exact."""
+    model's stream and the ids were written at once): what the busy stream reads from its freed
+    block is unchanged, and the load lands byte-exact."""
     core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
     while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
@@ -584,8 +609,8 @@ def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypat
 
 def test_cuda_ids_mirror_is_made_on_a_stream_of_ours():
     """CudaStagedPipeline makes a room's device mirror inside the given stream's context (one of
-    ours), once per room: where it takes the model's stream, the native load's ids written in its
-    first link batch could land in memory a kernel of the step in flight still reads."""
+    ours), once per room: made on the model's stream, it could be memory a kernel of the step in
+    flight still reads, where a transfer writes the ids."""
     from contextlib import contextmanager
 
     from vllm_npu_offload.copy.cuda_pipeline import CudaStagedPipeline

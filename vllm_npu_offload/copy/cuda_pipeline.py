@@ -133,8 +133,8 @@ class CudaStagedPipeline:
         device mirror, allocated at its first use and reused with the set. Allocated on ``stream``
         (one of ours): torch's allocator hands a stream only blocks freed on that same stream, so
         the mirror is never memory the model's stream freed while a kernel of its step in flight
-        still reads it, and a load may write its ids at once, in its first link batch
-        (npo_staged_run_job). Made on the model's stream, such a write crashed vLLM 0.23's serving."""
+        still reads it (made on the model's stream, a load's ids written at once crashed vLLM 0.23's
+        serving; a load still writes them after the model's mark: npo_staged_run_job)."""
         addr = bufs.device_addr
         if not addr:
             with self.platform.stream_context(stream):
