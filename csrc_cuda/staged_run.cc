@@ -117,7 +117,8 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
         if (model && (rc = c.wait(aux, model))) return rc;
         // Before the first link batch, not after it: a load's upload enqueued after that batch
         // waited behind it for the host-to-device copy engine, and every scatter with it (H200,
-        // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92%).
+        // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92% on two
+        // shapes of three).
         // A store's first gather gained nothing from it either (docs/benchmarks.md, 14th session).
         if (need_upload) rc = upload(aux);
         // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
