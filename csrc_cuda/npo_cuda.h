@@ -94,8 +94,9 @@ typedef struct {
     const uint64_t *link_bounds; /* n_slices + 1 */
     void *const *events;         /* 1 + 2 * slots CUevents: entry, filled[slots], drained[slots] */
     int skip_link;               /* benchmarks: the device-local copies alone */
-    int inline_ids;              /* a store: every gather takes its ids in its launch parameters when each
-                                  * range has <= NPO_INLINE_IDS blocks (no id upload at all) */
+    int inline_ids;              /* every gather (a store) or scatter (a load) takes its ids in its launch
+                                  * parameters when each range has <= NPO_INLINE_IDS blocks (no id upload
+                                  * at all; a load's ids then travel in no link batch either) */
 } npo_staged_job;
 
 NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len);

@@ -101,14 +101,20 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     // memory a kernel of the step in flight still read. It is allocated on a stream of ours now
     // (CudaStagedPipeline._device_ids), which rules that out; the ids still wait for the mark, since
     // the crash's mechanism was inferred, not observed (sending them in the batch gained 0-4 us).
-    const bool ids_in_link = !store && link && n && !model;
-    const bool ids_after_model = !store && link && n && model;
+    // inline_ids on a load: every scatter takes its ids in its launch parameters (each range must
+    // fit), so the ids go to the device neither in a copy of their own nor in a link batch: the
+    // first link copy starts at once, and the last scatter waits for the model's mark alone.
+    bool load_inline = !store && link && n && job->inline_ids && fns.table_inline;
+    for (uint64_t g = job->range_off[0]; load_inline && g < job->range_off[n]; ++g)
+        load_inline = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
+    const bool ids_in_link = !store && link && n && !model && !load_inline;
+    const bool ids_after_model = !store && link && n && model && !load_inline;
     auto upload = [&](CUstream s) {
         return c.check(drv->memcpy_async(ids_dst, ids_src, 16 * job->n_ids, s), "cuMemcpyAsync (block id upload)");
     };
     // A one-slice store with inline ids needs no upload at all; any other upload on aux is
     // followed by a gather there that the job stream waits for (or by the final wait below).
-    const bool need_upload = !ids_in_link && !(inline_first && (n == 1 || inline_all));
+    const bool need_upload = !ids_in_link && !load_inline && !(inline_first && (n == 1 || inline_all));
     if (store && own == 0 && !inline_first) {
         rc = upload(stream);
     } else {
@@ -159,7 +165,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
         // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after both)
-        if (mine && model && (rc = c.wait(stream, entry))) return rc;
+        if (mine && model && (rc = c.wait(stream, load_inline ? model : entry))) return rc;
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)
@@ -167,7 +173,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
                                  "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);
-            rc = (mine && inline_first) || inline_all
+            rc = (mine && inline_first) || inline_all || load_inline
                      ? npo_table_inline_launch(drv, fns.table_inline, r[0], r[1], job->host_ids + r[2],
                                                job->host_ids + job->n_ids + r[2], r[3], job->min_page, job->programs,
                                                local, msg, msg_len)

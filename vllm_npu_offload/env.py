@@ -111,6 +111,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
          "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
          "most 64 blocks per range), so no id upload runs (diagnosis)"),
+    Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", False,
+         "1: every scatter of a CUDA staged load takes its block ids in its launch parameters (slices of at "
+         "most 64 blocks per range), so the ids go to the device in no copy and the first link copy starts "
+         "at once (to be measured against the upload)"),
     Knob("NPU_OFFLOAD_TRANSFER_STREAMS", "int", 4,
          "streams per direction that transfers take in turn, each after the previous one (1: one stream, "
          "whose queue can fill behind a long forward and block the engine thread)", lo=1, hi=16),

@@ -177,6 +177,7 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
 STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
                   "on_compute": {"NPU_OFFLOAD_STAGE_STORE_AUX": "compute"},
                   "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
+                  "load_inline_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "1"},
                   "dma_gather": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
 
 
@@ -184,8 +185,8 @@ STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "
 @pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
 def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
-    gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store with its
-    block ids in its launch parameters (CUDA native pipeline; no id upload), or the gather and
+    gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store or
+    every scatter of a load with its block ids in its launch parameters (CUDA native pipeline; no id upload), or the gather and
     scatter on the copy engines (CUDA, NPU_OFFLOAD_STAGE_GATHER=dma)."""
     for k, v in STORE_VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
@@ -195,6 +196,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
         assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
         if core.stager._fused is not None:
             assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
+            assert core.stager._fused.inline_load_ids == (variant == "load_inline_ids")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
@@ -546,6 +548,28 @@ def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatc
     if timing == "1":
         assert res.seconds == pytest.approx(item.start.elapsed_time(item.end) * 1e-3, rel=1e-6), res
     assert res.seconds > 0 and core.poll() == []
+    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
+    core.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inline", ["0", "1"])
+def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
+    """A natively ordered load's link copies start at once, its scatters only after the model's
+    stream: the model's step in flight writes the load's blocks last thing (a kernel after a long
+    sleep), and the load lands over that write, byte-exact; also with the scatters' block ids in
+    their launch parameters (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1, where no upload orders them)."""
+    monkeypatch.setenv("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", inline)
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
+    assert core.stager._fused.inline_load_ids == (inline == "1")
+    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 11)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the model's step ...
+    idx = torch.from_numpy(dev_ids).cuda()
+    for t in tensors:  # ... which writes the blocks at its end (after the submit below returns)
+        t.index_fill_(0, idx, 0xEE)
+    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
+    settle(core, [2])
     assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
     core.shutdown()
 

@@ -26,6 +26,8 @@ _u64p = ctypes.POINTER(ctypes.c_uint64)
 _addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
 # 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
 ENV_INLINE_STORE_IDS = "NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"
+# 1: every scatter of a load takes them so: no upload, no ids in the first link batch
+ENV_INLINE_LOAD_IDS = "NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"
 
 
 class StagedJob(ctypes.Structure):
@@ -103,6 +105,7 @@ class CudaStagedPipeline:
         self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
         lib.gather_load()  # at the worker's start: loading the kernel at a first launch waited out a model step
         self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
+        self.inline_load_ids = bool(env.get(ENV_INLINE_LOAD_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._lanes: dict[Direction, _Lane] = {}
         self._raw: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, its raw handle)
@@ -127,6 +130,11 @@ class CudaStagedPipeline:
             table = torch.from_numpy(planner.pair_table()).to(self.platform.device)
             hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
         return hit[2]
+
+    def _inline_ids(self, d: Direction) -> int:
+        """The job's inline_ids: a store's gathers or a load's scatters with their ids in their launch
+        parameters (NPU_OFFLOAD_STAGE_STORE_INLINE_IDS / NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS)."""
+        return int(self.inline_store_ids if d is Direction.D2H else self.inline_load_ids)
 
     def _device_ids(self, bufs, stream: Any) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
@@ -160,7 +168,7 @@ class CudaStagedPipeline:
             self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids, aux),
             plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
             _ptr(bounds), self.events[direction], int(not link),
-            int(self.inline_store_ids and Direction(direction) is Direction.D2H))
+            self._inline_ids(Direction(direction)))
         self.lib.staged_run(job, rows=plan.pages)
 
     # -- native planning (npo_cuda_staged_submit) ------------------------------------------------
@@ -176,7 +184,7 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
                 setattr(req, k, geo[k])
-            j.inline_ids = int(d is Direction.D2H and self.inline_store_ids)
+            j.inline_ids = self._inline_ids(d)
             req.compute_mark = self._marks[d]
             lane = self._lanes[d] = _Lane(req, d is Direction.D2H)
         return lane

@@ -232,6 +232,73 @@ def case_staged_inline_all():
     print("staged_inline_all ok")
 
 
+def case_staged_load_inline():
+    """NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1: a load of several slices launches every scatter with its
+    ids inline, and the ids go to the device in no copy (neither an upload nor a descriptor of the
+    first link batch); the bytes land exact. With the engine's order the last scatter waits for the
+    model's mark itself (no upload for it to wait for)."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="1")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    pages = [256, 512, 128]
+    rng = np.random.default_rng(17)
+    kv = [torch.from_numpy(rng.integers(0, 256, (48, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 40, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    fused = core.stager._fused
+    assert fused.inline_load_ids and not fused.inline_store_ids
+    ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
+    core.submit(1, Direction.D2H, ids, [20], [0], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    original = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    back = rng.permutation(48)[:20].astype(np.int64)
+    slices = len(core.stager.slice_sizes(20, Direction.H2D))
+    assert slices > 3, slices  # more slices than slots
+    copies0, inline0 = counter("fake_memcpy_calls", ctypes.c_longlong), counter("fake_inline_launches", ctypes.c_longlong)
+    tables0, n0 = counter("fake_table_launches", ctypes.c_longlong), counter("fake_log_n", ctypes.c_longlong)
+    transfer = core.plan(Direction.H2D, back, [20], [0], chunks)
+    core.engine.submit(2, transfer)
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_inline_launches", ctypes.c_longlong) - inline0 == slices  # every scatter inline
+    assert counter("fake_table_launches", ctypes.c_longlong) == tables0
+    assert counter("fake_memcpy_calls", ctypes.c_longlong) == copies0  # no id upload
+    copies = [op for op in _event_ops_since(n0, copies=True) if op[0] == "copy"]
+    assert len(copies) == transfer.links > 0, (len(copies), transfer.links)  # the link copies alone: no ids in a batch
+    for t, o in zip(kv, original):
+        assert torch.equal(t[back], o[ids])
+    # with the engine's order: the aux stream and the last scatter wait for the model's mark, no copy has the ids
+    for t in kv:
+        t.zero_()
+    compute, after, start, end = 0xC0, 0xAF, 0x57, 0xE0
+    parts = core._split("dst", back, [20], [0], chunks)
+    transfer = core._native_staged(Direction.H2D, parts, 20)
+    mark, n0 = fused.model_mark(Direction.H2D), counter("fake_log_n", ctypes.c_longlong)
+    inline0 = counter("fake_inline_launches", ctypes.c_longlong)
+    core.stager.run_native(transfer, object(), order=(compute, after, start, end))
+    ops, stream = _event_ops_since(n0, copies=True), 0x51  # FakeCuda's every stream
+    waits = [op for op in ops if op[0] == "wait"]
+    assert [op for op in waits if op[1] == mark] == [("wait", mark, stream)] * 2, waits  # aux's scatters, the last
+    assert waits[-2] == ("wait", mark, stream) and waits[-1][1] != mark, waits  # the last scatter's, then the others'
+    ids_dev = transfer.room.device_addr
+    assert not [op for op in ops if op[0] == "copy" and op[1] == ids_dev], ops
+    assert counter("fake_inline_launches", ctypes.c_longlong) - inline0 == slices
+    assert ops[-1] == ("record", end, stream), ops[-3:]
+    for t, o in zip(kv, original):
+        assert torch.equal(t[back], o[ids])
+    core.pool.release(transfer.buffers)
+    core.shutdown()
+    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]
+    print("staged_load_inline ok")
+
+
 def case_staged_dma_local():
     """NPU_OFFLOAD_STAGE_GATHER=dma: the gather and scatter by batch DMA (device to device, in
     stream order), no kernel launched; the worker core's round trip is byte-exact."""
