@@ -55,6 +55,9 @@ from vllm_npu_offload.engine import TransferResult  # noqa: E402
 from vllm_npu_offload.platform import get_platform  # noqa: E402
 from vllm_npu_offload.stats import TOTALS  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_host_ops import host  # noqa: E402
+
 PARTS = ("plan", "submit_py", "pre_native", "native", "wait", "finish", "whole", "span", "ref", "floor")
 SPIN_PARTS = ("spin", "ref_spin", "floor_spin")
 
@@ -237,18 +240,8 @@ def driver_calls(platform, lib, reps: int) -> dict[str, float]:
 def _host() -> str:
     """The host's CPU model, Python and clock source (a VM's clock may make every timer read a
     system call, which the engine pays at each submit and poll)."""
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    try:
-        with open("/sys/devices/system/clocksource/clocksource0/current_clocksource") as f:
-            clock = f.read().strip()
-    except OSError:
-        clock = "?"
-    return f"{model}, Python {sys.version.split()[0]}, clocksource {clock}"
+    h = host()
+    return f"{h['cpu']}, Python {h['python']}, clocksource {h['clocksource']}"
 
 
 def _med_us(fn, reps: int) -> float:

@@ -574,6 +574,23 @@ def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
     core.shutdown()
 
 
+def _fresh_room_and_a_busy_block(monkeypatch):
+    """A natively ordered core with job 1 stored and the device zeroed, the pool holding one room
+    whose device mirror is not made yet, and a block of that mirror's size which the model's
+    stream, busy for ~25 ms, still reads: (core, tensors, n, dev_ids, chunks, want, room, block,
+    seen), ``seen`` the stream's copy of the block as it reads it."""
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
+    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
+    while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
+        core.pool.acquire(0)
+    room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
+    torch.cuda.synchronize()
+    block = torch.full((3 * room.capacity,), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the model's step in flight ...
+    seen = block.clone()  # ... still reads the block
+    return core, tensors, n, dev_ids, chunks, want, room, block, seen
+
+
 @pytest.mark.gpu
 def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
     """A natively ordered load starts its link copies at once but writes its block ids only after
@@ -581,16 +598,8 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
     busy model stream still reads (as one allocated on that stream could be: vLLM 0.23's serving
     crashed with an illegal address when the ids were written at once), what the stream reads from
     it is unchanged, and the load lands byte-exact."""
-    core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
-    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
-    while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
-        core.pool.acquire(0)
-    room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
-    torch.cuda.synchronize()
-    freed = torch.full((room.packed.numel(),), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
-    torch.cuda._sleep(50_000_000)  # the model's step in flight ...
-    seen = freed.clone()  # ... still reads the memory that the room's mirror takes (as if freed meanwhile)
-    room.device_cols, room.device_addr = freed, freed.data_ptr()
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
+    room.device_cols, room.device_addr = freed, freed.data_ptr()  # the mirror takes it (as if freed meanwhile)
     core.pool.release([room])
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
     assert room.device_cols is freed  # the load took that room
@@ -608,17 +617,9 @@ def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypat
     async scheduling: its serving crashed with an illegal address when the mirror came from the
     model's stream and the ids were written at once): what the busy stream reads from its freed
     block is unchanged, and the load lands byte-exact."""
-    core, tensors, refs, page, n = _native_order_core(monkeypatch, 4)
-    dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
-    while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
-        core.pool.acquire(0)
-    room = core.pool.acquire(core.stager.native_room(n, n * len(tensors)))
-    torch.cuda.synchronize()
-    freed = torch.full((3 * room.capacity,), 0x0123456789ABCDEF, dtype=torch.int64, device="cuda")
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
     ptr = freed.data_ptr()
-    torch.cuda._sleep(50_000_000)  # the model's step in flight ...
-    seen = freed.clone()  # ... still reads the block, which the model's stream frees meanwhile
-    del freed
+    del freed  # the model's stream frees the block it still reads
     again = torch.empty(3 * room.capacity, dtype=torch.int64, device="cuda")
     assert again.data_ptr() == ptr, "the allocator did not hand the model's stream its freed block (the premise)"
     del again

@@ -189,21 +189,28 @@ def case_staged_one_slice():
     print("staged_one_slice ok")
 
 
-def case_staged_inline_all():
-    """NPU_OFFLOAD_STAGE_STORE_INLINE_IDS=1: a store of several slices launches every gather with
-    its ids inline and uploads nothing; the bytes are the same, and the load back is byte-exact."""
+def _inline_core(seed):
+    """A staged worker core (FakeCuda, the native pipeline, slot- and slice-size floors off) over
+    three tensors of 256, 512 and 128-byte random pages in one KV group: (core, tensors, rng)."""
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_STORE_INLINE_IDS="1")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     pages = [256, 512, 128]
-    rng = np.random.default_rng(13)
+    rng = np.random.default_rng(seed)
     kv = [torch.from_numpy(rng.integers(0, 256, (48, q), dtype=np.uint8)).clone() for q in pages]
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
                              enumerate(pages)]], 1, 40, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    return core, kv, rng
+
+
+def case_staged_inline_all():
+    """NPU_OFFLOAD_STAGE_STORE_INLINE_IDS=1: a store of several slices launches every gather with
+    its ids inline and uploads nothing; the bytes are the same, and the load back is byte-exact."""
+    os.environ.update(NPU_OFFLOAD_STAGE_STORE_INLINE_IDS="1")
+    core, kv, rng = _inline_core(13)
     assert core.stager._fused.inline_store_ids
     ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
     slices = len(core.stager.slice_sizes(20, Direction.D2H))
@@ -237,18 +244,8 @@ def case_staged_load_inline():
     ids inline, and the ids go to the device in no copy (neither an upload nor a descriptor of the
     first link batch); the bytes land exact. With the engine's order the last scatter waits for the
     model's mark itself (no upload for it to wait for)."""
-    from vllm_npu_offload import staging
-    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-    from vllm_npu_offload.offload_worker import OffloadWorkerCore
-
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="1")
-    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
-    pages = [256, 512, 128]
-    rng = np.random.default_rng(17)
-    kv = [torch.from_numpy(rng.integers(0, 256, (48, q), dtype=np.uint8)).clone() for q in pages]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
-                             enumerate(pages)]], 1, 40, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
+    os.environ.update(NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="1")
+    core, kv, rng = _inline_core(17)
     fused = core.stager._fused
     assert fused.inline_load_ids and not fused.inline_store_ids
     ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
