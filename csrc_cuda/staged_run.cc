@@ -164,7 +164,8 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
         }
-        // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after both)
+        // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after
+        // both), or with its ids inline after the mark itself
         if (mine && model && (rc = c.wait(stream, load_inline ? model : entry))) return rc;
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
