@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Whole staged transfers, A/B on one GPU machine (issue #22): ``probe_whole_split.py`` for each
+variant in turn, ``--rounds`` times in alternating order, then medians per shape, direction and
+variant of the critical path and of whole / spin / floor % of one contiguous copy.
+
+A variant is ``LABEL=TREE`` or ``LABEL=TREE:VAR=VAL,VAR=VAL``: a checkout (its own library is
+built into it first) and the environment its probe runs with. E.g., on the device, with this
+session's code in the repository root and an older tree carried as ``.gpu/base``:
+
+    python3 scripts/dev/ab_whole.py --out $OUT/ab base=.gpu/base new=. \\
+        inl=.:NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1
+
+Machines of one kind differ by up to 1.8x in the engine's Python (docs/benchmarks.md, fourteenth
+session), so only variants measured in one call compare. Writes ``summary.json`` and the probe's
+own tables and JSON under ``--out`` (tar them: the device returns few files), prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics as st
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # 2 and 4 KiB pages, 16.1-16.2 MiB
+
+
+def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
+    """``LABEL=TREE[:VAR=VAL,...]`` -> (label, tree, env)."""
+    label, sep, rest = text.partition("=")
+    if not sep or not label or not rest:
+        raise SystemExit(f"variant {text!r}: expected LABEL=TREE or LABEL=TREE:VAR=VAL,...")
+    tree, _, env_text = rest.partition(":")
+    env = {}
+    for item in filter(None, env_text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"variant {text!r}: {item!r} is not VAR=VAL")
+        env[key] = value
+    path = Path(tree).resolve()
+    if not (path / "scripts" / "dev" / "probe_whole_split.py").is_file():
+        raise SystemExit(f"variant {label!r}: {path} has no scripts/dev/probe_whole_split.py")
+    return label, path, env
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per (shape, direction, variant): medians over the variant's runs (us, %) and the % ranges."""
+    out: dict = {}
+    for label, docs in runs.items():
+        for doc in docs:
+            for shape, dirs in doc["shapes"].items():
+                for d, r in dirs.items():
+                    out.setdefault(f"{shape} {d}", {}).setdefault(label, []).append(r)
+    table = {}
+    for key, by_label in out.items():
+        table[key] = {}
+        for label, rows in by_label.items():
+            pct = {name: [100 * r[a] / r[b] for r in rows] for name, (a, b) in
+                   {"whole%": ("ref", "whole"), "spin%": ("ref_spin", "spin"), "floor%": ("ref", "floor")}.items()}
+            row = {k: st.median(r[k] for r in rows) for k in ("plan", "pre_native", "finish")}
+            row["critical"] = row["plan"] + row["pre_native"] + row["finish"]
+            row.update({k: st.median(v) for k, v in pct.items()})
+            row.update({f"{k} range": [min(v), max(v)] for k, v in pct.items()})
+            row["runs"] = len(rows)
+            table[key][label] = row
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", help="LABEL=TREE[:VAR=VAL,...]")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--shapes", default=SHAPES)
+    a = ap.parse_args()
+    variants = [parse_variant(v) for v in a.variants]
+    if len({v[0] for v in variants}) != len(variants):
+        raise SystemExit("variant labels must differ")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for tree in sorted({v[1] for v in variants}):
+        r = subprocess.run([sys.executable, str(tree / "csrc_cuda" / "build.py"), "--out",
+                            str(tree / "vllm_npu_offload" / "_native")], cwd=tree, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"building {tree}'s library failed:\n{r.stdout}{r.stderr}")
+    runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
+    for rnd in range(a.rounds):
+        for label, tree, env in (variants if rnd % 2 == 0 else variants[::-1]):
+            js, txt = out / f"{label}{rnd}.json", out / f"{label}{rnd}.txt"
+            cmd = [sys.executable, str(tree / "scripts" / "dev" / "probe_whole_split.py"), "--reps", str(a.reps),
+                   "--detail", "", "--shapes", a.shapes, "--json", str(js)]
+            run_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+                           **env)
+            with open(txt, "w") as f:
+                r = subprocess.run(cmd, cwd=tree, env=run_env, stdout=f, stderr=subprocess.STDOUT)
+            if r.returncode:
+                raise SystemExit(f"{label} round {rnd} failed (rc {r.returncode}): {txt}")
+            runs[label].append(json.loads(js.read_text()))
+    table = summarize(runs)
+    (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds, "table": table},
+                                                 indent=1))
+    cols = ("plan", "pre_native", "finish", "critical", "whole%", "spin%", "floor%")
+    print(f"medians of {a.rounds} rounds, us and % of one contiguous copy")
+    print(f"{'shape dir':28s} {'variant':8s}" + "".join(f"{c:>11s}" for c in cols))
+    for key, by_label in table.items():
+        for label, row in by_label.items():
+            print(f"{key:28s} {label:8s}" + "".join(f"{row[c]:11.1f}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""scripts/dev/ab_whole.py: its variants are checked before any GPU work, and its table is the
+medians per shape, direction and variant of what the probe measured."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("ab_whole", ROOT / "scripts" / "dev" / "ab_whole.py")
+ab_whole = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_whole)
+
+
+def test_variants_name_a_tree_with_the_probe_and_their_environment():
+    label, tree, env = ab_whole.parse_variant(f"inl={ROOT}:NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1,A=b")
+    assert (label, tree, env) == ("inl", ROOT, {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "1", "A": "b"})
+    for bad, why in (("new", "expected LABEL=TREE"), (f"x={ROOT}:NOEQUALS", "'NOEQUALS' is not VAR=VAL"),
+                     ("x=/nonexistent", "has no scripts/dev/probe_whole_split.py")):
+        with pytest.raises(SystemExit, match=why):
+            ab_whole.parse_variant(bad)
+
+
+def _doc(plan, pre, finish, ref, whole, spin, floor):
+    row = {"plan": plan, "pre_native": pre, "finish": finish, "ref": ref, "whole": whole, "ref_spin": ref,
+           "spin": spin, "floor": floor}
+    return {"shapes": {"s@1": {"H2D": row}}}
+
+
+def test_summary_is_the_median_per_variant_with_its_range():
+    runs = {"a": [_doc(5, 8, 10, 300, 400, 375, 310), _doc(7, 9, 12, 300, 300, 300, 300),
+                  _doc(6, 10, 11, 300, 375, 400, 330)],
+            "b": [_doc(4, 6, 8, 300, 330, 330, 300)]}
+    t = ab_whole.summarize(runs)["s@1 H2D"]
+    assert t["a"]["plan"] == 6 and t["a"]["pre_native"] == 9 and t["a"]["finish"] == 11 and t["a"]["critical"] == 26
+    assert t["a"]["whole%"] == 80.0 and t["a"]["whole% range"] == [75.0, 100.0] and t["a"]["runs"] == 3
+    assert t["a"]["spin%"] == 80.0 and t["b"]["critical"] == 18 and t["b"]["runs"] == 1
