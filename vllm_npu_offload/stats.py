@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
+
+FOLD_EVERY = 1024  # jobs waiting in ``pending`` before the engine folds them in itself
 
 
 @dataclass
@@ -24,9 +27,25 @@ class TransferTotals:
     load: DirectionTotals = field(default_factory=DirectionTotals)
     store: DirectionTotals = field(default_factory=DirectionTotals)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # (is_load, ok, bytes, seconds, wall seconds) of jobs not yet counted: the engine's poll appends
+    # (a deque append is atomic and costs no lock, on the poll that makes a completion visible) and
+    # whoever reads the totals folds them in first; the engine folds when FOLD_EVERY wait
+    pending: deque = field(default_factory=deque, repr=False)
 
     def record(self, is_load: bool, ok: bool, nbytes: int, seconds: float, wall_seconds: float = 0.0) -> None:
+        self.pending.append((is_load, ok, nbytes, seconds, wall_seconds))
+        if len(self.pending) > FOLD_EVERY:
+            self.fold()
+
+    def fold(self) -> None:
+        """Count the pending jobs into the totals."""
         with self._lock:
+            self._fold()
+
+    def _fold(self) -> None:
+        pending = self.pending
+        while pending:
+            is_load, ok, nbytes, seconds, wall_seconds = pending.popleft()
             d = self.load if is_load else self.store
             d.jobs += 1
             if ok:
@@ -38,10 +57,12 @@ class TransferTotals:
 
     def snapshot(self) -> tuple[DirectionTotals, DirectionTotals]:
         with self._lock:
+            self._fold()
             return DirectionTotals(**vars(self.load)), DirectionTotals(**vars(self.store))
 
     def reset(self) -> None:
         with self._lock:
+            self.pending.clear()  # the same deque: the engine holds its append
             self.load, self.store = DirectionTotals(), DirectionTotals()
 
 

@@ -490,3 +490,37 @@ def test_submit_thread_only_where_streams_run_apart_and_only_for_direct_stores(m
     assert log[1] == ("enqueue", "npu-offload-submit")
     assert [r.job_id for r in eng.poll()] == [1, 2]
     eng.shutdown()
+
+
+def test_totals_count_every_reported_job_when_read(monkeypatch):
+    """The poll leaves a finished job's numbers in TOTALS.pending (no lock on the poll that makes a
+    completion visible); reading the totals counts them first, reset drops them, and the engine
+    folds them itself once stats.FOLD_EVERY wait (a server nobody reads keeps no growing list)."""
+    from vllm_npu_offload import engine as engine_mod
+    from vllm_npu_offload import stats
+
+    platform = CpuPlatform(threaded_streams=False)
+    totals = stats.TransferTotals()
+    monkeypatch.setattr(engine_mod, "TOTALS", totals)
+    monkeypatch.setattr(engine_mod, "_pending", totals.pending)
+    monkeypatch.setattr(engine_mod, "FOLD_EVERY", 3)
+    dev = torch.zeros((8, 64), dtype=torch.uint8)
+    host = torch.zeros((8, 64), dtype=torch.uint8)
+    pool = DescriptorPool(platform)
+    eng = Engine(platform, NPUDmaCopyBackend(platform), pool)
+    store, load = planner(dev, host, 64), planner(host, dev, 64)
+    eng.submit(1, Direction.D2H, store.plan(np.arange(2), np.arange(2), pool))
+    eng.submit(2, Direction.H2D, load.plan(np.arange(3), np.arange(3), pool))
+    eng.wait([1, 2])
+    assert len(eng.poll()) == 2 and len(totals.pending) == 2 and totals.load.jobs == totals.store.jobs == 0
+    load_t, store_t = totals.snapshot()
+    assert (load_t.jobs, load_t.bytes, store_t.jobs, store_t.bytes) == (1, 3 * 64, 1, 2 * 64) and not totals.pending
+    totals.record(True, False, 10, 1.0)
+    totals.reset()
+    assert totals.snapshot()[0].jobs == 0 and not totals.pending  # reset drops what was pending too
+    for job in range(3, 8):
+        eng.submit(job, Direction.D2H, store.plan(np.arange(1), np.arange(1), pool))
+        eng.wait([job])
+        eng.poll()
+    assert len(totals.pending) <= 3 and totals.store.jobs >= 2  # folded by the engine past FOLD_EVERY
+    assert totals.snapshot()[1].jobs == 5
