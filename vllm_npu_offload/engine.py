@@ -39,20 +39,19 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
 from . import env
 from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
-from .stats import FOLD_EVERY, TOTALS
+from .stats import TOTALS
 from .transfer import Transfer
 
 
 _DIRECTIONS = tuple(Direction)
 _new_result = tuple.__new__
-_pending = TOTALS.pending  # a finished job's numbers, folded into TOTALS when read
 ENV_STREAMS = "NPU_OFFLOAD_TRANSFER_STREAMS"
 ENV_SUBMIT_THREAD = "NPU_OFFLOAD_SUBMIT_THREAD"
 ENV_EVENT_TIMING = "NPU_OFFLOAD_EVENT_TIMING"
@@ -84,13 +83,16 @@ class _InFlight:
     transfer: Transfer
     error: str | None = None
     submitted_at: float = 0.0  # perf_counter() at submit
-    # the transfer's bytes and descriptors, read after its copies were enqueued (off the poll that
-    # reports it; a staged transfer knows its link copies only then)
-    nbytes: int = 0
-    descriptors: int = 0
     # set once the copies are on the stream; None: enqueued at submit. Until then ``end`` is not
     # recorded (a driver reports a never-recorded event as complete), so nobody may query it.
     enqueued: threading.Event | None = None
+    # the transfer's bytes and descriptors, read when the job is queued, after its copies were
+    # enqueued (off the poll that reports it; a staged transfer knows its link copies only then)
+    nbytes: int = field(init=False)
+    descriptors: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes, self.descriptors = self.transfer.total_bytes, len(self.transfer)
 
     def on_stream(self) -> bool:
         return self.enqueued is None or self.enqueued.is_set()
@@ -178,8 +180,7 @@ class TransferEngine:
                 return
             compute = self.platform.current_stream()
             if self._threaded and transfer.enqueue_anywhere and not direction.is_load:
-                item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, transfer.total_bytes,
-                                 len(transfer), threading.Event())
+                item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, threading.Event())
                 ready = self._event()
                 ready.record(compute)  # the job reads / writes KV only after the model's work so far
                 queue.append(item)
@@ -206,8 +207,7 @@ class TransferEngine:
                 except Exception as e:  # noqa: BLE001 - becomes a failed result
                     error = f"{type(e).__name__}: {e}"
                 end.record(stream)
-            queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit, transfer.total_bytes,
-                                   len(transfer)))
+            queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
             self._job_ids.add(job_id)
             if self._retired:
                 self._retire()
@@ -230,8 +230,7 @@ class TransferEngine:
             raise
         except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
             error = f"{type(e).__name__}: {e}"
-        self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit,
-                                                 transfer.total_bytes, len(transfer)))
+        self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
         self._job_ids.add(job_id)
         if self._retired:  # the copies are on their way: earlier jobs' bookkeeping now
             self._retire()
@@ -295,9 +294,7 @@ class TransferEngine:
         self._job_ids.discard(item.job_id)
         ok = error is None
         nbytes = item.nbytes
-        _pending.append((item.direction is Direction.H2D, ok, nbytes, seconds, wall))
-        if len(_pending) > FOLD_EVERY:
-            TOTALS.fold()
+        TOTALS.record(item.direction is Direction.H2D, ok, nbytes, seconds, wall)
         self._retired.append(item)
         # tuple.__new__: the named tuple's own __new__ is a Python function, a frame on this poll
         return _new_result(TransferResult, (item.job_id, item.direction, ok, nbytes if ok else 0, seconds,
@@ -322,16 +319,11 @@ class TransferEngine:
                     out += self._done[d]
                     self._done[d] = []
                 q = self._queues[d]
-                while q:  # ``on_stream`` and ``_seconds`` inline: this poll makes a completion visible
+                while q:
                     item = q[0]
-                    if item.enqueued is not None and not item.enqueued.is_set():
+                    if item.enqueued is not None and not item.enqueued.is_set():  # ``on_stream`` inline
                         break
-                    try:
-                        seconds = self._query(item.start, item.end)
-                    except Exception as e:  # noqa: BLE001 - becomes a failed result
-                        if item.error is None:
-                            item.error = f"{type(e).__name__}: {e}"
-                        seconds = 0.0
+                    seconds = self._seconds(item)
                     if seconds is None:
                         break
                     out.append(self._finish(q.popleft(), seconds))

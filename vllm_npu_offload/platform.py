@@ -247,14 +247,13 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         return int(torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())) or CU_STREAM_LEGACY
 
     def raw_order(self, start, end, after=None) -> tuple[int, int, int, int]:
-        # one frame on every natively ordered submit: the handles read as attributes (an event made
-        # by the engine has its driver event once recorded, which the first submit's fallback does)
+        # the handles read as attributes, no frame per event (an event made by the engine has its
+        # driver event once recorded, which the first submit's fallback does)
         s, e = start.cuda_event, end.cuda_event
         a = 0 if after is None else after.cuda_event
         if not (s and e) or (after is not None and not a):
             return super().raw_order(start, end, after)
-        c = torch._C
-        return c._cuda_getCurrentRawStream(c._cuda_getDevice()) or CU_STREAM_LEGACY, a, s, e
+        return self.raw_current_stream(), a, s, e
 
     def new_stream(self):
         """A transfer stream of our own: a non-blocking driver stream, kept for the process's
