@@ -292,8 +292,47 @@ def case_staged_load_inline():
         assert torch.equal(t[back], o[ids])
     core.pool.release(transfer.buffers)
     core.shutdown()
+    _load_inline_past_64_blocks()
     del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]
     print("staged_load_inline ok")
+
+
+def _load_inline_past_64_blocks():
+    """The same switch at a real model's shape (32 layers, K and V apart: 64 tensors of 2 KiB pages) and
+    a load with a slice of more than 64 blocks, which launch parameters cannot hold: that load takes
+    its ids the usual way (in the first link batch, no order given) and lands byte-exact."""
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    page, tensors, blocks, n = 2048, 64, 160, 130
+    rng = np.random.default_rng(19)
+    kv = [torch.from_numpy(rng.integers(0, 256, (blocks, page), dtype=np.uint8)).clone() for _ in range(tensors)]
+    record = tensors * page
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page) for i in
+                             range(tensors)]], 1, 140, FakeCuda(), staging_bytes=2 * 4 * 80 * record)
+    assert core.stager._fused.inline_load_ids and core.stager.geometry.slot_blocks == 80
+    sizes = core.stager.slice_sizes(n, Direction.H2D)
+    assert max(sizes) > 64, sizes
+    ids, chunks = rng.choice(blocks, n, replace=False).astype(np.int64), rng.choice(140, n, replace=False).astype(np.int64)
+    core.submit(1, Direction.D2H, ids, [n], [0], chunks)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    original = [t[ids].clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    inline0, tables0 = counter("fake_inline_launches", ctypes.c_longlong), counter("fake_table_launches", ctypes.c_longlong)
+    n0 = counter("fake_log_n", ctypes.c_longlong)
+    transfer = core.plan(Direction.H2D, ids, [n], [0], chunks)
+    core.engine.submit(2, transfer)
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_inline_launches", ctypes.c_longlong) == inline0  # no scatter inline
+    assert counter("fake_table_launches", ctypes.c_longlong) - tables0 == len(sizes)
+    copies = [op for op in _event_ops_since(n0, copies=True) if op[0] == "copy"]
+    assert ("copy", transfer.room.device_addr, 0x51) in copies, copies[-3:]  # the ids, in the first link batch
+    for t, o in zip(kv, original):
+        assert torch.equal(t[ids], o)
+    core.shutdown()
 
 
 def case_staged_dma_local():
