@@ -10,7 +10,7 @@ also waits for the compute stream, which closes both known races: a store readin
 that the model is still writing, and a load overwriting a block that attention still
 reads. A transfer that can (a staged one on CUDA, planned by the native library) takes that order
 in its own native call: the compute-stream wait, the previous job's end and its start/end events,
-with no torch call per transfer (``_submit_ordered``). There a load waits for the compute stream
+with no torch call per transfer (the ordered branch of ``submit``). There a load waits for the compute stream
 only in its scatters, the one step that writes KV pages: its link copies into the staging slots
 overlap the model's step in flight (vLLM schedules asynchronously: that step may still use a block
 the load reuses, so the scatters must not skip the wait). Completion is detected by polling end
@@ -42,7 +42,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
-from . import env
+from . import env, stats
 from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
@@ -147,6 +147,8 @@ class TransferEngine:
         self._events: list[Any] = []
         self._job_ids: set[int] = set()
         self._done: dict[Direction, list[TransferResult]] = {d: [] for d in Direction}
+        self._drained = 0  # results ``drain`` left in ``_done`` (the poll looks there only when some are)
+        self._all_queues = tuple(self._queues[d] for d in _DIRECTIONS)
         self._retired: list[_InFlight] = []  # finished and reported, buffers and events not yet returned
         self._closed = False
         self._threaded = bool(env.get(ENV_SUBMIT_THREAD)) and platform.submit_thread_ok
@@ -159,7 +161,9 @@ class TransferEngine:
         """Enqueue one transfer after the compute stream's work and this direction's earlier
         jobs. Never blocks on the device; a failed submit is reported by ``poll``. The
         transfer's pooled buffers go back to the pool once it has finished."""
-        direction = as_direction(transfer.direction)
+        direction = transfer.direction
+        if direction.__class__ is not Direction:  # ``as_direction`` inline: a frame less on the critical path
+            direction = Direction(direction)
         t_submit = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -175,8 +179,25 @@ class TransferEngine:
             start = events.pop() if events else self.platform.new_event(timing=self._timing)
             end = events.pop() if events else self.platform.new_event(timing=self._timing)
             prev = queue[-1] if queue else None
-            if transfer.orders_itself:  # one native call: stream order, events and copies
-                self._submit_ordered(job_id, direction, transfer, stream, start, end, prev, len(ring) > 1, t_submit)
+            if transfer.orders_itself:  # one native call: stream order, events and copies (inline: a frame less)
+                after = None
+                if prev is not None:
+                    if prev.enqueued is not None:  # an earlier job still with the submit thread: its end is not recorded yet
+                        prev.enqueued.wait()
+                    if len(ring) > 1:  # after the previous job's end (on another stream of the ring)
+                        after = prev.end
+                error = None
+                try:
+                    transfer.enqueue_ordered(stream, self.platform, start, end, after)
+                except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
+                    events.extend((start, end))
+                    raise
+                except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
+                    error = f"{type(e).__name__}: {e}"
+                queue.append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
+                self._job_ids.add(job_id)
+                if self._retired:  # the copies are on their way: earlier jobs' bookkeeping now
+                    self._retire()
                 return
             compute = self.platform.current_stream()
             if self._threaded and transfer.enqueue_anywhere and not direction.is_load:
@@ -211,29 +232,6 @@ class TransferEngine:
             self._job_ids.add(job_id)
             if self._retired:
                 self._retire()
-
-    def _submit_ordered(self, job_id: int, direction: Direction, transfer: Transfer, stream: Any, start: Any,
-                        end: Any, prev: _InFlight | None, chain: bool, t_submit: float) -> None:
-        """``submit`` for a transfer that takes the stream order itself (after the compute stream's
-        work so far, for a load its scatters only, and, on a ring, after the previous job's end)."""
-        after = None
-        if prev is not None:
-            if prev.enqueued is not None:  # an earlier job still with the submit thread: its end is not recorded yet
-                prev.enqueued.wait()
-            if chain:
-                after = prev.end
-        error = None
-        try:
-            transfer.enqueue_ordered(stream, self.platform, start, end, after)
-        except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
-            self._events.extend((start, end))
-            raise
-        except Exception as e:  # noqa: BLE001 - becomes a failed result (the library recorded the end)
-            error = f"{type(e).__name__}: {e}"
-        self._queues[direction].append(_InFlight(job_id, direction, start, end, transfer, error, t_submit))
-        self._job_ids.add(job_id)
-        if self._retired:  # the copies are on their way: earlier jobs' bookkeeping now
-            self._retire()
 
     def _event(self) -> Any:
         return self._events.pop() if self._events else self.platform.new_event(timing=self._timing)
@@ -275,9 +273,13 @@ class TransferEngine:
         try:
             return self._query(item.start, item.end)
         except Exception as e:  # noqa: BLE001 - becomes a failed result
-            if item.error is None:
-                item.error = f"{type(e).__name__}: {e}"
-            return 0.0
+            return self._query_failed(item, e)
+
+    @staticmethod
+    def _query_failed(item: _InFlight, e: Exception) -> float:
+        if item.error is None:
+            item.error = f"{type(e).__name__}: {e}"
+        return 0.0
 
     def _finish(self, item: _InFlight, seconds: float) -> TransferResult:
         """The result of a finished job (counted in the totals at once), ``seconds`` as ``_query``
@@ -294,7 +296,8 @@ class TransferEngine:
         self._job_ids.discard(item.job_id)
         ok = error is None
         nbytes = item.nbytes
-        TOTALS.record(item.direction is Direction.H2D, ok, nbytes, seconds, wall)
+        # ``TOTALS.record`` inline (a frame less): folded when read, or at ``_retire`` past FOLD_EVERY
+        TOTALS.pending.append((item.direction is Direction.H2D, ok, nbytes, seconds, wall))
         self._retired.append(item)
         # tuple.__new__: the named tuple's own __new__ is a Python function, a frame on this poll
         return _new_result(TransferResult, (item.job_id, item.direction, ok, nbytes if ok else 0, seconds,
@@ -303,6 +306,8 @@ class TransferEngine:
     def _retire(self) -> None:
         """Return reported jobs' buffers to the pool and their events to the free list."""
         retired, self._retired = self._retired, []
+        if len(TOTALS.pending) > stats.FOLD_EVERY:
+            TOTALS.fold()
         for item in retired:
             self.pool.release(item.transfer.buffers)
             if not self._threaded:  # a later job still with the submit thread may wait on this one's end
@@ -314,16 +319,21 @@ class TransferEngine:
         handler per direction)."""
         with self._lock:
             out: list[TransferResult] = []
-            for d in (as_direction(direction),) if direction is not None else _DIRECTIONS:
-                if self._done[d]:
+            if self._drained:
+                for d in (as_direction(direction),) if direction is not None else _DIRECTIONS:
+                    self._drained -= len(self._done[d])
                     out += self._done[d]
                     self._done[d] = []
-                q = self._queues[d]
+            query = self._query
+            for q in (self._queues[as_direction(direction)],) if direction is not None else self._all_queues:
                 while q:
                     item = q[0]
                     if item.enqueued is not None and not item.enqueued.is_set():  # ``on_stream`` inline
                         break
-                    seconds = self._seconds(item)
+                    try:  # ``_seconds`` inline: a frame less on the poll that makes a completion visible
+                        seconds = query(item.start, item.end)
+                    except Exception as e:  # noqa: BLE001 - becomes a failed result
+                        seconds = self._query_failed(item, e)
                     if seconds is None:
                         break
                     out.append(self._finish(q.popleft(), seconds))
@@ -368,6 +378,7 @@ class TransferEngine:
                     item = q.popleft()
                     seconds = self._seconds(item)  # done: its end was waited for above
                     self._done[item.direction].append(self._finish(item, -1.0 if seconds is None else seconds))
+                    self._drained += 1
             self._retire()
 
     def shutdown(self) -> None:

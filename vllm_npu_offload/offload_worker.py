@@ -109,6 +109,7 @@ class OffloadWorkerCore:
         self._device_limit = limits.pop() if len(limits) == 1 and all(self.group_refs) else None
         self._direct = {(g, d): self._planner(g, d, None) for g in range(self.num_groups) for d in Direction}
         self.stager: Stager | None = None
+        self._one_native = False  # see _setup_staging
         self._staged: dict[tuple[int, Direction], CopyPlanner | None] = {}
         self.staged_min_blocks = {d: NEVER for d in Direction}
         if staged is not None:
@@ -157,6 +158,16 @@ class OffloadWorkerCore:
         self.stager.prepare_tables(self._staged.values())
         self._spans = [self.layout.group_span([r.tensor_idx for r in refs]) if refs else (0, 0)
                        for refs in self.group_refs]
+        # per direction and group, what a natively planned transfer takes of it (None: no tensors):
+        # (planner, record span, bytes per block, pages per block), looked up once per transfer
+        self._native_groups = {d: [None if p is None else (p, self._spans[g], p.bytes_per_block, len(p.pairs))
+                                   for g, p in ((g, self._staged[(g, d)]) for g in range(self.num_groups))]
+                               for d in Direction}
+        # one KV group with tensors, a block per host chunk, the library planning, checking and ordering
+        # the transfer: ``submit`` then plans it inline (what vLLM runs on a uniform model)
+        st = self.stager
+        self._one_native = (self.num_groups == 1 and self.blocks_per_chunk == 1 and bool(self.group_refs[0])
+                            and st.plans_natively and st.checks_ids and st.orders_natively)
         pages = [r.page_bytes for refs in self.group_refs for r in refs]
         # stores direct on the copy engines, no gather: only loads are measured
         staged = tuple(d for d in Direction if d is Direction.H2D or not stores_direct(
@@ -290,16 +301,20 @@ class OffloadWorkerCore:
         """A staged transfer the native pipeline plans when it enqueues it: each group's planner,
         record span and ids (any host order), and pinned room for what the plan writes."""
         groups, nbytes, pages = [], 0, 0
+        native = self._native_groups[direction]
         for g, dev, host in parts:
-            planner = self._staged[(g, direction)]
-            if planner is not None:
-                groups.append((planner, self._spans[g], dev, host))  # contiguous int64: see _split
-                nbytes += planner.bytes_per_block * len(dev)
-                pages += len(planner.pairs) * len(dev)
+            hit = native[g]
+            if hit is not None:
+                planner, span, per_block, pairs = hit
+                groups.append((planner, span, dev, host))  # contiguous int64: see _split
+                k = len(dev)
+                nbytes += per_block * k
+                pages += pairs * k
         if not groups:
             raise ValueError("a staged transfer needs at least one block of a group with tensors")
-        room = self.pool.acquire(self.stager.native_room(n, pages))
-        return NativeStagedTransfer(direction, groups, room, self.stager, nbytes, pages)
+        stager = self.stager
+        room = self.pool.acquire(stager.native_room(n, pages))
+        return NativeStagedTransfer(direction, groups, room, stager, nbytes, pages, 0, stager.orders_natively)
 
     def staged_from(self, direction: Direction) -> str:
         """The staging threshold in words: a block count, or 'never'."""
@@ -315,7 +330,8 @@ class OffloadWorkerCore:
         """One transfer, planned: staged or direct by its size against the calibrated threshold
         (``staged`` overrides it: benchmarks, tests). Its buffers are pooled: hand it to the
         engine (``submit``), or return them with ``pool.release(transfer.buffers)``."""
-        direction = as_direction(direction)
+        if direction.__class__ is not Direction:  # ``as_direction`` inline: a frame less per transfer
+            direction = Direction(direction)
         side = "src" if direction is Direction.D2H else "dst"  # the device's side of the copies
         n = sum(group_sizes)
         if staged is None:
@@ -334,7 +350,26 @@ class OffloadWorkerCore:
     def submit(self, job_id: int, direction: Direction, device_block_ids, group_sizes, block_indices, chunk_ids,
                staged: bool | None = None) -> None:
         """Plan one transfer and enqueue it on the engine; its result comes from ``poll``."""
-        transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
+        transfer = None
+        if self._one_native and staged is not False:
+            # ``plan`` inline for the common natively ordered transfer: its checks that apply (the library
+            # checks both sides' ids), no frame per step. This runs on the engine thread before any copy
+            # starts, after the model's step left the host's caches cold, where each frame and lookup
+            # costs several times what it does in a loop (docs/benchmarks.md, fifteenth session).
+            if direction.__class__ is not Direction:
+                direction = Direction(direction)
+            dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
+            host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
+            n = len(dev)
+            if (n and len(group_sizes) == 1 and len(block_indices) == 1 and group_sizes[0] == n == len(host)
+                    and (staged or n >= self.staged_min_blocks[direction])):
+                planner, span, per_block, pairs = self._native_groups[direction][0]
+                stager = self.stager
+                transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
+                                                self.pool.acquire(stager.native_room(n, pairs * n)), stager,
+                                                per_block * n, pairs * n, 0, True)
+        if transfer is None:  # anything else, and any bad input (named by ``plan``'s checks)
+            transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:
             self.engine.submit(job_id, transfer)
         except BaseException:

@@ -29,13 +29,9 @@ class TransferTotals:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # (is_load, ok, bytes, seconds, wall seconds) of jobs not yet counted: the engine's poll appends
     # (a deque append is atomic and costs no lock, on the poll that makes a completion visible) and
-    # whoever reads the totals folds them in first; the engine folds when FOLD_EVERY wait
+    # whoever reads the totals folds them in first; the engine folds when more than FOLD_EVERY wait
+    # as it returns reported jobs' buffers (off that poll)
     pending: deque = field(default_factory=deque, repr=False)
-
-    def record(self, is_load: bool, ok: bool, nbytes: int, seconds: float, wall_seconds: float = 0.0) -> None:
-        self.pending.append((is_load, ok, nbytes, seconds, wall_seconds))
-        if len(self.pending) > FOLD_EVERY:
-            self.fold()
 
     def fold(self) -> None:
         """Count the pending jobs into the totals."""

@@ -118,6 +118,8 @@ class NativeStagedTransfer(Transfer):
     nbytes: int
     pages: int
     links: int = 0  # link copies, known once enqueued
+    # the stager's ``orders_natively``, as a field: the engine reads it on every transfer's critical path
+    orders_itself: bool = False
     names_streams = True
 
     @property
@@ -134,10 +136,6 @@ class NativeStagedTransfer(Transfer):
     def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
         self.links = self.stager.run_native(self, stream, link=link, compute=compute)
-
-    @property
-    def orders_itself(self) -> bool:
-        return self.stager.orders_natively
 
     def enqueue_ordered(self, stream: Any, platform: Any, start: Any, end: Any, after: Any = None) -> None:
         """``enqueue`` with the engine's stream order in the same native call: a store's ``stream``

@@ -5,10 +5,12 @@ core_bench splits the loss against one contiguous copy into "outside" the engine
 and "inside" it. This probe times the host side of the same transfers piece by piece (median
 microseconds over ``--reps``, consecutive host chunks, the core's default staging):
 
-- ``plan``: ``OffloadWorkerCore.plan`` (split, host order, slice layout, table ids, link runs);
-- ``submit_py``: ``TransferEngine.submit`` less the native call (events, stream order, the job
-  struct or request, and what follows the call, which overlaps the copies); ``pre_native``: from
-  submit until the native call begins (plan + pre_native + finish: the Python on the critical path); ``native``: ``npo_cuda_staged_run`` (every driver call of the transfer), or
+- ``plan``: 0 (``OffloadWorkerCore.submit`` plans the common transfer inline: its split, ids checks and
+  room are in ``pre_native``; earlier trees' probes timed ``OffloadWorkerCore.plan`` apart);
+- ``submit_py``: ``OffloadWorkerCore.submit`` less the native call (the plan, events, stream order, the
+  request, and what follows the call, which overlaps the copies); ``pre_native``: from submit until the
+  native call begins (pre_native + finish: the Python on the critical path); ``native``:
+  ``npo_cuda_staged_run`` (every driver call of the transfer), or
   with the native planner ``npo_cuda_staged_submit`` (its planning and every driver call);
 - ``wait``: from submit's return until the end event's synchronize returns; ``finish``: the poll
   that reports it; ``span``: the engine's device span; ``whole``: all of it;
@@ -81,7 +83,19 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
         native_at.append(t)
         return links
 
+    lane = _ordered_lane(rig.core, direction)
+    real_call = lane.call if lane is not None else None
+
+    def timed_call():  # the ordered submit's native call (the lane's, not lib.staged_submit)
+        t = time.perf_counter()
+        rc = real_call()
+        native_s.append(time.perf_counter() - t)
+        native_at.append(t)
+        return rc
+
     lib.staged_run, lib.staged_submit = timed_run, timed_submit
+    if lane is not None:
+        lane.call = timed_call
     rows: dict[str, list[float]] = {k: [] for k in PARTS}
     try:
         for rep in range(reps + 3):
@@ -90,9 +104,7 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
             native_at.clear()
             rig._job += 1
             t0 = time.perf_counter()
-            transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
-            t1 = time.perf_counter()
-            core.engine.submit(rig._job, transfer)
+            core.submit(rig._job, direction, dev, [len(dev)], [0], chunks, staged=True)  # as the connectors do
             t2 = time.perf_counter()
             core.engine._queues[direction][-1].end.synchronize()
             t3 = time.perf_counter()
@@ -103,13 +115,17 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
             if rep < 3:
                 continue
             nat = sum(native_s)
-            pre = native_at[0] - t1 if native_at else float("nan")
-            for k, v in (("plan", t1 - t0), ("submit_py", t2 - t1 - nat), ("pre_native", pre), ("native", nat),
+            pre = native_at[0] - t0 if native_at else float("nan")
+            # plan: 0, inside pre_native (``core.submit`` plans the common transfer inline since the fifteenth
+            # session; earlier trees' probes timed ``core.plan`` apart, the sum is the same critical path)
+            for k, v in (("plan", 0.0), ("submit_py", t2 - t0 - nat), ("pre_native", pre), ("native", nat),
                          ("wait", t3 - t2),
                          ("finish", t4 - t3), ("whole", t4 - t0), ("span", res[0].seconds)):
                 rows[k].append(v)
     finally:
         lib.staged_run, lib.staged_submit = real_run, real_submit
+        if lane is not None:
+            lane.call = real_call
     nbytes = rig.shape.blocks * sum(rig.shape.pages)
     host_t = core.host.tensor[:nbytes]
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
@@ -126,6 +142,15 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
     return out
 
 
+def _ordered_lane(core, direction: Direction):
+    """The pipeline's reused request of ``direction`` (made now if none ran yet), whose ``call`` a natively
+    ordered submit makes instead of ``lib.staged_submit``; None where transfers are not ordered natively."""
+    stager = core.stager
+    if stager is None or not stager.orders_natively:
+        return None
+    return stager._fused._lane(stager, direction)
+
+
 def cpu_one(rig: CoreRig, direction: Direction, reps: int) -> dict[str, float]:
     """Wall and thread-CPU us of a real transfer's plan, submit and reporting poll (a pass of its own:
     reading the thread's CPU clock is a system call). CPU near wall: the host ran the Python slowly
@@ -138,9 +163,8 @@ def cpu_one(rig: CoreRig, direction: Direction, reps: int) -> dict[str, float]:
         dev, chunks = rig.ids("seq", seed=rep)
         rig._job += 1
         w0, c0 = wall(), cpu()
-        transfer = core.plan(direction, dev, [len(dev)], [0], chunks, staged=True)
-        w1, c1 = wall(), cpu()
-        core.engine.submit(rig._job, transfer)
+        w1, c1 = w0, c0  # plan: inside submit (``core.submit`` plans inline)
+        core.submit(rig._job, direction, dev, [len(dev)], [0], chunks, staged=True)
         w2, c2 = wall(), cpu()
         core.engine._queues[direction][-1].end.synchronize()
         w3, c3 = wall(), cpu()
@@ -287,7 +311,7 @@ def detail(platform, lib, shape: str, reps: int) -> dict:
         "raw_current_stream": _med_us(platform.raw_current_stream, reps),
         "raw_event_handle": _med_us(lambda: platform.raw_event_handle(ev), reps),
         "ctypes_call": _med_us(lib._lib.npo_cuda_abi_version, reps),
-        "stats_record": _med_us(lambda: TOTALS.record(True, True, 1 << 24, 3e-4, 4e-4), reps),
+        "stats_record": _med_us(lambda: TOTALS.pending.append((True, True, 1 << 24, 3e-4, 4e-4)), reps),
         "pool_cycle": _med_us(lambda: core.pool.release([core.pool.acquire(64)]), reps),
     }
     ev2 = platform.new_event()
@@ -350,14 +374,16 @@ def front_end_hot(core, lib, rig: CoreRig, d: Direction, reps: int) -> dict[str,
     agree) from a cost that a transfer's wait adds (the real ones cost more)."""
     real = lib.staged_submit
     lib.staged_submit = lambda req: 0  # the job's events stay as last recorded (done), so the poll reports it
+    lane = _ordered_lane(core, d)
+    real_call = lane.call if lane is not None else None
+    if lane is not None:
+        lane.call = lambda: 0
     rows: dict[str, list[float]] = {"hot_plan": [], "hot_submit": [], "hot_poll": [], "hot_front_end": []}
     try:
         for rep in range(reps + 5):
             dev, chunks = rig.ids("seq", seed=rep)
-            t0 = time.perf_counter()
-            transfer = core.plan(d, dev, [len(dev)], [0], chunks, staged=True)
-            t1 = time.perf_counter()
-            core.engine.submit(30_000 + rep, transfer)
+            t0 = t1 = time.perf_counter()  # hot_plan: inside hot_submit (``core.submit`` plans inline)
+            core.submit(30_000 + rep, d, dev, [len(dev)], [0], chunks, staged=True)
             t2 = time.perf_counter()
             res = core.poll()
             t3 = time.perf_counter()
@@ -371,6 +397,8 @@ def front_end_hot(core, lib, rig: CoreRig, d: Direction, reps: int) -> dict[str,
                     rows[k].append(v)
     finally:
         lib.staged_submit = real
+        if lane is not None:
+            lane.call = real_call
     return {k: float(np.median(v)) * 1e6 for k, v in rows.items()}
 
 

@@ -514,7 +514,7 @@ def test_totals_count_every_reported_job_when_read(monkeypatch):
     assert len(eng.poll()) == 2 and len(totals.pending) == 2 and totals.load.jobs == totals.store.jobs == 0
     load_t, store_t = totals.snapshot()
     assert (load_t.jobs, load_t.bytes, store_t.jobs, store_t.bytes) == (1, 3 * 64, 1, 2 * 64) and not totals.pending
-    totals.record(True, False, 10, 1.0)
+    totals.pending.append((True, False, 10, 1.0, 0.0))
     totals.reset()
     assert totals.snapshot()[0].jobs == 0 and not totals.pending  # reset drops what was pending too
     for job in range(3, 8):

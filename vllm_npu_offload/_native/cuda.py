@@ -8,8 +8,11 @@ C, so it works with any torch build; the driver is resolved inside it at run tim
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import threading
+from typing import Any
+
 import numpy as np
 
 from ..errors import CopyError
@@ -151,8 +154,7 @@ class NativeCudaLib:
 
     def staged_submit(self, request) -> int:
         """Plan and enqueue a staged transfer in one call; its link copy count. The thread's message
-        buffer, count and references to a reused request are made once (this call sits on a
-        transfer's critical path; ctypes objects cost ~0.1-0.2 us each to make on the engine thread)."""
+        buffer, count and references to a reused request are made once (``staged_submitter``)."""
         cache = getattr(self._tls, "submit", None)
         if cache is None:
             cache = self._tls.submit = {}
@@ -160,12 +162,27 @@ class NativeCudaLib:
         if refs is None:
             if len(cache) >= 8:  # one request per direction and pipeline: a few; stay small
                 cache.clear()
-            links = ctypes.c_uint64()
-            refs = cache[id(request)] = (request, ctypes.byref(request), links, ctypes.byref(links), self._msg())
-        rc = self._lib.npo_cuda_staged_submit(refs[1], refs[3], refs[4], _MSG_LEN)
+            refs = cache[id(request)] = (request, self.staged_submitter(request))
+        call, links, msg = refs[1]
+        rc = call()
         if rc != 0:
-            self._fail(rc, refs[4], "npo_cuda_staged_submit")
-        return refs[2].value
+            self.staged_failed(rc, msg)
+        return links.value
+
+    def staged_submitter(self, request) -> tuple[Any, Any, Any]:
+        """(call, links, msg): ``call()`` is ``npo_cuda_staged_submit`` on ``request`` with its arguments
+        bound (a C partial, no Python frame), its return code returned; then ``links.value`` is the
+        link copy count, and ``staged_failed(rc, msg)`` raises a failure. For a caller that reuses one
+        request from one thread at a time (this call sits on a transfer's critical path; ctypes objects
+        cost ~0.1-0.2 us each to make on the engine thread, and each Python frame more when the step
+        before left the caches cold)."""
+        links, msg = ctypes.c_uint64(), self._msg()
+        call = functools.partial(self._lib.npo_cuda_staged_submit, ctypes.byref(request), ctypes.byref(links), msg,
+                                 _MSG_LEN)
+        return call, links, msg
+
+    def staged_failed(self, rc: int, msg) -> None:
+        self._fail(rc, msg, "npo_cuda_staged_submit")
 
     def event_poll(self, start: int, end: int) -> float | None:
         """Milliseconds from raw CUevent ``start`` to ``end`` once ``end`` has completed (0.0 when

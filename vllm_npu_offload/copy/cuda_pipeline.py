@@ -77,11 +77,16 @@ class _Lane:
     req: StagedRequest
     store: bool
     groups: Any = None  # the request's group slots (a ctypes array)
+    slots: list = field(default_factory=list)  # its elements, made once (indexing the array makes a new one)
     filled_for: list = field(default_factory=list)  # the planner each slot was filled for
     room: Any = None
     streams: tuple = (None, None)
     link: bool = True
     consts: tuple = ()
+    # ``lib.staged_submitter(req)``: the native call with its arguments bound, its link count and message
+    call: Any = None
+    links: Any = None
+    msg: Any = None
 
 
 def _ptr(a: np.ndarray):
@@ -187,6 +192,7 @@ class CudaStagedPipeline:
             j.inline_ids = self._inline_ids(d)
             req.compute_mark = self._marks[d]
             lane = self._lanes[d] = _Lane(req, d is Direction.D2H)
+            lane.call, lane.links, lane.msg = self.lib.staged_submitter(req)
         return lane
 
     def request(self, stager, transfer, stream: int, aux: int, link: bool = True) -> StagedRequest:
@@ -200,10 +206,11 @@ class CudaStagedPipeline:
         if len(lane.filled_for) < len(tg):
             n = max(4, len(tg))
             lane.groups, lane.filled_for = (StagedGroup * n)(), [None] * n
+            lane.slots = list(lane.groups)
             req.groups = lane.groups
-        groups, filled_for = lane.groups, lane.filled_for
+        slots, filled_for = lane.slots, lane.filled_for
         for i, (planner, span, dev, host) in enumerate(tg):
-            g = groups[i]
+            g = slots[i]
             if filled_for[i] is not planner:  # a slot's table, span and limit change with its group only
                 g.table, g.pairs, g.span_lo, g.span_hi = self._table(planner), len(planner.pairs), *span
                 g.device_limit = planner.src_limit if lane.store else planner.dst_limit  # the library checks the ids
@@ -256,7 +263,11 @@ class CudaStagedPipeline:
                                            self.platform.raw_stream_handle(aux))
         req = self.request(stager, transfer, hit[1], hit[2])
         req.compute, req.after, req.start, req.end = order
-        return self.lib.staged_submit(req)
+        lane = self._lanes[transfer.direction]
+        rc = lane.call()  # ``lib.staged_submit`` without its frame and its thread-local lookup
+        if rc:
+            self.lib.staged_failed(rc, lane.msg)
+        return lane.links.value
 
     def submit(self, stager, transfer, stream: Any, aux: Any, link: bool = True, order=None) -> int:
         """Plan and enqueue ``transfer`` (a ``NativeStagedTransfer``) in one call; its link copies.

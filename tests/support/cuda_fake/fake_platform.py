@@ -46,7 +46,7 @@ class RawEvent:
 
 class FakeCudaOrdered(FakeCuda):
     """FakeCuda whose events have driver handles: the engine hands natively planned transfers
-    their stream order (``_submit_ordered``)."""
+    their stream order (the ordered branch of ``TransferEngine.submit``)."""
 
     raw_events = True
 
