@@ -115,10 +115,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "1: a link batch of one copy (a staged slice over consecutive host chunks) is enqueued by "
          "cuMemcpyAsync, not cuMemcpyBatchAsync (~15 us of driver CPU against ~19 us on an H200 host; read by "
          "the CUDA library once per process; to be measured)"),
-    Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", False,
-         "1: every scatter of a CUDA staged load takes its block ids in its launch parameters (slices of at "
-         "most 64 blocks per range), so the ids go to the device in no copy and the first link copy starts "
-         "at once (to be measured against the upload)"),
+    Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", True,
+         "every scatter of a CUDA staged load takes its block ids in its launch parameters (ranges of at most "
+         "64 blocks; a load with a longer one uploads them), so the ids go to the device in no copy, nothing "
+         "of a load is written to device memory before the model's mark, and the first link copy starts at "
+         "once (H200: the library's call alone 0.3-1.5 points nearer one contiguous copy on loads; "
+         "docs/benchmarks.md, fifteenth session). 0: the ids uploaded on the aux stream after the mark"),
     Knob("NPU_OFFLOAD_TRANSFER_STREAMS", "int", 4,
          "streams per direction that transfers take in turn, each after the previous one (1: one stream, "
          "whose queue can fill behind a long forward and block the engine thread)", lo=1, hi=16),

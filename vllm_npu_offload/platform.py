@@ -242,9 +242,17 @@ class CudaPlatform(_TorchAcceleratorPlatform):
             handle = event.cuda_event
         return int(handle)
 
+    _device: int | None = None  # the engine thread's device, read once (see raw_current_stream)
+
     def raw_current_stream(self) -> int:
-        # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host)
-        return int(torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())) or CU_STREAM_LEGACY
+        # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host),
+        # and the device read once: a worker process computes on one device, and each torch call here
+        # costs 0.5 us in a loop and about three times that when the model's step left the caches cold
+        # (scripts/dev/probe_cold_pieces.py, docs/benchmarks.md fifteenth session)
+        dev = self._device
+        if dev is None:
+            dev = self._device = torch._C._cuda_getDevice()
+        return int(torch._C._cuda_getCurrentRawStream(dev)) or CU_STREAM_LEGACY
 
     def raw_order(self, start, end, after=None) -> tuple[int, int, int, int]:
         # the handles read as attributes, no frame per event (an event made by the engine has its

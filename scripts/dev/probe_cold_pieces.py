@@ -12,8 +12,11 @@ again at once), and writes JSON.
 
 Poll side (timed right after the synchronize of a transfer not yet reported, as the reporting poll
 is): ``noop`` (an empty Python call), ``perf_counter``, ``lock``, ``query`` (torch's query of the end
-event), ``elapsed`` (its elapsed_time), ``poll`` (the whole reporting poll). Submit side (timed right
+event), ``elapsed`` (its elapsed_time), ``native_poll`` (both in one library call, ``lib.event_poll``),
+``native_raw`` (that call's C function with its arguments made beforehand: the driver's part), ``poll``
+(the whole reporting poll). Submit side (timed right
 after a reporting poll, where the next submit starts): ``ascontig`` (the two id arrays as int64),
+``addresses`` (their addresses, as the request takes them), ``fields`` (nine fields of the request set),
 ``acquire`` (a pooled room and back), ``raw_current`` (torch's current raw stream), ``raw_order``
 (the engine's events as driver handles), ``request`` (the pipeline's request for a planned
 transfer), ``submit_pre`` (``OffloadWorkerCore.submit`` until its native call starts).
@@ -24,6 +27,7 @@ transfer), ``submit_pre`` (``OffloadWorkerCore.submit`` until its native call st
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -39,8 +43,8 @@ from benchmarks.core_bench import CoreRig, shape_named  # noqa: E402
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
 from vllm_npu_offload.platform import get_platform  # noqa: E402
 
-POLL_SIDE = ("noop", "perf_counter", "lock", "query", "elapsed", "poll")
-SUBMIT_SIDE = ("ascontig", "acquire", "raw_current", "raw_order", "request", "submit_pre")
+POLL_SIDE = ("noop", "perf_counter", "lock", "query", "elapsed", "native_poll", "native_raw", "poll")
+SUBMIT_SIDE = ("ascontig", "addresses", "fields", "acquire", "raw_current", "raw_order", "request", "submit_pre")
 
 
 def main() -> None:
@@ -78,6 +82,18 @@ def main() -> None:
         with lock:
             pass
 
+    lib = stager._fused.lib
+    raw_ev = platform.raw_event_handle
+    ms = ctypes.c_float()
+    ms_ref, msg = ctypes.byref(ms), ctypes.create_string_buffer(512)
+    raw_poll = lib._lib.npo_cuda_event_poll
+    addr, from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
+    req = lane.req
+
+    def fields():
+        req.compute, req.after, req.start, req.end = 1, 2, 3, 4
+        req.job.stream, req.job.aux, req.n_groups, req.ids_capacity, req.slot_blocks = 5, 6, 1, 8, req.slot_blocks
+
     def transfer() -> tuple:
         """One real transfer submitted; its (start, end) events."""
         dev, chunks = rig.ids("seq", seed=rig._job)
@@ -101,8 +117,10 @@ def main() -> None:
         for name in POLL_SIDE:
             start, end = transfer()
             end.synchronize()
+            rs, re_ = raw_ev(start), raw_ev(end)
             fn = {"noop": noop, "perf_counter": pc, "lock": lock_cycle, "query": lambda: query(end),
-                  "elapsed": lambda: elapsed(start, end), "poll": core.poll}[name]
+                  "elapsed": lambda: elapsed(start, end), "native_poll": lambda: lib.event_poll(rs, re_),
+                  "native_raw": lambda: raw_poll(rs, re_, ms_ref, msg, 512), "poll": core.poll}[name]
             for store in (cold, hot):
                 t = pc()
                 out = fn()
@@ -138,8 +156,12 @@ def main() -> None:
                 s_ev, e_ev = (ev[-1], ev[-2]) if len(ev) >= 2 else (platform.new_event(), platform.new_event())
                 fn = lambda: platform.raw_order(s_ev, e_ev, None)  # noqa: E731
             else:
+                saved = (req.compute, req.after, req.start, req.end, req.job.stream, req.job.aux, req.n_groups,
+                         req.ids_capacity)
                 fn = {"ascontig": lambda: (np.ascontiguousarray(dev, dtype=np.int64),
                                            np.ascontiguousarray(chunks, dtype=np.int64)),
+                      "addresses": lambda: (addr(from_buffer(dev)), addr(from_buffer(chunks))),
+                      "fields": fields,
                       "acquire": lambda: core.pool.release([core.pool.acquire(64)]),
                       "raw_current": lambda: get_raw(get_dev())}[name]
             for store in (cold, hot):
@@ -148,6 +170,10 @@ def main() -> None:
                 store[name].append(pc() - t)
             if name == "request":
                 core.pool.release(tr.buffers)
+            if name == "fields":
+                (req.compute, req.after, req.start, req.end, req.job.stream, req.job.aux, req.n_groups,
+                 req.ids_capacity) = saved
+                lane.streams = (None, None)  # the next request writes its streams again
     lane.call = real_call
     res = {"device": platform.device_name(), "shape": a.shape, "direction": a.direction, "reps": a.reps,
            "cold": {}, "hot": {}}

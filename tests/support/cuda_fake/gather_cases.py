@@ -514,10 +514,14 @@ def case_staged_ordered():
     from vllm_npu_offload import staging
     from vllm_npu_offload.errors import CopyError
 
-    os.environ.update(NPU_OFFLOAD_STAGE_PIPELINE="native", NPU_OFFLOAD_STAGE_PLAN="native")
+    # the uploaded ids' order (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0, and any load whose scatter ranges exceed
+    # the launch parameters; staged_load_inline checks the default, ids inline)
+    os.environ.update(NPU_OFFLOAD_STAGE_PIPELINE="native", NPU_OFFLOAD_STAGE_PLAN="native",
+                      NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(4)
     core = _fresh_core()
+    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]  # read when the core's pipeline is made
     fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
     # every planner's pair table is on the device before the first transfer: uploaded at a submit,
     # the copy waited for the model's stream (a whole step, on a GPU)
