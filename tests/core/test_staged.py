@@ -197,7 +197,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
         assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
         if core.stager._fused is not None:
             assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
-            assert core.stager._fused.inline_load_ids == (variant == "load_inline_ids")
+            assert core.stager._fused.inline_load_ids == (variant != "load_uploaded_ids")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
