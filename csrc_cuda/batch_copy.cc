@@ -10,10 +10,6 @@ int npo_batch_range(const npo_driver *drv, const uint64_t *src, const uint64_t *
                     int src_order_any, CUstream stream, char *msg, size_t msg_len) {
 #if NPO_BATCH_MEMCPY
     // The batch API rejects the legacy NULL stream; so do drivers < 12.8: loop there.
-    // One copy (a staged slice over consecutive host chunks): cuMemcpyAsync takes ~4 us less CPU than a
-    // batch of one on an H200 host (probe_whole_split.py's driver calls), where the process asks for it.
-    if (n == 1 && drv->link_memcpy1 && stream != nullptr)
-        return npo_loop_range(drv, src, dst, sizes, 0, 1, stream, msg, msg_len);
     if (drv->mode != NPO_MODE_LOOP && stream != nullptr) {
         CUmemcpyAttributes attr;
         memset(&attr, 0, sizeof(attr));

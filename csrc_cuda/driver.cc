@@ -114,9 +114,6 @@ void resolve() {
         if (g_drv.batch_v1) g_drv.mode = NPO_MODE_BATCH_V1;
     }
 #endif
-    // Read once here, the process's setting (vllm_npu_offload/env.py documents it; an experiment).
-    const char *one = getenv("NPU_OFFLOAD_CUDA_LINK_MEMCPY1");
-    g_drv.link_memcpy1 = one && strcmp(one, "1") == 0;
     g_drv.status = 0;
     // The library handle is kept open for the life of the process.
 }

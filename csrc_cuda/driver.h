@@ -44,7 +44,6 @@ typedef struct {
     int status;         /* 0 resolved, NPO_ERR_NO_DRIVER otherwise */
     int driver_version; /* cuDriverGetVersion */
     int mode;           /* NPO_MODE_* */
-    int link_memcpy1;   /* NPU_OFFLOAD_CUDA_LINK_MEMCPY1=1: a batch of one copy goes to cuMemcpyAsync */
     char error[256];    /* why status != 0 */
     npo_cuMemcpyAsync_t memcpy_async;
     npo_cuGetErrorString_t get_error_string;

@@ -111,10 +111,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
          "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
          "most 64 blocks per range), so no id upload runs (diagnosis)"),
-    Knob("NPU_OFFLOAD_CUDA_LINK_MEMCPY1", "flag", False,
-         "1: a link batch of one copy (a staged slice over consecutive host chunks) is enqueued by "
-         "cuMemcpyAsync, not cuMemcpyBatchAsync (~15 us of driver CPU against ~19 us on an H200 host; read by "
-         "the CUDA library once per process; to be measured)"),
     Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", True,
          "every scatter of a CUDA staged load takes its block ids in its launch parameters (ranges of at most "
          "64 blocks; a load with a longer one uploads them), so the ids go to the device in no copy, nothing "
