@@ -9,6 +9,7 @@ bind it to the device's NUMA node before first touch, and page-lock it in place
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -42,6 +43,14 @@ class HostKVBuffer:
         self.pinned = bool(pin and platform.pin_memory_available and platform.pin(self.tensor))
         if pin and platform.pin_memory_available and not self.pinned:
             logger.warning("%s; copies to/from them will be slower", pin_failure_hint(nbytes))
+        # A buffer dropped without ``release`` (its worker never shut down, e.g. after an exception)
+        # is unregistered before its memory goes back: freed while still registered, the range stayed
+        # registered, and a later allocation there failed to register ("already mapped") and its
+        # pageable copies failed (GPU tests, 2026-11-27). Not at interpreter exit (the driver may be
+        # torn down by then; the process's end frees both).
+        self._unpin = weakref.finalize(self, platform.unpin, self.tensor) if self.pinned else None
+        if self._unpin is not None:
+            self._unpin.atexit = False
         self.base = self.tensor.data_ptr()
 
     def strided_view(self, offset: int, rows: int, row_bytes: int, row_stride: int) -> torch.Tensor:
@@ -50,5 +59,5 @@ class HostKVBuffer:
 
     def release(self) -> None:
         if self.pinned:
-            self.platform.unpin(self.tensor)
+            self._unpin()  # once: the finalizer is then dead
             self.pinned = False

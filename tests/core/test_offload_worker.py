@@ -122,6 +122,47 @@ def test_host_memory_is_exact_and_block_first():
         HostLayout.build([16], 1, 0)
 
 
+class _RegisteringPlatform(CpuPlatform):
+    """A CPU platform that page-locks the way CUDA does (cudaHostRegister by address): what is registered."""
+
+    def __init__(self):
+        super().__init__()
+        self.registered: dict[int, int] = {}
+
+    @property
+    def pin_memory_available(self) -> bool:
+        return True
+
+    def pin(self, tensor) -> bool:
+        assert tensor.data_ptr() not in self.registered, "part or all of the range is already registered"
+        self.registered[tensor.data_ptr()] = tensor.nbytes
+        return True
+
+    def unpin(self, tensor) -> None:
+        del self.registered[tensor.data_ptr()]
+
+
+def test_host_memory_dropped_unshut_is_unregistered_before_it_is_freed():
+    """A host buffer dropped without ``release`` (a worker never shut down, as after an exception) is
+    unregistered while its memory is still its own, once; a released one is not unregistered again.
+    (On a GPU, a failed test's core left its range registered: the next allocation there failed to
+    register and its copies failed.)"""
+    import gc
+
+    platform = _RegisteringPlatform()
+    buf = HostKVBuffer(platform, 1 << 20)
+    assert buf.pinned and platform.registered == {buf.base: 1 << 20}
+    del buf
+    gc.collect()
+    assert platform.registered == {}
+    again = HostKVBuffer(platform, 1 << 20)  # may take the same range: registers cleanly
+    again.release()
+    assert platform.registered == {} and not again.pinned
+    del again
+    gc.collect()  # the finalizer ran at release: no second unregister (it would raise KeyError)
+    assert platform.registered == {}
+
+
 def test_core_rejects_zero_chunks():
     with pytest.raises(OffloadConfigError, match="num_chunks must be > 0"):
         make_core(1, num_chunks=0)
