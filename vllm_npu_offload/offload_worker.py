@@ -367,7 +367,7 @@ class OffloadWorkerCore:
                 stager = self.stager
                 transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
                                                 self.pool.acquire(stager.native_room(n, pairs * n)), stager,
-                                                per_block * n, pairs * n, 0, True)
+                                                per_block * n, pairs * n, 0, stager.orders_natively)
         if transfer is None:  # anything else, and any bad input (named by ``plan``'s checks)
             transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:

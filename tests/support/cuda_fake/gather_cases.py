@@ -618,7 +618,24 @@ def _staged_ids_checked(platform):
             assert core.engine.in_flight() == 0 and core.pool.num_free == max(free, 1), core.pool.num_free
     assert len(core.engine._events) >= events
     want = [t[dev].clone() for t in kv]
+    # where the library orders the transfer, ``submit`` plans it inline (no ``plan``): the same transfer;
+    # a shape it does not take (here: group sizes that do not add up) goes to ``plan``, which names it
+    planned = core.plan(Direction.D2H, dev, [6], [0], chunks, staged=True)
+    core.pool.release(planned.buffers)
+    real_plan = core.plan
+    if platform.raw_events:
+        core.plan = lambda *a, **k: (_ for _ in ()).throw(AssertionError("submit went through plan"))
     core.submit(2, Direction.D2H, dev, [6], [0], chunks, staged=True)
+    inline = core.engine._queues[Direction.D2H][-1].transfer
+    assert (type(inline), inline.total_bytes, inline.pages, inline.orders_itself, len(inline.groups)) == (
+        type(planned), planned.total_bytes, planned.pages, planned.orders_itself, 1), (inline, planned)
+    assert all(a is b for a, b in zip(inline.groups[0][:2], planned.groups[0][:2]))  # planner, span
+    core.plan = real_plan
+    try:
+        core.submit(9, Direction.D2H, dev, [5], [0], chunks, staged=True)
+        raise AssertionError("group sizes that do not add up were accepted")
+    except ValueError as e:
+        assert "do not add up" in str(e), e
     for t in kv:
         t[dev] = 0
     core.submit(3, Direction.H2D, dev, [6], [0], chunks, staged=True)
