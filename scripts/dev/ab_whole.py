@@ -70,6 +70,28 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return table
 
 
+def paired(runs: dict[str, list[dict]]) -> dict:
+    """Per variant after the first: its critical path over the first variant's, and its whole % less
+    the first's, round by round and row by row (the same round ran the two within seconds of each
+    other: the host moves by up to 2x between rounds, so pairs compare where medians of rounds may
+    not); median and range over every (round, shape, direction)."""
+    labels = list(runs)
+    base = runs[labels[0]]
+    out = {}
+    for label in labels[1:]:
+        ratio, points = [], []
+        for b_doc, doc in zip(base, runs[label]):
+            for shape, dirs in b_doc["shapes"].items():
+                for d, b in dirs.items():
+                    r = doc["shapes"][shape][d]
+                    crit = [x["plan"] + x["pre_native"] + x["finish"] for x in (b, r)]
+                    ratio.append(crit[1] / crit[0])
+                    points.append(100 * r["ref"] / r["whole"] - 100 * b["ref"] / b["whole"])
+        out[label] = {"critical_ratio": [min(ratio), st.median(ratio), max(ratio)],
+                      "whole_points": [min(points), st.median(points), max(points)], "pairs": len(ratio)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("variants", nargs="+", help="LABEL=TREE[:VAR=VAL,...]")
@@ -102,14 +124,20 @@ def main() -> None:
                 raise SystemExit(f"{label} round {rnd} failed (rc {r.returncode}): {txt}")
             runs[label].append(json.loads(js.read_text()))
     table = summarize(runs)
-    (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds, "table": table},
-                                                 indent=1))
+    pairs = paired(runs)
+    (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds, "table": table,
+                                                  "paired": pairs}, indent=1))
     cols = ("plan", "pre_native", "finish", "critical", "whole%", "spin%", "floor%")
     print(f"medians of {a.rounds} rounds, us and % of one contiguous copy")
     print(f"{'shape dir':28s} {'variant':8s}" + "".join(f"{c:>11s}" for c in cols))
     for key, by_label in table.items():
         for label, row in by_label.items():
             print(f"{key:28s} {label:8s}" + "".join(f"{row[c]:11.1f}" for c in cols))
+    first = variants[0][0]
+    for label, p in pairs.items():
+        c, w = p["critical_ratio"], p["whole_points"]
+        print(f"{label} against {first}, paired by round ({p['pairs']} pairs): critical path {c[1]:.2f}x "
+              f"({c[0]:.2f}-{c[2]:.2f}), whole {w[1]:+.1f} points ({w[0]:+.1f}..{w[2]:+.1f})")
 
 
 if __name__ == "__main__":

@@ -35,3 +35,11 @@ def test_summary_is_the_median_per_variant_with_its_range():
     assert t["a"]["plan"] == 6 and t["a"]["pre_native"] == 9 and t["a"]["finish"] == 11 and t["a"]["critical"] == 26
     assert t["a"]["whole%"] == 80.0 and t["a"]["whole% range"] == [75.0, 100.0] and t["a"]["runs"] == 3
     assert t["a"]["spin%"] == 80.0 and t["b"]["critical"] == 18 and t["b"]["runs"] == 1
+
+
+def test_pairs_compare_each_round_with_the_first_variant_of_that_round():
+    runs = {"base": [_doc(5, 10, 10, 300, 400, 400, 300), _doc(10, 20, 20, 300, 500, 500, 300)],
+            "new": [_doc(0, 10, 10, 300, 375, 375, 300), _doc(0, 25, 20, 300, 480, 480, 300)]}
+    p = ab_whole.paired(runs)["new"]
+    assert p["pairs"] == 2 and p["critical_ratio"] == pytest.approx([0.8, 0.85, 0.9])
+    assert p["whole_points"][0] == pytest.approx(100 * 300 / 480 - 60) and p["whole_points"][2] == pytest.approx(5)
