@@ -163,11 +163,12 @@ class OffloadWorkerCore:
         self._native_groups = {d: [None if p is None else (p, self._spans[g], p.bytes_per_block, len(p.pairs))
                                    for g, p in ((g, self._staged[(g, d)]) for g in range(self.num_groups))]
                                for d in Direction}
-        # one KV group with tensors, a block per host chunk, the library planning, checking and ordering
-        # the transfer: ``submit`` then plans it inline (what vLLM runs on a uniform model)
+        # one KV group with tensors, a block per host chunk, the library planning and checking the
+        # transfer (CUDA, and Ascend's page form): ``submit`` then plans it inline (what vLLM runs on a
+        # uniform model); where the library also takes the engine's order (CUDA), the transfer says so
         st = self.stager
         self._one_native = (self.num_groups == 1 and self.blocks_per_chunk == 1 and bool(self.group_refs[0])
-                            and st.plans_natively and st.checks_ids and st.orders_natively)
+                            and st.plans_natively and st.checks_ids)
         pages = [r.page_bytes for refs in self.group_refs for r in refs]
         # stores direct on the copy engines, no gather: only loads are measured
         staged = tuple(d for d in Direction if d is Direction.H2D or not stores_direct(
@@ -352,7 +353,7 @@ class OffloadWorkerCore:
         """Plan one transfer and enqueue it on the engine; its result comes from ``poll``."""
         transfer = None
         if self._one_native and staged is not False:
-            # ``plan`` inline for the common natively ordered transfer: its checks that apply (the library
+            # ``plan`` inline for the common natively planned transfer: its checks that apply (the library
             # checks both sides' ids), no frame per step. This runs on the engine thread before any copy
             # starts, after the model's step left the host's caches cold, where each frame and lookup
             # costs several times what it does in a loop (docs/benchmarks.md, fifteenth session).

@@ -40,14 +40,16 @@ REFS = {  # KV group -> its tensors (and the bytes of their pages it owns)
 MIN_SLICES = {"many": 0, "one": 1 << 30, "mid": 3 * sum(PAGES)}  # MIN_SLICE_BYTES: slices of 1+, all, 3+ blocks
 
 
-def _core(built, monkeypatch, refs, bpc: int) -> OffloadWorkerCore:
-    """A worker core on the emulation, staging always on, 4 slots of 8 records per direction."""
+def _core(built, monkeypatch, refs, bpc: int, kv: list | None = None) -> OffloadWorkerCore:
+    """A worker core on the emulation, staging always on, 4 slots of 8 records per direction (over
+    ``kv``'s tensors when given, an empty list to fill: zeroed tensors of PAGES)."""
     monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(built[0]["1"]).parent))
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
     platform = fake_npu_platform()
     monkeypatch.setattr(type(platform), "device", property(lambda self: torch.device("cpu")))
-    kv = [torch.zeros(DEVICE_BLOCKS, q, dtype=torch.uint8) for q in PAGES]
+    kv = kv if kv is not None else []
+    kv += [torch.zeros(DEVICE_BLOCKS, q, dtype=torch.uint8) for q in PAGES]
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, bpc, CHUNKS, platform,
                              staging_bytes=2 * 4 * 8 * sum(PAGES))
     assert core.stager.plans_natively and not core.stager.table_form
@@ -209,6 +211,42 @@ def test_submit_raises_on_ids_the_library_checks(built, emu, monkeypatch, bpc, d
     core.submit(2, Direction.D2H, np.array([4, 5, 6], np.int64), [3], [0], np.arange(1, 1 + len(chunks)), staged=True)
     core.wait([2])
     assert [r.success for r in core.poll()] == [True]
+    core.shutdown()
+
+
+def test_submit_plans_the_common_transfer_inline(built, emu, monkeypatch):
+    """One KV group, a block per host chunk: ``OffloadWorkerCore.submit`` plans the transfer inline, as
+    on CUDA (no call of ``plan``; the same transfer as ``plan``'s, which the engine orders here), and
+    the round trip is byte-exact; a shape it does not take (group sizes that do not add up) goes to
+    ``plan``, which names it."""
+    kv: list = []
+    core = _core(built, monkeypatch, REFS["one"], 1, kv)
+    assert core._one_native and not core.stager.orders_natively
+    rng = np.random.default_rng(3)
+    dev = rng.choice(DEVICE_BLOCKS, 7, replace=False).astype(np.int64)
+    chunks = rng.choice(CHUNKS, 7, replace=False).astype(np.int64)
+    for t in kv:
+        t.copy_(torch.from_numpy(rng.integers(0, 256, tuple(t.shape), dtype=np.uint8)))
+    want = [t[dev].clone() for t in kv]
+    planned = core.plan(Direction.D2H, dev, [7], [0], chunks, staged=True)
+    core.pool.release(planned.buffers)
+    real_plan = core.plan
+    monkeypatch.setattr(core, "plan", lambda *a, **k: pytest.fail("submit went through plan"))
+    core.submit(1, Direction.D2H, dev, [7], [0], chunks, staged=True)
+    inline = core.engine._queues[Direction.D2H][-1].transfer
+    assert (type(inline), inline.total_bytes, inline.pages, inline.orders_itself) == (
+        NativeStagedTransfer, planned.total_bytes, planned.pages, False)
+    core.wait([1])
+    assert [r.success for r in core.poll()] == [True]
+    for t in kv:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev, [7], [0], chunks, staged=True)
+    core.wait([2])
+    assert [r.success for r in core.poll()] == [True]
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    monkeypatch.setattr(core, "plan", real_plan)
+    with pytest.raises(ValueError, match="do not add up"):
+        core.submit(3, Direction.D2H, dev, [6], [0], chunks, staged=True)
     core.shutdown()
 
 
