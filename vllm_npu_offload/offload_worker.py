@@ -163,12 +163,12 @@ class OffloadWorkerCore:
         self._native_groups = {d: [None if p is None else (p, self._spans[g], p.bytes_per_block, len(p.pairs))
                                    for g, p in ((g, self._staged[(g, d)]) for g in range(self.num_groups))]
                                for d in Direction}
-        # one KV group with tensors, a block per host chunk, the library planning and checking the
+        # one KV group with tensors, the library planning and checking the
         # transfer (CUDA, and Ascend's page form): ``submit`` then plans it inline (what vLLM runs on a
         # uniform model); where the library also takes the engine's order (CUDA), the transfer says so
         st = self.stager
-        self._one_native = (self.num_groups == 1 and self.blocks_per_chunk == 1 and bool(self.group_refs[0])
-                            and st.plans_natively and st.checks_ids)
+        self._one_native = (self.num_groups == 1 and bool(self.group_refs[0]) and st.plans_natively
+                            and st.checks_ids)
         pages = [r.page_bytes for refs in self.group_refs for r in refs]
         # stores direct on the copy engines, no gather: only loads are measured
         staged = tuple(d for d in Direction if d is Direction.H2D or not stores_direct(
@@ -353,23 +353,23 @@ class OffloadWorkerCore:
         """Plan one transfer and enqueue it on the engine; its result comes from ``poll``."""
         transfer = None
         if self._one_native and staged is not False:
-            # ``plan`` inline for the common natively planned transfer: its checks that apply (the library
-            # checks both sides' ids), no frame per step. This runs on the engine thread before any copy
-            # starts, after the model's step left the host's caches cold, where each frame and lookup
-            # costs several times what it does in a loop (docs/benchmarks.md, fifteenth session).
+            # ``plan`` inline for the common natively planned transfer (its split and checks as ``plan``'s;
+            # the library checks both sides' ids), no frame per step. This runs on the engine thread
+            # before any copy starts, after the model's step left the host's caches cold, where each
+            # frame and lookup costs several times what it does in a loop (docs/benchmarks.md,
+            # fifteenth session).
             if direction.__class__ is not Direction:
                 direction = Direction(direction)
-            dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
-            host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
-            n = len(dev)
-            if (n and len(group_sizes) == 1 and len(block_indices) == 1 and group_sizes[0] == n == len(host)
-                    and (staged or n >= self.staged_min_blocks[direction])):
+            n = group_sizes[0] if len(group_sizes) == 1 else 0
+            if n > 0 and (staged or n >= self.staged_min_blocks[direction]):
+                (_, dev, host), = self._split(None, device_block_ids, group_sizes, block_indices, chunk_ids,
+                                              checked=True)
                 planner, span, per_block, pairs = self._native_groups[direction][0]
                 stager = self.stager
                 transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
                                                 self.pool.acquire(stager.native_room(n, pairs * n)), stager,
                                                 per_block * n, pairs * n, 0, stager.orders_natively)
-        if transfer is None:  # anything else, and any bad input (named by ``plan``'s checks)
+        if transfer is None:  # anything else (several groups, direct)
             transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:
             self.engine.submit(job_id, transfer)

@@ -214,17 +214,18 @@ def test_submit_raises_on_ids_the_library_checks(built, emu, monkeypatch, bpc, d
     core.shutdown()
 
 
-def test_submit_plans_the_common_transfer_inline(built, emu, monkeypatch):
-    """One KV group, a block per host chunk: ``OffloadWorkerCore.submit`` plans the transfer inline, as
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_submit_plans_the_common_transfer_inline(built, emu, monkeypatch, bpc):
+    """One KV group (1 or 3 blocks a host chunk): ``OffloadWorkerCore.submit`` plans the transfer inline, as
     on CUDA (no call of ``plan``; the same transfer as ``plan``'s, which the engine orders here), and
     the round trip is byte-exact; a shape it does not take (group sizes that do not add up) goes to
     ``plan``, which names it."""
     kv: list = []
-    core = _core(built, monkeypatch, REFS["one"], 1, kv)
+    core = _core(built, monkeypatch, REFS["one"], bpc, kv)
     assert core._one_native and not core.stager.orders_natively
     rng = np.random.default_rng(3)
     dev = rng.choice(DEVICE_BLOCKS, 7, replace=False).astype(np.int64)
-    chunks = rng.choice(CHUNKS, 7, replace=False).astype(np.int64)
+    chunks = rng.choice(CHUNKS, -(-7 // bpc), replace=False).astype(np.int64)
     for t in kv:
         t.copy_(torch.from_numpy(rng.integers(0, 256, tuple(t.shape), dtype=np.uint8)))
     want = [t[dev].clone() for t in kv]
