@@ -221,13 +221,20 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def one_transfer(rig: StepRig, direction: Direction, args: tuple, staged: bool) -> dict[str, tuple[float, float]]:
-    """(wall, cpu) seconds of each step of one transfer, as vLLM's engine thread runs them."""
+def one_transfer(rig: StepRig, direction: Direction, args: tuple, staged: bool,
+                 fused: bool = False) -> dict[str, tuple[float, float]]:
+    """(wall, cpu) seconds of each step of one transfer, as vLLM's engine thread runs them (``fused``:
+    ``OffloadWorkerCore.submit`` as the connectors call it, which plans the common transfer inline, all
+    of it in ``enqueue`` and ``plan`` 0)."""
     core, job = rig.core, rig.next_job()
     t0 = _clock()
-    transfer = core.plan(direction, *args, staged=staged)
-    t1 = _clock()
-    core.engine.submit(job, transfer)
+    if fused:
+        t1 = t0
+        core.submit(job, direction, *args, staged=staged)
+    else:
+        transfer = core.plan(direction, *args, staged=staged)
+        t1 = _clock()
+        core.engine.submit(job, transfer)
     t2 = _clock()
     core.wait([job])
     t3 = _clock()
@@ -254,17 +261,17 @@ def summary(runs: list[dict[str, tuple[float, float]]]) -> dict[str, Any]:
 
 
 def time_row(rigs: dict[str, StepRig], direction: Direction, args: tuple, staged: bool, reps: int,
-             warmup: int) -> dict[str, Any]:
+             warmup: int, fused: bool = False) -> dict[str, Any]:
     """Each rig's timings of the same transfer; with two rigs their reps alternate (who goes
     first too), so both see the same machine."""
     for rig in rigs.values():
         for _ in range(warmup):
-            one_transfer(rig, direction, args, staged)
+            one_transfer(rig, direction, args, staged, fused)
     runs: dict[str, list] = {tag: [] for tag in rigs}
     order = list(rigs)
     for i in range(reps):
         for tag in order if i % 2 == 0 else order[::-1]:
-            runs[tag].append(one_transfer(rigs[tag], direction, args, staged))
+            runs[tag].append(one_transfer(rigs[tag], direction, args, staged, fused))
     core = rigs["after"].core
     planned = core.plan(direction, *args, staged=staged)
     out = plan_size(core, planned, staged)
@@ -287,7 +294,7 @@ def plan_size(core: Any, planned: Any, staged: bool) -> dict[str, int]:
 
 def bench_shape(shape: StepShape, blocks: tuple[int, ...], bpc: int, reps: int, warmup: int,
                 hosts: tuple[str, ...] = HOSTS, modes: tuple[str, ...] = MODES, baseline: ModuleType | None = None,
-                printer: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                printer: Callable[[str], None] = print, fused: bool = False) -> list[dict[str, Any]]:
     rigs = {"after": StepRig(shape, max(blocks), bpc)}
     if baseline is not None:
         rigs["before"] = StepRig(shape, max(blocks), bpc, baseline)
@@ -301,7 +308,7 @@ def bench_shape(shape: StepShape, blocks: tuple[int, ...], bpc: int, reps: int, 
                         row = {"shape": shape.name, "tensors": len(shape.kv.pages), "groups": shape.groups,
                                "page_bytes": sorted(set(shape.kv.pages)), "blocks": n, "bpc": bpc, "host": host,
                                "dir": d.name, "mode": mode,
-                               **time_row(rigs, d, args, mode == "staged", reps, warmup)}
+                               **time_row(rigs, d, args, mode == "staged", reps, warmup, fused)}
                         rows.append(row)
                         printer(format_row(row))
     finally:
@@ -345,7 +352,7 @@ def device_name() -> str:
 def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCKS, bpc: int = 4, reps: int = 200,
         warmup: int = 20, hosts: tuple[str, ...] = HOSTS, modes: tuple[str, ...] = MODES,
         native_dir: str | None = None, json_path: str | None = None, baseline_tree: str | None = None,
-        printer: Callable[[str], None] = print) -> dict[str, Any]:
+        printer: Callable[[str], None] = print, fused: bool = False) -> dict[str, Any]:
     names = list(STEP_SHAPES) if shapes is None else shapes
     bad = [n for n in names if n not in STEP_SHAPES]
     if bad:
@@ -353,7 +360,7 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
     report: dict[str, Any] = {"device": device_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
                               "numpy": np.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "command": " ".join(sys.argv), "reps": reps, "warmup": warmup, "bpc": bpc,
-                              "baseline_tree": baseline_tree, "unit": "us per transfer",
+                              "baseline_tree": baseline_tree, "fused": fused, "unit": "us per transfer",
                               "stage_plan": env.get(ENV_PLAN), "rows": []}
     with contextlib.ExitStack() as stack:
         out = Path(native_dir) if native_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -369,7 +376,8 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
                 f"{planner}")
         printer(HEADER)
         for n in names:
-            report["rows"] += bench_shape(STEP_SHAPES[n], blocks, bpc, reps, warmup, hosts, modes, baseline, printer)
+            report["rows"] += bench_shape(STEP_SHAPES[n], blocks, bpc, reps, warmup, hosts, modes, baseline, printer,
+                                          fused)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)

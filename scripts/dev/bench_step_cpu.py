@@ -31,9 +31,12 @@ def main() -> None:
     ap.add_argument("--baseline-tree", default=None,
                     help="another checkout (e.g. `git worktree add /tmp/base <commit>`): time its package too, "
                          "rep by rep in turn with this one, and print before / after")
+    ap.add_argument("--fused", action="store_true",
+                    help="time OffloadWorkerCore.submit as the connectors call it (plan + enqueue in one, the "
+                         "common transfer planned inline): all of it under enqueue, plan 0")
     a = ap.parse_args()
     run(_names(a.shapes), tuple(int(b) for b in _names(a.blocks)), a.bpc, a.reps, a.warmup,
-        tuple(_names(a.hosts)), tuple(_names(a.modes)), a.native_dir, a.json, a.baseline_tree)
+        tuple(_names(a.hosts)), tuple(_names(a.modes)), a.native_dir, a.json, a.baseline_tree, fused=a.fused)
 
 
 if __name__ == "__main__":
