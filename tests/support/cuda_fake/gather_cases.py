@@ -663,6 +663,11 @@ def case_event_poll():
     pending.value = 1
     assert lib.event_poll(0x57, 0xE0) is None
     pending.value = 0
+    # done: one driver call (the elapsed time, which answers "not ready" itself), no query
+    queries, calls = counter("fake_queries", ctypes.c_longlong), counter("fake_elapsed_calls", ctypes.c_longlong)
+    assert lib.event_poll(0x57, 0xE0) == 0.25
+    assert counter("fake_queries", ctypes.c_longlong) == queries
+    assert counter("fake_elapsed_calls", ctypes.c_longlong) == calls + 1
     for end, needle in ((0xBAD, "cuEventQuery"), (0, "null end event")):
         try:
             lib.event_poll(0x57, end)
@@ -687,10 +692,11 @@ def case_event_poll():
         want = kv[0][dev].clone()
         elapsed.value = 1.5
         pending.value = 1
-        queries = counter("fake_queries", ctypes.c_longlong)
+        asked = counter("fake_queries", ctypes.c_longlong) + counter("fake_elapsed_calls", ctypes.c_longlong)
         core.submit(1, Direction.D2H, dev, [6], [0], chunks, staged=True)
         assert core.poll() == [] and core.engine.in_flight() == 1  # pending: not reported
-        assert counter("fake_queries", ctypes.c_longlong) > queries  # asked through the library
+        # asked through the library (timed events: the elapsed time, else the query)
+        assert counter("fake_queries", ctypes.c_longlong) + counter("fake_elapsed_calls", ctypes.c_longlong) > asked
         pending.value = 0
         (res,) = core.poll()
         assert res.success and res.job_id == 1, res
