@@ -10,6 +10,7 @@ for every device.
 from __future__ import annotations
 
 import functools
+import operator
 import importlib.util
 import logging
 import queue
@@ -142,7 +143,7 @@ def native_completion_query(lib: Any, handle: Callable[[Any], int], timing: bool
     """``Platform.completion_query``'s query through the native CUDA library, one call a job
     (``lib.event_poll`` on the events' raw handles, ``handle``): torch's query and elapsed_time are a
     Python and a C++ layer each, on the engine thread, ahead of the connector seeing the completion."""
-    poll = lib.event_poll
+    poll = lib.event_poller()  # the engine polls under its lock: one thread at a time
 
     def query(start: Any, end: Any) -> float | None:
         ms = poll(handle(start) if timing else 0, handle(end))
@@ -214,7 +215,8 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         if env.get("NPU_OFFLOAD_NATIVE_POLL"):
             from ._native.cuda import load_library
 
-            return native_completion_query(load_library(), self.raw_event_handle, timing)
+            # the events' handles as attributes (no frame): a job's events were recorded at its submit
+            return native_completion_query(load_library(), operator.attrgetter("cuda_event"), timing)
         # torch's C++ calls themselves: torch.cuda.Event's query and elapsed_time are Python methods
         # that only call super(), one frame each on the poll that makes a completion visible (a
         # torch built without CUDA has the base class without them: the events' own calls then)

@@ -121,9 +121,12 @@ def test_cuda_completion_query_takes_the_library_only_when_asked(monkeypatch, kn
     class Lib:
         calls = []
 
-        def event_poll(self, start, end):
-            self.calls.append((start, end))
-            return None if end == 0xE1 else 2.0
+        def event_poller(self):
+            def poll(start, end):
+                self.calls.append((start, end))
+                return None if end == 0xE1 else 2.0
+
+            return poll
 
     class Ev:
         def __init__(self, handle, done=True):

@@ -188,20 +188,31 @@ class NativeCudaLib:
         """Milliseconds from raw CUevent ``start`` to ``end`` once ``end`` has completed (0.0 when
         ``start`` is 0, or when the time cannot be read: best effort, as through torch), None while it
         has not; CopyError when the query fails (a failed copy before the event). One library call
-        where torch takes two (query, elapsed_time)."""
-        refs = getattr(self._tls, "poll", None)
-        if refs is None:
-            ms = ctypes.c_float()
-            refs = self._tls.poll = (ms, ctypes.byref(ms), self._msg())
-        refs[0].value = 0.0
-        rc = self._lib.npo_cuda_event_poll(start or None, end or None, refs[1], refs[2], _MSG_LEN)
-        if rc == 0:
-            return refs[0].value
-        if rc == NPO_PENDING:
-            return None
-        if rc == NPO_DONE_NO_TIME:
-            return 0.0
-        self._fail(rc, refs[2], "npo_cuda_event_poll")
+        where torch takes two (query, elapsed_time). The thread's own ``event_poller``."""
+        poll = getattr(self._tls, "poll", None)
+        if poll is None:
+            poll = self._tls.poll = self.event_poller()
+        return poll(start, end)
+
+    def event_poller(self):
+        """``event_poll`` for one thread at a time (its result and message buffers its own, made once):
+        the poll that reports a transfer calls it, after the job's end, on the engine thread."""
+        fn, ms = self._lib.npo_cuda_event_poll, ctypes.c_float()
+        ms_ref, msg = ctypes.byref(ms), self._msg()
+        fail = self._fail
+
+        def poll(start: int, end: int) -> float | None:
+            ms.value = 0.0
+            rc = fn(start or None, end or None, ms_ref, msg, _MSG_LEN)
+            if rc == 0:
+                return ms.value
+            if rc == NPO_PENDING:
+                return None
+            if rc == NPO_DONE_NO_TIME:
+                return 0.0
+            fail(rc, msg, "npo_cuda_event_poll")
+
+        return poll
 
     def create_events(self, n: int):
         """``n`` timing-disabled CUevents, as a ctypes array of handles."""
