@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <mutex>

@@ -16,16 +16,17 @@ extern "C" int npo_cuda_event_poll(void *start, void *end, float *ms, char *msg,
     // that reports a job makes one driver call, not two (each 2-4 us on an H200 host: docs/benchmarks.md,
     // fifteenth session). Any other answer goes to the query, which tells a failed end (a failed copy)
     // from a start whose time cannot be read.
+    CUresult elapsed = CUDA_SUCCESS;
     if (start && ms) {
-        CUresult e = drv->event_elapsed(ms, (CUevent)start, (CUevent)end);
-        if (e == CUDA_SUCCESS) return 0;
-        if (e == CUDA_ERROR_NOT_READY) return NPO_PENDING;
+        elapsed = drv->event_elapsed(ms, (CUevent)start, (CUevent)end);
+        if (elapsed == CUDA_SUCCESS) return 0;
+        if (elapsed == CUDA_ERROR_NOT_READY) return NPO_PENDING;
     }
     CUresult r = drv->event_query((CUevent)end);
     if (r == CUDA_ERROR_NOT_READY) return NPO_PENDING;
     if (r != CUDA_SUCCESS) return npo_fail(drv, r, "cuEventQuery", -1, msg, msg_len);
-    if (start && ms) {  // done, its time unreadable (e.g. a start never recorded): best effort, as through torch
-        npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "cuEventElapsedTime: the job's time could not be read");
+    if (elapsed != CUDA_SUCCESS) {  // done, its time unreadable (e.g. a start never recorded): best effort, as through torch
+        npo_fail(drv, elapsed, "cuEventElapsedTime", -1, msg, msg_len);
         return NPO_DONE_NO_TIME;
     }
     return 0;

@@ -353,22 +353,17 @@ class OffloadWorkerCore:
         """Plan one transfer and enqueue it on the engine; its result comes from ``poll``."""
         transfer = None
         if self._one_native and staged is not False:
-            # ``plan`` inline for the common natively planned transfer (its split and checks as ``plan``'s;
-            # the library checks both sides' ids), no frame per step. This runs on the engine thread
-            # before any copy starts, after the model's step left the host's caches cold, where each
-            # frame and lookup costs several times what it does in a loop (docs/benchmarks.md,
-            # fifteenth session).
+            # ``plan``'s steps for the common natively planned transfer, without its frame and its
+            # staging decision's (the split and checks as ``plan``'s; the library checks both sides'
+            # ids). This runs on the engine thread before any copy starts, after the model's step left
+            # the host's caches cold, where each frame and lookup costs several times what it does in a
+            # loop (docs/benchmarks.md, fifteenth session).
             if direction.__class__ is not Direction:
                 direction = Direction(direction)
             n = group_sizes[0] if len(group_sizes) == 1 else 0
             if n > 0 and (staged or n >= self.staged_min_blocks[direction]):
-                (_, dev, host), = self._split(None, device_block_ids, group_sizes, block_indices, chunk_ids,
-                                              checked=True)
-                planner, span, per_block, pairs = self._native_groups[direction][0]
-                stager = self.stager
-                transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
-                                                self.pool.acquire(stager.native_room(n, pairs * n)), stager,
-                                                per_block * n, pairs * n, 0, stager.orders_natively)
+                transfer = self._native_staged(direction, self._split(None, device_block_ids, group_sizes,
+                                                                      block_indices, chunk_ids, checked=True), n)
         if transfer is None:  # anything else (several groups, direct)
             transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:

@@ -141,7 +141,7 @@ def event_seconds(timing: bool, start: Any, end: Any) -> float | None:
 
 def native_completion_query(lib: Any, handle: Callable[[Any], int], timing: bool) -> Callable[[Any, Any], float | None]:
     """``Platform.completion_query``'s query through the native CUDA library, one call a job
-    (``lib.event_poll`` on the events' raw handles, ``handle``): torch's query and elapsed_time are a
+    (``lib.event_poller``'s, on the events' raw handles, ``handle``): torch's query and elapsed_time are a
     Python and a C++ layer each, on the engine thread, ahead of the connector seeing the completion."""
     poll = lib.event_poller()  # the engine polls under its lock: one thread at a time
 
