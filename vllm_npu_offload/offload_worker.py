@@ -362,9 +362,22 @@ class OffloadWorkerCore:
                 direction = Direction(direction)
             n = group_sizes[0] if len(group_sizes) == 1 else 0
             if n > 0 and (staged or n >= self.staged_min_blocks[direction]):
-                transfer = self._native_staged(direction, self._split(None, device_block_ids, group_sizes,
-                                                                      block_indices, chunk_ids, checked=True), n)
-        if transfer is None:  # anything else (several groups, direct)
+                if self.blocks_per_chunk == 1:
+                    # a block per host chunk: the ids as given, when the counts match (else ``plan`` names
+                    # it). ``_split``'s frame and ``_native_staged``'s cost the H200 host 5-8 us more
+                    # here, on every transfer's critical path (docs/benchmarks.md, sixteenth session)
+                    dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
+                    host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
+                    if len(block_indices) == 1 and n == len(dev) == len(host):
+                        planner, span, per_block, pairs = self._native_groups[direction][0]
+                        stager = self.stager
+                        transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
+                                                        self.pool.acquire(stager.native_room(n, pairs * n)),
+                                                        stager, per_block * n, pairs * n, 0, stager.orders_natively)
+                else:  # several blocks per chunk: ``plan``'s split and checks
+                    transfer = self._native_staged(direction, self._split(None, device_block_ids, group_sizes,
+                                                                          block_indices, chunk_ids, checked=True), n)
+        if transfer is None:  # anything else (several groups, direct, counts that do not match)
             transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:
             self.engine.submit(job_id, transfer)
