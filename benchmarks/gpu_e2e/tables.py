@@ -787,3 +787,70 @@ def write_part(out_dir: str | Path, part: str, res: dict) -> str:
     (out / f"{part}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{part}.txt").write_text(text + "\n")
     return text
+
+
+SERVE_METRICS = (("req/s", "requests_per_s", True), ("later TTFT p50", "ttft_later_ms", False),
+                 ("TPOT p50", "tpot_ms", False))
+
+
+def serve_pass_pairs(path: str | Path, layout: str, clients: int, a: str, b: str) -> list[dict[str, float]]:
+    """Per pass of one serve run (its ``serve.json``, ``.gz`` too) where servers ``a`` and ``b`` both
+    finished on ``layout`` at ``clients``: the change of a against b, each within its pass (the pass's
+    texts are the same for both and its conditions close): req/s as a / b - 1, the latencies' p50 as a
+    ratio."""
+    import gzip
+
+    p = Path(path)
+    data = json.loads(gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text())
+    out = []
+    for run in data.get("runs", []):
+        if run.get("layout") != layout or run.get("load", {}).get("clients") != clients:
+            continue
+        by_pass: dict[int, dict[str, dict]] = {}
+        for r in run.get("runs", []):
+            by_pass.setdefault(r["pass_"], {})[r["label"]] = r["summary"]
+        for k in sorted(by_pass):
+            s = by_pass[k]
+            if a in s and b in s:
+                row = {"pass": k}
+                for name, key, is_rate in SERVE_METRICS:
+                    x, y = s[a][key], s[b][key]
+                    x, y = (x, y) if is_rate else (x["p50"], y["p50"])
+                    row[name] = x / y - 1.0 if is_rate else x / y
+                out.append(row)
+    return out
+
+
+def pooled(xs: list[float]) -> dict[str, float]:
+    """A pooled sample of per-pass changes: ``spread`` plus the mean and its standard error, and the
+    median's 95% interval (``median_ci``) where n allows one."""
+    out = spread(xs)
+    if len(xs) >= 2:
+        out.update(mean=statistics.mean(xs), se=statistics.stdev(xs) / len(xs) ** 0.5)
+    ci = median_ci(xs)
+    if ci:
+        out.update(median_lo=ci[0], median_hi=ci[1])
+    return out
+
+
+def pooled_serve_table(groups: dict[str, list[dict[str, float]]]) -> tuple[str, dict]:
+    """One row per group of passes (a run, or several pooled) and metric: median (95% interval),
+    mean +- standard error, range, passes below 0 (req/s) or above 1 (latencies). Returns the table
+    and the numbers."""
+    rows, doc = [], {}
+    for label, passes in groups.items():
+        doc[label] = {}
+        for name, _, is_rate in SERVE_METRICS:
+            xs = [p[name] for p in passes]
+            if not xs:
+                continue
+            s = doc[label][name] = pooled(xs)
+            f = (lambda v: f"{v * 100:+.1f}%") if is_rate else (lambda v: f"{v:.3f}x")
+            worse = sum(x < 0 for x in xs) if is_rate else sum(x > 1 for x in xs)
+            ci = f" ({f(s['median_lo'])}..{f(s['median_hi'])})" if "median_lo" in s else ""
+            mean = (f"{f(s['mean'])} +- {s['se'] * (100 if is_rate else 1):.{1 if is_rate else 3}f}"
+                    if "se" in s else "-")
+            rows.append([label, name, len(xs), f(s["median"]) + ci, mean, f"{f(s['min'])}..{f(s['max'])}",
+                         f"{worse} of {len(xs)}"])
+    return table(["passes", "metric", "n", "median (95% interval)", "mean +- s.e.", "range", "worse than b"],
+                 rows), doc

@@ -4,6 +4,7 @@ staging/install/cold-machine detection, prompts, argument parsing and tables. No
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -927,3 +928,41 @@ def test_part_miss_records_clocks_when_nvidia_smi_answers(tmp_path, monkeypatch)
     text = tables.clock_table(res["clocks"])
     assert "| ours " in text and "1,980" in text and "450" in text
     assert tables.clock_table({}) == ""
+
+
+def _serve_doc(passes):
+    """A serve.json as device.py writes it: per pass, each server's summary."""
+    runs = []
+    for k, (ours, native) in enumerate(passes):
+        for label, (rps, ttft, tpot) in (("ours", ours), ("native", native)):
+            runs.append({"label": label, "pass_": k, "summary": {
+                "requests_per_s": rps, "ttft_later_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}})
+    return {"runs": [{"layout": "perlayer", "load": {"clients": 32}, "runs": runs},
+                     {"layout": "uniform", "load": {"clients": 32}, "runs": runs[:2]}]}
+
+
+def test_serve_passes_pool_paired_within_each_pass(tmp_path):
+    import gzip
+
+    a = _serve_doc([((21.0, 90.0, 12.0), (20.0, 100.0, 12.5)), ((19.0, 110.0, 13.0), (20.0, 100.0, 13.0))])
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(a).encode()))
+    doc = _serve_doc([((22.0, 80.0, 11.0), (20.0, 100.0, 11.0))])
+    doc["runs"][0]["runs"].append({"label": "ours", "pass_": 1, "summary": {  # native never ran pass 1
+        "requests_per_s": 99.0, "ttft_later_ms": {"p50": 1.0}, "tpot_ms": {"p50": 1.0}}})
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    pa = tables.serve_pass_pairs(tmp_path / "a.json.gz", "perlayer", 32, "ours", "native")
+    pb = tables.serve_pass_pairs(tmp_path / "b.json", "perlayer", 32, "ours", "native")
+    assert [round(p["req/s"], 4) for p in pa] == [0.05, -0.05] and [p["later TTFT p50"] for p in pa] == [0.9, 1.1]
+    assert len(pb) == 1 and round(pb[0]["req/s"], 4) == 0.1  # the unpaired pass adds nothing
+    assert tables.serve_pass_pairs(tmp_path / "b.json", "perlayer", 8, "ours", "native") == []
+    text, nums = tables.pooled_serve_table({"a": pa, "pooled": pa + pb})
+    s = nums["pooled"]["req/s"]
+    assert s["n"] == 3 and round(s["median"], 4) == 0.05 and round(s["mean"], 4) == round(0.1 / 3, 4)
+    assert round(s["se"], 5) == round(statistics.stdev([0.05, -0.05, 0.1]) / 3 ** 0.5, 5)
+    assert "median_lo" not in s  # 3 passes give no 95% interval of the median
+    row = next(line for line in text.splitlines() if line.startswith("| pooled") and "req/s" in line)
+    assert "+5.0%" in row and "1 of 3" in row  # one pass below native
+    ttft = next(line for line in text.splitlines() if line.startswith("| pooled") and "TTFT" in line)
+    assert "0.900x" in ttft and "1 of 3" in ttft  # one pass slower than native
+    many = tables.pooled([float(x) for x in range(10)])
+    assert (many["median_lo"], many["median_hi"]) == (1.0, 8.0)
