@@ -789,35 +789,30 @@ def write_part(out_dir: str | Path, part: str, res: dict) -> str:
     return text
 
 
-SERVE_METRICS = (("req/s", "requests_per_s", True), ("later TTFT p50", "ttft_later_ms", False),
-                 ("TPOT p50", "tpot_ms", False))
+POOLED_METRICS = ("req/s", "later TTFT p50", "TPOT p50")  # of SERVE_METRICS; req/s as a change, the rest as ratios
 
 
 def serve_pass_pairs(path: str | Path, layout: str, clients: int, a: str, b: str) -> list[dict[str, float]]:
     """Per pass of one serve run (its ``serve.json``, ``.gz`` too) where servers ``a`` and ``b`` both
-    finished on ``layout`` at ``clients``: the change of a against b, each within its pass (the pass's
-    texts are the same for both and its conditions close): req/s as a / b - 1, the latencies' p50 as a
-    ratio."""
+    finished on ``layout`` at ``clients`` (``serve_runs_by``'s runs): the change of a against b, each
+    within its pass (the pass's texts are the same for both and its conditions close): req/s as
+    a / b - 1, the latencies' p50 as a ratio."""
     import gzip
 
     p = Path(path)
     data = json.loads(gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text())
+    pick = dict(SERVE_METRICS)
     out = []
     for run in data.get("runs", []):
         if run.get("layout") != layout or run.get("load", {}).get("clients") != clients:
             continue
-        by_pass: dict[int, dict[str, dict]] = {}
-        for r in run.get("runs", []):
-            by_pass.setdefault(r["pass_"], {})[r["label"]] = r["summary"]
-        for k in sorted(by_pass):
-            s = by_pass[k]
-            if a in s and b in s:
-                row = {"pass": k}
-                for name, key, is_rate in SERVE_METRICS:
-                    x, y = s[a][key], s[b][key]
-                    x, y = (x, y) if is_rate else (x["p50"], y["p50"])
-                    row[name] = x / y - 1.0 if is_rate else x / y
-                out.append(row)
+        by = serve_runs_by(run)
+        for k in sorted(set(by.get(a, {})) & set(by.get(b, {}))):
+            row = {"pass": k}
+            for name in POOLED_METRICS:
+                x, y = pick[name](by[a][k]), pick[name](by[b][k])
+                row[name] = (x / y - 1.0 if name == "req/s" else x / y) if x is not None and y else None
+            out.append(row)
     return out
 
 
@@ -840,8 +835,9 @@ def pooled_serve_table(groups: dict[str, list[dict[str, float]]]) -> tuple[str, 
     rows, doc = [], {}
     for label, passes in groups.items():
         doc[label] = {}
-        for name, _, is_rate in SERVE_METRICS:
-            xs = [p[name] for p in passes]
+        for name in POOLED_METRICS:
+            is_rate = name == "req/s"
+            xs = [p[name] for p in passes if p[name] is not None]
             if not xs:
                 continue
             s = doc[label][name] = pooled(xs)

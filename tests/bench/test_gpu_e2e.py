@@ -936,7 +936,7 @@ def _serve_doc(passes):
     for k, (ours, native) in enumerate(passes):
         for label, (rps, ttft, tpot) in (("ours", ours), ("native", native)):
             runs.append({"label": label, "pass_": k, "summary": {
-                "requests_per_s": rps, "ttft_later_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}})
+                "requests": 10, "requests_per_s": rps, "ttft_later_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}})
     return {"runs": [{"layout": "perlayer", "load": {"clients": 32}, "runs": runs},
                      {"layout": "uniform", "load": {"clients": 32}, "runs": runs[:2]}]}
 
@@ -947,13 +947,17 @@ def test_serve_passes_pool_paired_within_each_pass(tmp_path):
     a = _serve_doc([((21.0, 90.0, 12.0), (20.0, 100.0, 12.5)), ((19.0, 110.0, 13.0), (20.0, 100.0, 13.0))])
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(a).encode()))
     doc = _serve_doc([((22.0, 80.0, 11.0), (20.0, 100.0, 11.0))])
-    doc["runs"][0]["runs"].append({"label": "ours", "pass_": 1, "summary": {  # native never ran pass 1
-        "requests_per_s": 99.0, "ttft_later_ms": {"p50": 1.0}, "tpot_ms": {"p50": 1.0}}})
+    doc["runs"][0]["runs"] += [
+        {"label": "ours", "pass_": 1, "summary": {  # native never ran pass 1
+            "requests": 10, "requests_per_s": 99.0, "ttft_later_ms": {"p50": 1.0}, "tpot_ms": {"p50": 1.0}}},
+        {"label": "ours", "pass_": 2, "error": "server died", "summary": {"requests": 10, "requests_per_s": 1.0}},
+        {"label": "native", "pass_": 2, "summary": {  # ours failed pass 2
+            "requests": 10, "requests_per_s": 20.0, "ttft_later_ms": {"p50": 1.0}, "tpot_ms": {"p50": 1.0}}}]
     (tmp_path / "b.json").write_text(json.dumps(doc))
     pa = tables.serve_pass_pairs(tmp_path / "a.json.gz", "perlayer", 32, "ours", "native")
     pb = tables.serve_pass_pairs(tmp_path / "b.json", "perlayer", 32, "ours", "native")
     assert [round(p["req/s"], 4) for p in pa] == [0.05, -0.05] and [p["later TTFT p50"] for p in pa] == [0.9, 1.1]
-    assert len(pb) == 1 and round(pb[0]["req/s"], 4) == 0.1  # the unpaired pass adds nothing
+    assert len(pb) == 1 and round(pb[0]["req/s"], 4) == 0.1  # the unpaired and the failed pass add nothing
     assert tables.serve_pass_pairs(tmp_path / "b.json", "perlayer", 8, "ours", "native") == []
     text, nums = tables.pooled_serve_table({"a": pa, "pooled": pa + pb})
     s = nums["pooled"]["req/s"]
