@@ -364,7 +364,7 @@ class OffloadWorkerCore:
             if n > 0 and (staged or n >= self.staged_min_blocks[direction]):
                 if self.blocks_per_chunk == 1:
                     # a block per host chunk: the ids as given, when the counts match (else ``plan`` names
-                    # it). ``_split``'s frame and ``_native_staged``'s cost the H200 host 5-8 us more
+                    # it). ``_split``'s frame and ``_native_staged``'s cost the H200 host 3-10 us more
                     # here, on every transfer's critical path (docs/benchmarks.md, sixteenth session)
                     dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
                     host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
