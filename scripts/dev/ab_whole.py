@@ -70,6 +70,23 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return table
 
 
+TARGET = 90.0  # issue #22: every whole transfer of 16 MB or more at 90% of one contiguous copy
+
+
+def at_target(table: dict, target: float = TARGET) -> dict[str, dict]:
+    """Per variant: the rows (shape, direction) whose median whole % reaches ``target``, of how many,
+    and the lowest row (the target holds for every row or not at all)."""
+    out: dict[str, dict] = {}
+    for key, by_label in table.items():
+        for label, row in by_label.items():
+            v = out.setdefault(label, {"rows": 0, "at": 0, "lowest": None})
+            v["rows"] += 1
+            v["at"] += row["whole%"] >= target
+            if v["lowest"] is None or row["whole%"] < v["lowest"][1]:
+                v["lowest"] = [key, row["whole%"]]
+    return out
+
+
 def paired(runs: dict[str, list[dict]]) -> dict:
     """Per variant after the first: its critical path over the first variant's, and its whole % less
     the first's, round by round and row by row (the same round ran the two within seconds of each
@@ -125,8 +142,9 @@ def main() -> None:
             runs[label].append(json.loads(js.read_text()))
     table = summarize(runs)
     pairs = paired(runs)
+    targets = at_target(table)
     (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds, "table": table,
-                                                  "paired": pairs}, indent=1))
+                                                  "paired": pairs, "at_target": targets}, indent=1))
     cols = ("plan", "pre_native", "finish", "critical", "whole%", "spin%", "floor%")
     print(f"medians of {a.rounds} rounds, us and % of one contiguous copy")
     print(f"{'shape dir':28s} {'variant':8s}" + "".join(f"{c:>11s}" for c in cols))
@@ -138,6 +156,9 @@ def main() -> None:
         c, w = p["critical_ratio"], p["whole_points"]
         print(f"{label} against {first}, paired by round ({p['pairs']} pairs): critical path {c[1]:.2f}x "
               f"({c[0]:.2f}-{c[2]:.2f}), whole {w[1]:+.1f} points ({w[0]:+.1f}..{w[2]:+.1f})")
+    for label, t in targets.items():
+        print(f"{label}: {t['at']} of {t['rows']} rows at {TARGET:.0f}% or more by median; lowest "
+              f"{t['lowest'][0]} {t['lowest'][1]:.1f}%")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,13 @@ def test_pairs_compare_each_round_with_the_first_variant_of_that_round():
     p = ab_whole.paired(runs)["new"]
     assert p["pairs"] == 2 and p["critical_ratio"] == pytest.approx([0.8, 0.85, 0.9])
     assert p["whole_points"][0] == pytest.approx(100 * 300 / 480 - 60) and p["whole_points"][2] == pytest.approx(5)
+
+
+def test_rows_at_the_target_count_every_row_and_name_the_lowest():
+    runs = {"a": [_doc(5, 8, 10, 300, 330, 330, 310)], "b": [_doc(5, 8, 10, 300, 340, 340, 310)]}
+    runs["a"][0]["shapes"]["s@1"]["D2H"] = dict(runs["a"][0]["shapes"]["s@1"]["H2D"], whole=320)
+    runs["b"][0]["shapes"]["s@1"]["D2H"] = dict(runs["b"][0]["shapes"]["s@1"]["H2D"], whole=333)
+    t = ab_whole.at_target(ab_whole.summarize(runs))
+    # a: 300/330 = 90.9% and 300/320 = 93.75%: both at 90%; b: 88.2% and 90.1%: one of two
+    assert (t["a"]["at"], t["a"]["rows"]) == (2, 2) and t["a"]["lowest"][0] == "s@1 H2D"
+    assert (t["b"]["at"], t["b"]["rows"]) == (1, 2) and t["b"]["lowest"] == ["s@1 H2D", pytest.approx(88.235, 1e-3)]
