@@ -58,3 +58,8 @@ class FakeCudaOrdered(FakeCuda):
 
     def raw_current_stream(self) -> int:
         return 0xC0
+
+    def raw_order(self, start, end, after=None):
+        # as CudaPlatform's: the handles read as attributes, the current stream inline (no frame),
+        # so the fake-driver cases count the frames a CUDA submit makes (gather_cases.case_submit_frames)
+        return 0xC0, 0 if after is None else after.cuda_event, start.cuda_event, end.cuda_event

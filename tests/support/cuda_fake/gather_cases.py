@@ -645,6 +645,90 @@ def _staged_ids_checked(platform):
     core.shutdown()
 
 
+# Python calls (frames) of ``OffloadWorkerCore.submit`` before its native call, for the common transfer
+# (one KV group, a block per host chunk, planned and ordered by the library). Each frame there costs the
+# engine thread 1-5 us on a GPU server's host after the model's step left the caches cold; two frames and
+# a loop more cost 3-10 us per transfer on an H200 host where the fake-driver rig saw 0.5 us
+# (docs/benchmarks.md, sixteenth session). Lower it when a change removes frames; never raise it without
+# a measurement on the device.
+SUBMIT_FRAMES_BEFORE_NATIVE = 10
+
+
+def _frames_before_native(core, job, direction, dev, chunks):
+    """Python calls ``core.submit`` makes before the library's call, and in all."""
+    pipe = core.stager._fused
+    lane = pipe._lanes[direction]
+    count, at_native, call = [0], [], lane.call
+
+    def native():  # one frame of its own, counted before its body runs
+        at_native.append(count[0] - 1)
+        return call()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            count[0] += 1
+            if os.environ.get("SUBMIT_FRAMES_LIST"):
+                c = frame.f_code
+                where = "/".join(c.co_filename.rsplit("/", 2)[-2:])
+                print(f"  {'post' if at_native else 'pre'} {c.co_name} {where}:{c.co_firstlineno}", file=sys.stderr)
+
+    lane.call = native
+    sys.setprofile(profile)
+    try:
+        core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=True)
+    finally:
+        sys.setprofile(None)
+        lane.call = call
+    return at_native[0], count[0] - 1
+
+
+def case_submit_frames():
+    """The common transfer reaches the library within SUBMIT_FRAMES_BEFORE_NATIVE Python calls in both
+    directions, once warm as a serving engine is (counted by sys.setprofile on the fake driver: a count,
+    not a timing, so it holds on any host; a7370d9 made 12), and the counted transfers arrive whole.
+    SUBMIT_FRAMES_LIST=1 lists the calls."""
+    from vllm_npu_offload import staging
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
+                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
+    rng = np.random.default_rng(12)
+    kv = [torch.from_numpy(rng.integers(0, 256, (40, 256), dtype=np.uint8)).clone() for _ in range(8)]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, 256) for i in range(8)]],
+                             1, 32, FakeCudaOrdered(), staging_bytes=2 * 4 * 8 * 8 * 256)
+    dev, chunks = rng.choice(40, 8, replace=False).astype(np.int64), rng.choice(32, 8, replace=False).astype(np.int64)
+    want = [t[dev].clone() for t in kv]
+    job = 0
+    ring = len(core.engine.streams(Direction.D2H))
+    for d in (Direction.D2H, Direction.H2D) * ring:  # warm, as a serving engine is: every stream of the ring
+        core.submit(job, d, dev, [8], [0], chunks, staged=True)  # seen, lanes, rooms and events made
+        core.wait([job])
+        assert [r.job_id for r in core.poll()] == [job]
+        core.poll()  # idle: the reported job's room and events go back
+        job += 1
+    counts = {}
+    for d in (Direction.D2H, Direction.H2D):
+        if d is Direction.H2D:
+            for t in kv:
+                t[dev] = 0
+        counts[d.name] = _frames_before_native(core, job, d, dev, chunks)
+        core.wait([job])
+        core.poll()
+        core.poll()
+        job += 1
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))  # the counted transfers arrived whole
+    for name, (before, total) in counts.items():
+        assert before <= SUBMIT_FRAMES_BEFORE_NATIVE, (
+            f"{name}: {before} Python calls before the native call (at most {SUBMIT_FRAMES_BEFORE_NATIVE}): "
+            f"each costs 1-5 us on a GPU host's critical path")
+        assert before < total, (name, before, total)
+    print("submit_frames", {k: v[0] for k, v in counts.items()}, file=sys.stderr)
+    core.shutdown()
+    print("submit_frames ok")
+
+
 def case_event_poll():
     """One library call answers the engine's poll (NPU_OFFLOAD_NATIVE_POLL=1): pending while the end
     event is not ready (the job stays in flight), else the device time between the events; a failed
