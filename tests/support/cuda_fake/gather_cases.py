@@ -682,11 +682,33 @@ def _frames_before_native(core, job, direction, dev, chunks):
     return at_native[0], count[0] - 1
 
 
+# The package's Python calls in the poll that reports a finished transfer (the worker core's poll, the
+# engine's, the platform's completion query, the result): the connector sees the completion after them.
+POLL_FRAMES = 4
+
+
+def _package_frames(fn):
+    """``fn()``'s result and the Python calls it made in this package's own files (not the fake platform's,
+    whose events are Python where CUDA's are C++)."""
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and "/vllm_npu_offload/" in frame.f_code.co_filename:
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, count[0]
+
+
 def case_submit_frames():
     """The common transfer reaches the library within SUBMIT_FRAMES_BEFORE_NATIVE Python calls in both
     directions, once warm as a serving engine is (counted by sys.setprofile on the fake driver: a count,
-    not a timing, so it holds on any host; a7370d9 made 12), and the counted transfers arrive whole.
-    SUBMIT_FRAMES_LIST=1 lists the calls."""
+    not a timing, so it holds on any host; a7370d9 made 12), the poll that reports it within POLL_FRAMES
+    of the package's, and the counted transfers arrive whole. SUBMIT_FRAMES_LIST=1 lists the calls."""
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
@@ -715,7 +737,9 @@ def case_submit_frames():
                 t[dev] = 0
         counts[d.name] = _frames_before_native(core, job, d, dev, chunks)
         core.wait([job])
-        core.poll()
+        done, frames = _package_frames(core.poll)
+        assert [(r.job_id, r.success) for r in done] == [(job, True)], done
+        assert frames <= POLL_FRAMES, f"{d.name}: the reporting poll made {frames} Python calls (at most {POLL_FRAMES})"
         core.poll()
         job += 1
     assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))  # the counted transfers arrived whole
