@@ -39,4 +39,4 @@ print(text)
 if args.json:
     Path(args.json).write_text(json.dumps({"a": args.a, "b": args.b, "layout": args.layout,
                                            "clients": args.clients, "groups": doc,
-                                           "passes": {k: v for k, v in groups.items()}}, indent=1))
+                                           "passes": groups}, indent=1))
