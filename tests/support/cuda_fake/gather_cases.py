@@ -3,6 +3,7 @@ kernel body on the CPU, thread by thread). Run in a subprocess: argv[1] = the fa
 the rest = case names. The library resolves the driver once per process."""
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -654,32 +655,42 @@ def _staged_ids_checked(platform):
 SUBMIT_FRAMES_BEFORE_NATIVE = 10
 
 
+def _counting(fn, count, keep=lambda code: True):
+    """``fn()``'s result, adding to ``count[0]`` each Python call it makes whose code ``keep`` takes, as
+    the call starts (SUBMIT_FRAMES_LIST=1 lists them)."""
+    listing = bool(os.environ.get("SUBMIT_FRAMES_LIST"))
+
+    def profile(frame, event, arg):
+        if event == "call" and keep(frame.f_code):
+            count[0] += 1
+            if listing:
+                c = frame.f_code
+                print(f"  {count[0]} {c.co_name} {'/'.join(c.co_filename.rsplit('/', 2)[-2:])}:{c.co_firstlineno}",
+                      file=sys.stderr)
+
+    sys.setprofile(profile)
+    try:
+        return fn()
+    finally:
+        sys.setprofile(None)
+
+
 def _frames_before_native(core, job, direction, dev, chunks):
     """Python calls ``core.submit`` makes before the library's call, and in all."""
-    pipe = core.stager._fused
-    lane = pipe._lanes[direction]
+    lane = core.stager._fused._lanes[direction]
     count, at_native, call = [0], [], lane.call
 
     def native():  # one frame of its own, counted before its body runs
         at_native.append(count[0] - 1)
         return call()
 
-    def profile(frame, event, arg):
-        if event == "call":
-            count[0] += 1
-            if os.environ.get("SUBMIT_FRAMES_LIST"):
-                c = frame.f_code
-                where = "/".join(c.co_filename.rsplit("/", 2)[-2:])
-                print(f"  {'post' if at_native else 'pre'} {c.co_name} {where}:{c.co_firstlineno}", file=sys.stderr)
-
     lane.call = native
-    sys.setprofile(profile)
     try:
-        core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=True)
+        # a partial (no frame of its own): the count starts at core.submit
+        _counting(functools.partial(core.submit, job, direction, dev, [len(dev)], [0], chunks, staged=True), count)
     finally:
-        sys.setprofile(None)
         lane.call = call
-    return at_native[0], count[0] - 1
+    return at_native[0], count[0] - 1  # less native's own
 
 
 # The package's Python calls in the poll that reports a finished transfer (the worker core's poll, the
@@ -691,16 +702,7 @@ def _package_frames(fn):
     """``fn()``'s result and the Python calls it made in this package's own files (not the fake platform's,
     whose events are Python where CUDA's are C++)."""
     count = [0]
-
-    def profile(frame, event, arg):
-        if event == "call" and "/vllm_npu_offload/" in frame.f_code.co_filename:
-            count[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
+    out = _counting(fn, count, lambda code: "/vllm_npu_offload/" in code.co_filename)
     return out, count[0]
 
 
