@@ -169,6 +169,7 @@ class OffloadWorkerCore:
         st = self.stager
         self._one_native = (self.num_groups == 1 and bool(self.group_refs[0]) and st.plans_natively
                             and st.checks_ids)
+        self._room_by_ids = st.table_form  # ``Stager.native_room``'s two forms, read inline by ``submit``
         pages = [r.page_bytes for refs in self.group_refs for r in refs]
         # stores direct on the copy engines, no gather: only loads are measured
         staged = tuple(d for d in Direction if d is Direction.H2D or not stores_direct(
@@ -371,8 +372,9 @@ class OffloadWorkerCore:
                     if len(block_indices) == 1 and n == len(dev) == len(host):
                         planner, span, per_block, pairs = self._native_groups[direction][0]
                         stager = self.stager
-                        transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)],
-                                                        self.pool.acquire(stager.native_room(n, pairs * n)),
+                        # ``stager.native_room(n, pairs * n)`` without its frame (the library checks the room)
+                        rows = -(-2 * n // 3) if self._room_by_ids else (pairs + 1) * n
+                        transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)], self.pool.acquire(rows),
                                                         stager, per_block * n, pairs * n, 0, stager.orders_natively)
                 else:  # several blocks per chunk: ``plan``'s split and checks
                     transfer = self._native_staged(direction, self._split(None, device_block_ids, group_sizes,

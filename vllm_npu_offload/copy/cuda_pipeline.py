@@ -10,6 +10,7 @@ keeps the Python loop (for comparison in benchmarks).
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,7 @@ class _Lane:
     streams: tuple = (None, None)
     link: bool = True
     consts: tuple = ()
+    constants: Any = None  # the module whose MIN_SLICE_BYTES, RAMP and GROWTH the stager's slices follow
     # ``lib.staged_submitter(req)``: the native call with its arguments bound, its link count and message
     call: Any = None
     links: Any = None
@@ -191,7 +193,7 @@ class CudaStagedPipeline:
                 setattr(req, k, geo[k])
             j.inline_ids = self._inline_ids(d)
             req.compute_mark = self._marks[d]
-            lane = self._lanes[d] = _Lane(req, d is Direction.D2H)
+            lane = self._lanes[d] = _Lane(req, d is Direction.D2H, constants=sys.modules[stager.slice_constants.__module__])
             lane.call, lane.links, lane.msg = self.lib.staged_submitter(req)
         return lane
 
@@ -234,8 +236,9 @@ class CudaStagedPipeline:
         if lane.link != link:
             req.job.skip_link = 0 if link else 1
             lane.link = link
-        consts = stager.slice_constants()
-        if lane.consts != consts:  # read each time: tests patch them
+        m = lane.constants  # ``stager.slice_constants()`` without its frame: the module's values, read each time
+        consts = (m.MIN_SLICE_BYTES, m.RAMP, m.GROWTH)
+        if lane.consts != consts:  # (tests patch them)
             req.min_slice_bytes, req.ramp, req.growth = lane.consts = consts
         return req
 

@@ -652,7 +652,7 @@ def _staged_ids_checked(platform):
 # a loop more cost 3-10 us per transfer on an H200 host where the fake-driver rig saw 0.5 us
 # (docs/benchmarks.md, sixteenth session). Lower it when a change removes frames; never raise it without
 # a measurement on the device.
-SUBMIT_FRAMES_BEFORE_NATIVE = 10
+SUBMIT_FRAMES_BEFORE_NATIVE = 8
 
 
 def _counting(fn, count, keep=lambda code: True):
