@@ -792,11 +792,13 @@ def write_part(out_dir: str | Path, part: str, res: dict) -> str:
 POOLED_METRICS = ("req/s", "later TTFT p50", "TPOT p50")  # of SERVE_METRICS; req/s as a change, the rest as ratios
 
 
-def serve_pass_pairs(path: str | Path, layout: str, clients: int, a: str, b: str) -> list[dict[str, float]]:
+def serve_pass_pairs(path: str | Path, layout: str, clients: int, a: str, b: str,
+                     from_pass: int = 0) -> list[dict[str, float]]:
     """Per pass of one serve run (its ``serve.json``, ``.gz`` too) where servers ``a`` and ``b`` both
     finished on ``layout`` at ``clients`` (``serve_runs_by``'s runs): the change of a against b, each
     within its pass (the pass's texts are the same for both and its conditions close): req/s as
-    a / b - 1, the latencies' p50 as a ratio."""
+    a / b - 1, the latencies' p50 as a ratio. ``from_pass``: passes before it left out (a run's first
+    pass is each server's first traffic: its warm-up falls on whichever server goes first)."""
     import gzip
 
     p = Path(path)
@@ -807,7 +809,7 @@ def serve_pass_pairs(path: str | Path, layout: str, clients: int, a: str, b: str
         if run.get("layout") != layout or run.get("load", {}).get("clients") != clients:
             continue
         by = serve_runs_by(run)
-        for k in sorted(set(by.get(a, {})) & set(by.get(b, {}))):
+        for k in sorted(k for k in set(by.get(a, {})) & set(by.get(b, {})) if k >= from_pass):
             row = {"pass": k}
             for name in POOLED_METRICS:
                 x, y = pick[name](by[a][k]), pick[name](by[b][k])

@@ -959,6 +959,8 @@ def test_serve_passes_pool_paired_within_each_pass(tmp_path):
     assert [round(p["req/s"], 4) for p in pa] == [0.05, -0.05] and [p["later TTFT p50"] for p in pa] == [0.9, 1.1]
     assert len(pb) == 1 and round(pb[0]["req/s"], 4) == 0.1  # the unpaired and the failed pass add nothing
     assert tables.serve_pass_pairs(tmp_path / "b.json", "perlayer", 8, "ours", "native") == []
+    later = tables.serve_pass_pairs(tmp_path / "a.json.gz", "perlayer", 32, "ours", "native", from_pass=1)
+    assert [(p["pass"], round(p["req/s"], 4)) for p in later] == [(1, -0.05)]  # the first pass left out
     text, nums = tables.pooled_serve_table({"a": pa, "pooled": pa + pb})
     s = nums["pooled"]["req/s"]
     assert s["n"] == 3 and round(s["median"], 4) == 0.05 and round(s["mean"], 4) == round(0.1 / 3, 4)
