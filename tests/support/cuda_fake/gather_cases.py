@@ -693,9 +693,10 @@ def _frames_before_native(core, job, direction, dev, chunks):
     return at_native[0], count[0] - 1  # less native's own
 
 
-# The package's Python calls in the poll that reports a finished transfer (the worker core's poll, the
-# engine's, the platform's completion query, the result): the connector sees the completion after them.
-POLL_FRAMES = 4
+# The package's Python calls in the poll that reports a finished transfer (the engine's poll, which the
+# worker core binds as its own, the platform's completion query, the result): the connector sees the
+# completion after them.
+POLL_FRAMES = 3
 
 
 def _package_frames(fn):
