@@ -115,9 +115,15 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     // A one-slice store with inline ids needs no upload at all; any other upload on aux is
     // followed by a gather there that the job stream waits for (or by the final wait below).
     const bool need_upload = !ids_in_link && !load_inline && !(inline_first && (n == 1 || inline_all));
+    // A load with its ids inline orders aux in the loop, not here: each scatter on aux waits for its
+    // slice's link batch (filled, recorded on the stream after it, so after all the stream waited for:
+    // compute, earlier jobs), and aux waits for the model's mark once the first link batch is enqueued.
+    // The driver calls before the first link copy are then the engine's order alone (two fewer here,
+    // one moved behind it): they sit on every load's critical path.
+    const bool aux_in_loop = load_inline;
     if (store && own == 0 && !inline_first) {
         rc = upload(stream);
-    } else {
+    } else if (!aux_in_loop) {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
         if (model && (rc = c.wait(aux, model))) return rc;
@@ -163,6 +169,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
             if (rc) return rc;
             // the last scatter follows on the stream; earlier scatters are waited for after it
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
+            if (aux_in_loop && model && i == 0 && !mine && (rc = c.wait(aux, model))) return rc;
         }
         // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after
         // both), or with its ids inline after the mark itself

@@ -120,8 +120,10 @@ NPU_OFFLOAD_API int npu_offload_acl_staged_run(const npu_offload_staged_job *job
     void *stream = job->stream, *aux = job->aux, *entry = job->events[0];
     void *const *filled = job->events + 1, *const *drained = job->events + 1 + job->slots;
     const int store = job->store != 0;
-    /* Compute and earlier jobs first: the engine ordered the job stream; aux follows it. */
-    if ((rc = record(&c, entry, stream)) || (rc = wait_event(&c, aux, entry))) return rc;
+    /* Compute and earlier jobs first: the engine ordered the job stream; a store's aux follows it. A
+       load's scatters on aux wait for their slices' link copies (filled, recorded on the stream after
+       them, so after all the stream waited for): its first link copy goes first, two ACL calls sooner. */
+    if (store && ((rc = record(&c, entry, stream)) || (rc = wait_event(&c, aux, entry)))) return rc;
     for (c.slice = 0; c.slice < n; c.slice++) {
         const int64_t s = c.slice % job->slots;
         /* the slot's previous slice must be through both copies */

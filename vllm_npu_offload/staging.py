@@ -401,7 +401,8 @@ class Stager:
         lk, local, link = plan.link, self.local_path, self.link_path
         store = direction is Direction.D2H
         with self.platform.stream_context(aux):
-            aux.wait_stream(stream)  # compute and earlier jobs first (the engine ordered ``stream``)
+            if store:  # compute and earlier jobs first (the engine ordered ``stream``); a load's scatters
+                aux.wait_stream(stream)  # wait for their link copies on ``stream``, which come after both
             prepared = local.prepare(plan.local)
             for i in range(plan.num_slices):
                 s = i % slots

@@ -282,6 +282,14 @@ def case_staged_load_inline():
     inline0 = counter("fake_inline_launches", ctypes.c_longlong)
     core.stager.run_native(transfer, object(), order=(compute, after, start, end))
     ops, stream = _event_ops_since(n0, copies=True), 0x51  # FakeCuda's every stream
+    # the first link copy right after the engine's order: aux is ordered in the loop (each scatter there
+    # waits for its slice's link batch, aux for the mark after the first batch), no entry mark
+    at = ops.index(("record", start, stream))
+    assert ops[at + 1][0] == "copy", ops[:at + 3]
+    assert not [op for op in ops if op[1] == fused.events[Direction.H2D][0]], ops
+    first_filled = next(i for i in range(at + 1, len(ops)) if ops[i][0] == "record")
+    assert ops[first_filled + 1:first_filled + 3] == [("wait", ops[first_filled][1], stream), ("wait", mark, stream)], (
+        ops[first_filled:first_filled + 3])  # aux: slice 0's link batch, then the mark, before its scatter
     waits = [op for op in ops if op[0] == "wait"]
     assert [op for op in waits if op[1] == mark] == [("wait", mark, stream)] * 2, waits  # aux's scatters, the last
     assert waits[-2] == ("wait", mark, stream) and waits[-1][1] != mark, waits  # the last scatter's, then the others'
