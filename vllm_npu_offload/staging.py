@@ -401,8 +401,10 @@ class Stager:
         lk, local, link = plan.link, self.local_path, self.link_path
         store = direction is Direction.D2H
         with self.platform.stream_context(aux):
-            if store:  # compute and earlier jobs first (the engine ordered ``stream``); a load's scatters
-                aux.wait_stream(stream)  # wait for their link copies on ``stream``, which come after both
+            # compute and earlier jobs first (the engine ordered ``stream``), loads too: ``prepare`` may
+            # upload descriptors on aux (CUDA's gather path), which the library's pipelines keep behind the
+            # model's mark as well (a load with inline ids uploads nothing, and skips this there)
+            aux.wait_stream(stream)
             prepared = local.prepare(plan.local)
             for i in range(plan.num_slices):
                 s = i % slots

@@ -184,7 +184,9 @@ def _small_plan(direction: Direction, dev: torch.Tensor, stg: torch.Tensor, host
 
 
 def _expected(store: bool, batch: bool, link: bool = True) -> list[tuple]:
-    """Stager.run's Python loop, written out (copies as (kind, stream) per batch call or descriptor)."""
+    """The ACL pipeline's order, as Stager.run's Python loop has it but for a load's entry event (the library
+    uploads no descriptors, and each scatter waits for its own link copy) (copies as (kind, stream) per
+    batch call or descriptor)."""
     def copies(kind, stream, n):
         return [("copy", kind, stream)] * (1 if batch else n)
 
