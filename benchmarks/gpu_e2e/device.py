@@ -493,7 +493,7 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
     reps = a.reps
     per_tok = LAYOUTS[name].model.kv_bytes_per_token()
     res: dict = {"model": f"{LAYOUTS[name].model.what}, dummy weights, bf16", "reps": reps, "rows": [],
-                 "kv_bytes_per_token": per_tok, "errors": {}}
+                 "kv_bytes_per_token": per_tok, "errors": {}, "tp": getattr(a, "tp", 1)}
     ours = procs["ours"]
     res["hit_engine"] = hit_kind = "off" if "off" in procs else "ours"  # --no-off: ours' engine
     hit_eng = procs[hit_kind]
@@ -566,9 +566,10 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its
-            # window), else the host-hit tokens' KV over all layers
+            # window), else the host-hit tokens' KV over all layers; with tensor parallelism each rank
+            # moves its share over its own GPU's link at the same time
             moved = row.get("ours_load_bytes") or row["host_tokens"] * per_tok
-            row["ideal_s"] = moved / (bw * 1e9) + row["device_hit_s"]["median"]
+            row["ideal_s"] = moved / res["tp"] / (bw * 1e9) + row["device_hit_s"]["median"]
         res["rows"].append(row)
         print(f"[ttft] {L}: {json.dumps({k: v for k, v in row.items() if k.endswith('_s')}, default=str)}", flush=True)
     try:  # which copy paths and staging our worker used (after its calibration ran)

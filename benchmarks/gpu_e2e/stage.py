@@ -53,10 +53,10 @@ EDITS = (("vllm/vllm_flash_attn/__init__.py", "if not (FA2_AVAILABLE or FA3_AVAI
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + ["manylinux2014_x86_64", "any"]
 DEPS_FILE = Path(__file__).with_name("deps.txt")
 TAR_NAME = "vllm-stripped.tar.xz"
-# 64 MiB (67.1 MB) per call minus the repository's tracked tree (4.0 MB raw in 2026-11, most of it
-# docs/results) and the code copy (0.9 MB), with room for growth. The stripped vLLM with FA3 and the
-# wheels are 135.5 MB: three parts either way.
-DEFAULT_PART_BYTES = 60_000_000
+# 64 MiB (67.1 MB) per call minus the repository's tree (11.7 MB raw on 2026-11-27, most of it
+# docs/results; 4.0 MB a month earlier) and the code copy (1.2 MB), with room for growth. The stripped
+# vLLM with FA3 and the wheels are 135.5 MB: three parts either way.
+DEFAULT_PART_BYTES = 48_000_000
 
 STAGE_DIR = Path(os.environ.get("GPU_E2E_STAGE", "/tmp/gpu_e2e/stage"))
 SITE_DIR = Path(os.environ.get("GPU_E2E_SITE", "/tmp/site"))

@@ -195,10 +195,14 @@ def ttft_table(res: dict) -> str:
     if sfx:  # a later turn: the stored prompt comes from host, the new tokens are computed
         head[0] = f"prompt tok (+{sfx} new)"
     hit_where = "; cold and device hit on ours' engine, --no-off" if res.get("hit_engine") == "ours" else ""
+    tp = res.get("tp", 1)
+    per_rank = (f"; tensor_parallel_size {tp}: bytes are all ranks', each rank moves its share over its own GPU's "
+                f"link at the same time (ideal divides by {tp}), transfer and load seen are the ranks' mean"
+                if tp > 1 else "")
     text = (table(head, rows) + f"\nmedian of {res['reps']} after a warm-up; contiguous pinned copy in the same run: "
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix{hit_where}); ours "
-            f"transfer = device time of the loads, load seen = from their submit until a poll saw them done")
+            f"transfer = device time of the loads, load seen = from their submit until a poll saw them done{per_rank}")
     lw, steps, floor, prof = (layerwise_ttft_table(res), ttft_steps_table(res), ttft_floor_table(res),
                               forward_profile_table(res))
     return text + "".join("\n\n" + t for t in (lw, steps, floor, prof) if t)
@@ -276,12 +280,15 @@ def ttft_floor_table(res: dict) -> str:
     def span(x: dict) -> float:
         return x["load_seen_ms"] - x["load_scheduled_ms"]
 
+    def timed(steps: list) -> list:  # reps whose timeline saw the load (tensor parallel: it lives in the workers)
+        return [x for x in steps if x.get("load_seen_ms") is not None and x.get("load_scheduled_ms") is not None]
+
     rows = []
     for r in res["rows"]:
-        nb, ob, nbytes = r.get("native_steps") or [], r.get("ours_steps") or [], r.get("ours_load_bytes")
+        nb, ob, nbytes = timed(r.get("native_steps") or []), timed(r.get("ours_steps") or []), r.get("ours_load_bytes")
         if not (nb and ob and nbytes and h2d):
             continue
-        link = nbytes / (h2d * 1e9) * 1e3
+        link = nbytes / res.get("tp", 1) / (h2d * 1e9) * 1e3  # each rank's share on its own link
         n_fixed = _med([x["wall_ms"] - span(x) for x in nb])
         o_fixed = _med([x["wall_ms"] - span(x) for x in ob])
         n_wall, o_wall = _med([x["wall_ms"] for x in nb]), _med([x["wall_ms"] for x in ob])

@@ -730,6 +730,33 @@ def test_part_ttft_runs_layerwise_beside_native_and_ours():
     assert "reload layerwise ms" not in tables.ttft_table(device.part_ttft(procs, a))
 
 
+def test_part_ttft_with_tensor_parallelism_splits_the_link_time_over_the_ranks():
+    """--tp 2: the loaded bytes are both ranks', each rank moves its half over its own GPU's link, so
+    the ideal's link time halves; the floor table does the same and leaves out reps whose engine
+    timeline never saw the load (with TP the worker connector lives in the worker processes)."""
+    from benchmarks.gpu_e2e import device
+
+    procs = {"off": _TtftEngine("off", 0.01), "native": _TtftEngine("native", 0.03), "ours": _TtftEngine("ours", 0.025)}
+    args = ["ttft", "--ttft-lengths", "2048", "--reps", "3", "--off-reps", "1"]
+    one = device.part_ttft(procs, device.build_parser().parse_args(args))
+    two = device.part_ttft(procs, device.build_parser().parse_args(args + ["--tp", "2"]))
+    hit = two["rows"][0]["device_hit_s"]["median"]
+    link = 2000 * 131072 / 50e9
+    assert one["tp"] == 1 and one["rows"][0]["ideal_s"] == pytest.approx(link + hit)
+    assert two["tp"] == 2 and two["rows"][0]["ideal_s"] == pytest.approx(link / 2 + hit)
+    assert "ideal divides by 2" in tables.ttft_table(two) and "ideal divides by" not in tables.ttft_table(one)
+
+    def rep(wall, seen):
+        return {"wall_ms": wall, "load_scheduled_ms": 2.0 if seen is not None else None, "load_seen_ms": seen}
+
+    row = {"prompt_tokens": 8192, "ours_load_bytes": 2 * 10**9, "native_steps": [rep(40, 32), rep(41, None)],
+           "ours_steps": [rep(35, 25)]}
+    text = tables.ttft_floor_table({"bandwidth": {"h2d_gbps": 50.0}, "tp": 2, "rows": [row]})
+    assert [c.strip() for c in text.splitlines()[2].strip("|").split("|")][:4] == ["8,192", "20.0", "10.0", "30.0"]
+    blind = {**row, "native_steps": [rep(40, None)]}  # no rep saw the load: no row, no error
+    assert tables.ttft_floor_table({"bandwidth": {"h2d_gbps": 50.0}, "tp": 2, "rows": [blind]}) == ""
+
+
 def test_part_ttft_reloads_variants_in_turn_and_compares_them_with_ours():
     from benchmarks.gpu_e2e import device
 

@@ -1003,6 +1003,11 @@ def test_tensor_parallel_engines_servers_and_rank_table(monkeypatch, tmp_path):
     kw = EngineSpec("x", "ours", "m", tp=2).llm_kwargs()
     assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
     assert "tensor_parallel_size" not in EngineSpec("x", "ours", "m").llm_kwargs()
+    from benchmarks.gpu_e2e.engine import ENV  # engines and servers build their environment on it
+    assert {k: ENV.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                                    "VLLM_ALLREDUCE_USE_SYMM_MEM")} == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # NVLink multicast off in every engine and server
     one = serve.plan_servers("uniform", ["native", "ours"], serve.load_for(8), 80 * GiB, 128 * GiB)
     two = serve.plan_servers("uniform", ["native", "ours"], serve.load_for(8), 80 * GiB, 128 * GiB, tp=2)
     assert [p.device_kv_bytes for p in two] == [p.device_kv_bytes // 2 for p in one]
