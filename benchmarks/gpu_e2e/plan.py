@@ -55,13 +55,19 @@ RUNS = (
 # with tensor_parallel_size 2 (NCCL; the image's NVLink-multicast-off variables stay set). The H200 x2
 # machine's memory starts at ~31 GiB and grows as it is used (KINDS.md): --grow-host-gib touches memory
 # before the plan and our start-up check read it.
+# Estimates from the first run (2 x H200, 2026-11-27): correctness 165 s, ttft 179 s, serve 483 s.
 TP_RUNS = (
     Call("TP 2: correctness (fp32 = off, bf16 ours = native, negative control on every rank) + per-rank host "
-         "bytes and NUMA of host KV vs GPU", "correctness --layouts uniform --tp 2 --budget-s 420", 300, 1),
+         "bytes and NUMA of host KV vs GPU", "correctness --layouts uniform --tp 2 --budget-s 420", 180, 1),
     Call("TP 2: reload TTFT at 8k/32k, native vs ours", "ttft --layouts uniform --tp 2 --ttft-lengths 8192,32768 "
-         "--grow-host-gib 64", 420, 1),
+         "--grow-host-gib 64", 200, 1),
     Call("TP 2: serving, 8 clients, both connectors beside native", "serve --layouts uniform --loads 8 --tp 2 "
-         "--servers off,native,ours,simple --grow-host-gib 128", 480, 1),
+         "--servers off,native,ours,simple --grow-host-gib 128", 490, 1),
+    # Ascend's layout (per-layer K/V pages), where one GPU measured ours ahead of native (issue #22)
+    Call("TP 2: reload TTFT at 8k/32k, per-layer layout", "ttft --layouts perlayer --tp 2 --ttft-lengths 8192,32768 "
+         "--grow-host-gib 64", 200, 2),
+    Call("TP 2: serving, 32 clients, per-layer layout, native vs ours", "serve --layouts perlayer --loads 32 --tp 2 "
+         "--servers native,ours --grow-host-gib 128", 490, 2),
 )
 STAGE_S = 20  # copying one part into /tmp (the machine's start is extra)
 INSTALL_S = 90  # unpack ~100 MB xz, pip-install the wheels, build the CUDA copy library

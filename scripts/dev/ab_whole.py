@@ -47,6 +47,33 @@ def parse_variant(text: str) -> tuple[str, Path, dict[str, str]]:
     return label, path, env
 
 
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``--cpus`` ("4" or "4,5" or "4-7") -> the CPUs every probe runs on (None: the parent's). On the
+    2 x H200 host of 2026-11-27 unpinned rounds were bimodal: the Python before the native call took
+    13-15 us in some rounds and 27-31 us in others, for both trees alike (docs/benchmarks.md,
+    eighteenth session), which hides a 1-2 us change."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.partition("-")
+        try:
+            cpus.update(range(int(lo), int(hi) + 1) if sep else (int(lo),))
+        except ValueError:
+            raise SystemExit(f"--cpus {text!r}: {part!r} is not a CPU number or a range A-B") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise SystemExit(f"--cpus {text!r}: CPUs {sorted(cpus - allowed) or text} are not among this process's "
+                         f"{sorted(allowed)}")
+    return cpus
+
+
+def run_probe(cmd: list[str], cpus: set[int] | None, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with the child pinned to ``cpus`` before it starts (its threads inherit it)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.run(cmd, preexec_fn=pin, **kw)
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict:
     """Per (shape, direction, variant): medians over the variant's runs (us, %) and the % ranges."""
     out: dict = {}
@@ -116,7 +143,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--cpus", default=None, help="run every probe on these CPUs (\"4\", \"4,5\", \"4-7\"): "
+                    "steadier rounds on a host whose Python speed moves between rounds")
     a = ap.parse_args()
+    cpus = parse_cpus(a.cpus)
     variants = [parse_variant(v) for v in a.variants]
     if len({v[0] for v in variants}) != len(variants):
         raise SystemExit("variant labels must differ")
@@ -136,17 +166,19 @@ def main() -> None:
             run_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
                            **env)
             with open(txt, "w") as f:
-                r = subprocess.run(cmd, cwd=tree, env=run_env, stdout=f, stderr=subprocess.STDOUT)
+                r = run_probe(cmd, cpus, cwd=tree, env=run_env, stdout=f, stderr=subprocess.STDOUT)
             if r.returncode:
                 raise SystemExit(f"{label} round {rnd} failed (rc {r.returncode}): {txt}")
             runs[label].append(json.loads(js.read_text()))
     table = summarize(runs)
     pairs = paired(runs)
     targets = at_target(table)
-    (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds, "table": table,
+    (out / "summary.json").write_text(json.dumps({"variants": a.variants, "rounds": a.rounds,
+                                                  "cpus": sorted(cpus) if cpus else None, "table": table,
                                                   "paired": pairs, "at_target": targets}, indent=1))
     cols = ("plan", "pre_native", "finish", "critical", "whole%", "spin%", "floor%")
-    print(f"medians of {a.rounds} rounds, us and % of one contiguous copy")
+    print(f"medians of {a.rounds} rounds, us and % of one contiguous copy"
+          + (f"; probes pinned to CPUs {sorted(cpus)}" if cpus else ""))
     print(f"{'shape dir':28s} {'variant':8s}" + "".join(f"{c:>11s}" for c in cols))
     for key, by_label in table.items():
         for label, row in by_label.items():

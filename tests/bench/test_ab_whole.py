@@ -53,3 +53,21 @@ def test_rows_at_the_target_count_every_row_and_name_the_lowest():
     # a: 300/330 = 90.9% and 300/320 = 93.75%: both at 90%; b: 88.2% and 90.1%: one of two
     assert (t["a"]["at"], t["a"]["rows"]) == (2, 2) and t["a"]["lowest"][0] == "s@1 H2D"
     assert (t["b"]["at"], t["b"]["rows"]) == (1, 2) and t["b"]["lowest"] == ["s@1 H2D", pytest.approx(88.235, 1e-3)]
+
+
+def test_cpus_pin_every_probe_and_bad_lists_name_what_is_allowed():
+    import os
+    import sys
+
+    mine = sorted(os.sched_getaffinity(0))
+    assert ab_whole.parse_cpus(None) is None and ab_whole.parse_cpus("") is None
+    assert ab_whole.parse_cpus(f"{mine[0]}") == {mine[0]}
+    assert ab_whole.parse_cpus(f"{mine[0]}-{mine[-1]}") == set(mine)
+    for bad, why in (("x", "'x' is not a CPU number"), ("99999", r"CPUs \[99999\] are not among")):
+        with pytest.raises(SystemExit, match=why):
+            ab_whole.parse_cpus(bad)
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    r = ab_whole.run_probe([sys.executable, "-c", code], {mine[-1]}, capture_output=True, text=True)
+    assert r.stdout.strip() == str([mine[-1]])  # the child runs on the chosen CPU only
+    r = ab_whole.run_probe([sys.executable, "-c", code], None, capture_output=True, text=True)
+    assert r.stdout.strip() == str(mine)
