@@ -38,9 +38,10 @@ case "$cmd" in
     tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null \
             | awk '$2=="total"{s+=$1} END{print s+0}')
     src=$(du -sb "$GPU_E2E_DIR/e2e_src" | cut -f1)
+    over=0
     for d in "$GPU_E2E_DIR"/part*; do
       n=$(( $(du -sb "$d" | cut -f1) + src + tree ))
-      flag=""; [ "$n" -gt 67108864 ] && flag="  OVER the 64 MiB a call carries: prepare --part-bytes SMALLER"
+      flag=""; [ "$n" -gt 67108864 ] && { flag="  OVER the 64 MiB a call carries: prepare --part-bytes SMALLER"; over=1; }
       echo "$(basename "$d") call: $((n / 1000000)) MB (part + code copy + this checkout's tree $((tree / 1000000)) MB)$flag"
     done
     rel=$(basename "$GPU_E2E_DIR")
@@ -48,6 +49,8 @@ case "$cmd" in
     echo
     echo "Device calls (kind nvidia-h200), back to back; paths relative to the checkout that holds $rel/:"
     "$PY" -m benchmarks.gpu_e2e.plan --parts "$n" --rel "$rel"
+    # a stage call over the limit fails on the device after the machine's start: stop here instead
+    [ "$over" = 0 ] || { echo "prepare: a stage call is over 64 MiB (see above); re-run with --part-bytes SMALLER" >&2; exit 4; }
     ;;
   stage)
     p=${1:?stage needs a part folder}; case "$p" in /*) ;; *) p="$CALLER/$p" ;; esac
