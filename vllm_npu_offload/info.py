@@ -43,15 +43,16 @@ def _cuda_native() -> str:
 
 
 def _numa() -> str:
-    from .numa import device_bus_id, num_nodes, pci_numa_node
+    from .numa import device_node, num_nodes
     from .platform import detect_kind
 
     nodes = num_nodes()
     if nodes <= 1:
         return "single NUMA node (host KV placement needs no binding)"
-    bus = device_bus_id(detect_kind())
-    node = pci_numa_node(bus) if bus else None
-    return f"{nodes} nodes; device {bus or '?'} on node {node if node is not None else 'unknown'} (host KV bound there)"
+    node, why = device_node(detect_kind())
+    if node is None:
+        return f"{nodes} nodes; device node unknown ({why}; host KV left to first touch)"
+    return f"{nodes} nodes; device on node {node} ({why}; host KV bound there)"
 
 
 PROVIDERS: list[tuple[str, Callable[[], str]]] = [

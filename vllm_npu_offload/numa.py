@@ -1,10 +1,13 @@
-"""NUMA placement of the host KV buffer: the node closest to the device, from sysfs.
+"""NUMA placement of the host KV buffer: the node closest to the device.
 
 Why: on a two-socket server, host KV on the far node crosses the socket link on every
 transfer (measured elsewhere at 20-40% of PCIe bandwidth lost). The node of a PCI
 device is in ``/sys/bus/pci/devices/<bus id>/numa_node``; memory is bound to it with
-``mbind`` before first touch, so every page lands there. Single-node machines (and
-devices whose node sysfs does not know) are left alone and say so.
+``mbind`` before first touch, so every page lands there. Where the device's bus id is
+not known here (Ascend: torch_npu does not expose it), the node that holds every CPU the
+worker thread may run on stands in: vLLM-Ascend binds each worker to its NPU's CPUs by
+default on ARM hosts (``enable_cpu_binding``), as do numactl-style launchers. Single-node
+machines (and devices whose node neither tells) are left alone and say so.
 """
 
 from __future__ import annotations
@@ -76,6 +79,56 @@ def device_bus_id(kind: str) -> str | None:
         return None
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """CPU ids of a sysfs cpulist ("0-3,8,10-11"; empty: none)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def node_cpus(root: Path = SYSFS_NODES) -> dict[int, set[int]]:
+    """Node -> its CPUs, from ``nodeN/cpulist`` (empty where sysfs does not say)."""
+    out: dict[int, set[int]] = {}
+    try:
+        for p in root.iterdir():
+            if p.name.startswith("node") and p.name[4:].isdigit():
+                try:
+                    out[int(p.name[4:])] = parse_cpulist((p / "cpulist").read_text())
+                except (OSError, ValueError):
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def affinity_node(cpus: set[int], by_node: dict[int, set[int]]) -> int | None:
+    """The one node that holds every CPU of ``cpus``; None when they span nodes or none is known."""
+    homes = {n for n, have in by_node.items() if have & cpus}
+    if len(homes) != 1:
+        return None
+    (node,) = homes
+    return node if cpus <= by_node[node] else None
+
+
+def device_node(kind: str) -> tuple[int | None, str]:
+    """The node closest to the current ``kind`` device and one phrase on how it was found: sysfs for
+    the device's PCI bus id (CUDA); else, for an accelerator, the node holding every CPU this thread
+    may run on; else None."""
+    bus = device_bus_id(kind)
+    node = pci_numa_node(bus) if bus else None
+    if node is not None:
+        return node, f"sysfs, device {bus}"
+    unknown = f"no sysfs node for {kind} device {bus or '?'}"
+    if kind == "cpu":
+        return None, unknown
+    node = affinity_node(os.sched_getaffinity(0), node_cpus())
+    if node is None:
+        return None, f"{unknown}, and this thread's CPUs span nodes"
+    return node, f"this thread's CPUs are all on node {node}; {unknown}"
+
+
 def mbind(addr: int, nbytes: int, node: int) -> bool:
     """Bind ``[addr, addr + nbytes)`` (page aligned inside) to ``node`` before first touch."""
     nr = _SYS_MBIND.get(os.uname().machine)
@@ -132,9 +185,7 @@ def place(addr: int, nbytes: int, kind: str) -> NumaPlacement:
             raise ValueError(f"NPU_OFFLOAD_NUMA_NODE={str(forced)!r}; allowed: 0..{nodes - 1}")
         node, why = forced, "NPU_OFFLOAD_NUMA_NODE"
     else:
-        bus = device_bus_id(kind)
-        node = pci_numa_node(bus) if bus else None
+        node, why = device_node(kind)
         if node is None:
-            return NumaPlacement(nodes, None, False, f"no sysfs node for {kind} device {bus or '?'}")
-        why = f"sysfs, device {bus}"
+            return NumaPlacement(nodes, None, False, why)
     return NumaPlacement(nodes, node, mbind(addr, nbytes, node), why)

@@ -277,7 +277,7 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
 
 
 def _gpu_node(numa_info: str) -> int | None:
-    """The GPU's NUMA node in ``info``'s numa line ("2 nodes; device 0000:3b:00.0 on node 1 ..."), None
+    """The GPU's NUMA node in ``info``'s numa line ("2 nodes; device on node 1 (sysfs, ...)"), None
     on a single-node machine or when unknown."""
     m = re.search(r"on node (\d+)", numa_info or "")
     return int(m.group(1)) if m else None

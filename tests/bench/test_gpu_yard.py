@@ -722,7 +722,7 @@ class _FakeEngine:
             return {"cudagraph_mode": "FULL_AND_PIECEWISE", "cross_layer_blocks": self.spec.connector is None}
         if op == "worker_info":
             n = "1" if self.spec.env.get("NPU_OFFLOAD_STAGED") == "1" else "32"
-            node = "2 nodes; device 0000:3b:00.0 on node 1 (host KV bound there)"
+            node = "2 nodes; device on node 1 (sysfs, device 0000:3b:00.0; host KV bound there)"
             lw = {"loads": 4, "failed_loads": 0} if self.spec.kind == "layerwise" else None
             return {"cores": [{"staged_from_blocks": {"H2D": n, "D2H": n}, "rank": r, "host_bytes": (1 << 30) // self.spec.tp,
                                "numa_info": node, "numa": "NUMA node 1 of 2", "host_page_nodes": {1: 64}}
@@ -972,7 +972,7 @@ def test_warm_up_pushes_the_first_prompt_out_of_the_device_kv():
 # ---------------------------------------------------------------------------- tensor parallel (issue #24)
 def _core(rank, host_bytes, gpu_node=1, host_nodes=None):
     return {"rank": rank, "host_bytes": host_bytes, "numa": f"NUMA node {gpu_node} of 2",
-            "numa_info": f"2 nodes; device 0000:3b:00.0 on node {gpu_node} (host KV bound there)",
+            "numa_info": f"2 nodes; device on node {gpu_node} (sysfs, device 0000:3b:00.0; host KV bound there)",
             "host_page_nodes": host_nodes if host_nodes is not None else {gpu_node: 64}}
 
 

@@ -78,3 +78,67 @@ def test_page_nodes_reports_resident_pages_only():
     start = -(-touched.data_ptr() // page) * page  # 100 bytes inside one page (the buffer may start late in one)
     assert sum(page_nodes(start, 100, samples=64).values()) == 1  # one page: one sample
     assert sum(page_nodes(start + page - 50, 100, samples=64).values()) == 2  # across a boundary: two
+
+
+def _two_nodes(monkeypatch, affinity, bus=None, bus_node=None):
+    """A 2-node machine, CPUs 0-3 on node 0 and 4-7 on node 1; this thread may run on ``affinity``."""
+    monkeypatch.setattr(numa, "num_nodes", lambda root=None: 2)
+    monkeypatch.setattr(numa, "node_cpus", lambda root=None: {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}})
+    monkeypatch.setattr(numa.os, "sched_getaffinity", lambda pid: set(affinity))
+    monkeypatch.setattr(numa, "device_bus_id", lambda kind: bus)
+    monkeypatch.setattr(numa, "pci_numa_node", lambda b, root=None: bus_node)
+    monkeypatch.delenv("NPU_OFFLOAD_NUMA_NODE", raising=False)
+
+
+def test_cpulists_and_the_node_that_holds_every_cpu(tmp_path):
+    assert numa.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and numa.parse_cpulist("\n") == set()
+    for name, cpus in (("node0", "0-3,8-11"), ("node1", "4-7,12-15"), ("node2", "")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpulist").write_text(cpus + "\n")
+    (tmp_path / "node3").mkdir()  # no cpulist: left out
+    (tmp_path / "possible").write_text("0-3\n")
+    by_node = numa.node_cpus(tmp_path)
+    assert by_node == {0: {0, 1, 2, 3, 8, 9, 10, 11}, 1: {4, 5, 6, 7, 12, 13, 14, 15}, 2: set()}
+    assert numa.node_cpus(tmp_path / "missing") == {}
+    assert numa.affinity_node({12, 13}, by_node) == 1 and numa.affinity_node({0, 11}, by_node) == 0
+    assert numa.affinity_node({3, 4}, by_node) is None  # spans two nodes
+    assert numa.affinity_node({99}, by_node) is None  # a CPU no node lists
+    assert numa.affinity_node({0, 99}, by_node) is None  # partly unknown: not all on node 0
+    assert numa.affinity_node(set(range(16)), {}) is None
+
+
+def test_npu_host_kv_goes_to_the_node_of_the_workers_cpus(monkeypatch):
+    """Ascend: no bus id here; vLLM-Ascend binds each worker to its NPU's CPUs, so their node is the NPU's."""
+    _two_nodes(monkeypatch, affinity={5, 6})
+    calls = []
+    monkeypatch.setattr(numa, "mbind", lambda addr, n, node: calls.append((addr, n, node)) or True)
+    p = numa.place(4096, 8192, "npu")
+    assert calls == [(4096, 8192, 1)] and (p.node, p.bound) == (1, True)
+    assert p.describe() == "NUMA node 1 of 2 (this thread's CPUs are all on node 1; no sysfs node for npu device ?)"
+    _two_nodes(monkeypatch, affinity=range(8))  # not bound: nothing to go by, nothing bound
+    calls.clear()
+    p = numa.place(4096, 8192, "npu")
+    assert calls == [] and p.node is None and "this thread's CPUs span nodes" in p.describe()
+    assert "left to first touch" in p.describe()
+
+
+def test_the_devices_sysfs_node_wins_over_the_cpus(monkeypatch):
+    _two_nodes(monkeypatch, affinity={5}, bus="0000:3b:00.0", bus_node=0)
+    assert numa.device_node("cuda") == (0, "sysfs, device 0000:3b:00.0")
+    _two_nodes(monkeypatch, affinity={5}, bus="0000:3b:00.0", bus_node=None)  # firmware says -1
+    assert numa.device_node("cuda") == (1, "this thread's CPUs are all on node 1; no sysfs node for cuda device "
+                                           "0000:3b:00.0")
+    _two_nodes(monkeypatch, affinity={5})
+    assert numa.device_node("cpu") == (None, "no sysfs node for cpu device ?")  # host "device": no stand-in
+
+
+def test_info_line_names_the_node_and_how_it_was_found(monkeypatch):
+    from vllm_npu_offload import info, platform
+
+    monkeypatch.setattr(platform, "detect_kind", lambda: "npu")
+    _two_nodes(monkeypatch, affinity={1, 2})
+    line = info._numa()
+    assert line == "2 nodes; device on node 0 (this thread's CPUs are all on node 0; no sysfs node for npu device ?; " \
+                   "host KV bound there)"
+    _two_nodes(monkeypatch, affinity={1, 6})
+    assert info._numa().startswith("2 nodes; device node unknown (") and "left to first touch" in info._numa()
