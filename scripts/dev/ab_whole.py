@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from vllm_npu_offload.numa import parse_cpulist  # noqa: E402
 SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # 2 and 4 KiB pages, 16.1-16.2 MiB
 
 
@@ -55,10 +57,11 @@ def parse_cpus(text: str | None) -> set[int] | None:
     if not text:
         return None
     cpus: set[int] = set()
-    for part in text.split(","):
-        lo, sep, hi = part.partition("-")
+    for part in text.split(","):  # sysfs cpulist syntax, read by the package's own parser part by part
         try:
-            cpus.update(range(int(lo), int(hi) + 1) if sep else (int(lo),))
+            if not part:  # the sysfs reader skips empty parts; a typed list must not have any
+                raise ValueError(part)
+            cpus |= parse_cpulist(part)
         except ValueError:
             raise SystemExit(f"--cpus {text!r}: {part!r} is not a CPU number or a range A-B") from None
     allowed = os.sched_getaffinity(0)

@@ -21,6 +21,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVC
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
+from engine_run import greedy as _gen  # noqa: E402
 from simple_fakes import failing_copies  # noqa: E402
 
 from vllm_npu_offload.copy.base import Direction  # noqa: E402
@@ -49,14 +50,6 @@ def _llm(model, kv_transfer_config=None):
     kw = {"kv_transfer_config": KVTransferConfig(**kv_transfer_config)} if kv_transfer_config else {}
     return LLM(model=str(model), dtype="float32", max_model_len=1024, enforce_eager=True, max_num_seqs=8,
                block_size=32, seed=0, enable_prefix_caching=True, **kw)
-
-
-def _gen(llm, prompts):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
 
 
 class Env:

@@ -17,6 +17,9 @@ import pytest
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+from engine_run import greedy as _gen  # noqa: E402
+from vllm_configs import SIMPLE, SPEC_EXTRA  # noqa: E402
+
 from benchmarks.gpu_e2e import ranks  # noqa: E402
 from vllm_npu_offload.demo.tiny_model import build_tiny_llama, random_words  # noqa: E402
 
@@ -25,12 +28,9 @@ CPU_BYTES = 64 << 20
 PROMPTS = [random_words(100, s) for s in (50, 51)]  # 3 full blocks of 32 tokens each + a partial one
 CONFIGS = {
     "spec": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"spec_name": "NPUOffloadingSpec",
-                                           "spec_module_path": "vllm_npu_offload.integration.spec",
-                                           "cpu_bytes_to_use": CPU_BYTES, "block_size": 64}},
-    "simple": {"kv_connector": "NPUSimpleCPUOffloadConnector",
-               "kv_connector_module_path": "vllm_npu_offload.integration.simple_connector",
-               "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES}},
+             "kv_connector_extra_config": {**SPEC_EXTRA, "cpu_bytes_to_use": CPU_BYTES, "block_size": 64}},
+    "simple": {"kv_connector": SIMPLE[0], "kv_connector_module_path": SIMPLE[1], "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": CPU_BYTES}},
 }
 
 if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < TP:
@@ -54,13 +54,6 @@ def _close(llm):
     llm.llm_engine.engine_core.shutdown()  # the executor's worker processes go with it
     del llm
     gc.collect()
-
-
-def _gen(llm, prompts):
-    from vllm import SamplingParams
-
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens or 0 for o in outs]
 
 
 def _reset(llm):
