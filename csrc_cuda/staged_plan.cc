@@ -196,6 +196,9 @@ namespace {
 // The engine's order before the copies (see npo_staged_request): each driver call checked. A store
 // waits for the model's stream before it reads a page; a load only marks it there (its scatters
 // wait for the mark, npo_staged_run_job), so its link copies overlap the model's step in flight.
+// A load's mark is recorded by npo_staged_run_job, after its first link batch: nothing there reads
+// or writes a KV page, and a driver call less ahead of the first byte on the link is what a small-page
+// load lacks (issue #22). Later is never less safe: the mark then covers at least the same work.
 int order_before(const npo_driver *drv, const npo_staged_request *r, char *msg, size_t msg_len) {
     CUstream stream = (CUstream)r->job.stream;
     if ((r->compute || r->after || r->start || r->end) && (!drv->event_record || !drv->stream_wait_event))
@@ -207,10 +210,13 @@ int order_before(const npo_driver *drv, const npo_staged_request *r, char *msg, 
         if (!r->compute_mark)
             return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: a compute stream without its "
                              "mark event");
-        if ((e = drv->event_record((CUevent)r->compute_mark, (CUstream)r->compute)) != CUDA_SUCCESS)
+        if (!r->job.store) {
+            // a load's mark: npo_staged_run_job records it
+        } else if ((e = drv->event_record((CUevent)r->compute_mark, (CUstream)r->compute)) != CUDA_SUCCESS) {
             call = "cuEventRecord (the compute stream's mark)";
-        else if (r->job.store && (e = drv->stream_wait_event(stream, (CUevent)r->compute_mark, 0)) != CUDA_SUCCESS)
+        } else if ((e = drv->stream_wait_event(stream, (CUevent)r->compute_mark, 0)) != CUDA_SUCCESS) {
             call = "cuStreamWaitEvent (the compute stream)";
+        }
     }
     if (e == CUDA_SUCCESS && r->after && (e = drv->stream_wait_event(stream, (CUevent)r->after, 0)) != CUDA_SUCCESS)
         call = "cuStreamWaitEvent (the previous job's end)";
@@ -233,7 +239,9 @@ extern "C" int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *l
             npo_staged_job job;
             fill_job(req, s, &job);
             if (links) *links = s.link_src.size();
-            rc = npo_staged_run_job(&job, req->compute ? req->compute_mark : nullptr, msg, msg_len);
+            const bool load = !req->job.store && req->compute;
+            rc = npo_staged_run_job(&job, req->compute ? req->compute_mark : nullptr, load ? req->compute : nullptr,
+                                    msg, msg_len);
         }
     } catch (const std::bad_alloc &) {
         rc = npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: out of host memory");

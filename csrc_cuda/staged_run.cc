@@ -41,10 +41,10 @@ struct Ctx {
 }  // namespace
 
 extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
-    return npo_staged_run_job(job, nullptr, msg, msg_len);
+    return npo_staged_run_job(job, nullptr, nullptr, msg, msg_len);
 }
 
-int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg, size_t msg_len) {
+int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mark_on, char *msg, size_t msg_len) {
     const npo_driver *drv = npo_driver_get();
     if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
     npo_gather_fns fns = {nullptr, nullptr, nullptr};
@@ -72,6 +72,13 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     // A load writes the KV pages only in its scatters: they alone wait for the model's stream
     // (attention may still read or write a reused block), the link copies do not.
     const CUevent model = store ? nullptr : (CUevent)scatter_after;
+    // The model's mark, recorded once before anything waits for it (npo_staged_request: a load's).
+    bool mark_pending = model && mark_on;
+    auto mark = [&]() {
+        if (!mark_pending) return 0;
+        mark_pending = false;
+        return c.check(drv->event_record(model, (CUstream)mark_on), "cuEventRecord (the compute stream's mark)");
+    };
     const uint64_t n = job->n_slices;
     // The unhidden slice (a store's first gather, a load's last scatter) runs on the job stream
     // itself: no cross-stream event hop on the transfer's critical path. The other slices'
@@ -126,7 +133,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
     } else if (!aux_in_loop) {
         // Compute and earlier jobs first: the engine ordered the job stream; aux follows it.
         if ((rc = c.record(entry, stream)) || (rc = c.wait(aux, entry))) return rc;
-        if (model && (rc = c.wait(aux, model))) return rc;
+        if (model && ((rc = mark()) || (rc = c.wait(aux, model)))) return rc;
         // Before the first link batch, not after it: a load's upload enqueued after that batch
         // waited behind it for the host-to-device copy engine, and every scatter with it (H200,
         // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92% on two
@@ -168,12 +175,13 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, char *msg
                                           stream, msg, msg_len);
             if (rc) return rc;
             // the last scatter follows on the stream; earlier scatters are waited for after it
+            if (i == 0 && (rc = mark())) return rc;  // the first byte is on its way: now the model's mark
             if (!mine && ((rc = c.record(filled[s], stream)) || (rc = c.wait(aux, filled[s])))) return rc;
             if (aux_in_loop && model && i == 0 && !mine && (rc = c.wait(aux, model))) return rc;
         }
         // the load's last scatter: after the model's mark and the ids' upload (entry, recorded on aux after
         // both), or with its ids inline after the mark itself
-        if (mine && model && (rc = c.wait(stream, load_inline ? model : entry))) return rc;
+        if (mine && model && ((rc = mark()) || (rc = c.wait(stream, load_inline ? model : entry)))) return rc;
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)

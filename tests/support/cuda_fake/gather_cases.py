@@ -282,12 +282,17 @@ def case_staged_load_inline():
     inline0 = counter("fake_inline_launches", ctypes.c_longlong)
     core.stager.run_native(transfer, object(), order=(compute, after, start, end))
     ops, stream = _event_ops_since(n0, copies=True), 0x51  # FakeCuda's every stream
-    # the first link copy right after the engine's order: aux is ordered in the loop (each scatter there
-    # waits for its slice's link batch, aux for the mark after the first batch), no entry mark
+    # the first link copy right after the engine's order (the previous job's end, the start): aux is ordered
+    # in the loop (each scatter there waits for its slice's link batch, aux for the mark after the first
+    # batch), no entry mark; the model's mark is recorded after that batch, not before the first byte
     at = ops.index(("record", start, stream))
+    assert ops[:at + 1] == [("wait", after, stream), ("record", start, stream)], ops[:at + 1]
     assert ops[at + 1][0] == "copy", ops[:at + 3]
     assert not [op for op in ops if op[1] == fused.events[Direction.H2D][0]], ops
-    first_filled = next(i for i in range(at + 1, len(ops)) if ops[i][0] == "record")
+    marked = ops.index(("record", mark, compute))
+    assert ops.count(("record", mark, compute)) == 1 and all(op[0] == "copy" for op in ops[at + 1:marked]), ops
+    first_filled = marked + 1
+    assert ops[first_filled][0] == "record", ops[marked:marked + 3]
     assert ops[first_filled + 1:first_filled + 3] == [("wait", ops[first_filled][1], stream), ("wait", mark, stream)], (
         ops[first_filled:first_filled + 3])  # aux: slice 0's link batch, then the mark, before its scatter
     waits = [op for op in ops if op[0] == "wait"]
@@ -554,9 +559,12 @@ def case_staged_ordered():
             entry = fused.events[direction][0]
             # the ids go to the device on aux after the model's mark (their buffer may be memory the
             # model's stream freed moments ago), then entry marks them there for the last scatter
-            assert with_copies[:8] == [("record", mark, compute), ("wait", after, stream), ("record", start, stream),
-                                       ("record", entry, stream), ("wait", entry, stream), ("wait", mark, stream),
+            # (the mark recorded where it is first waited for: after the engine's order, as a load with its ids
+            # inline records it after its first link batch)
+            assert with_copies[:8] == [("wait", after, stream), ("record", start, stream), ("record", entry, stream),
+                                       ("wait", entry, stream), ("record", mark, compute), ("wait", mark, stream),
                                        ("copy", ids, stream), ("record", entry, stream)], with_copies[:8]
+            assert with_copies.count(("record", mark, compute)) == 1, with_copies
             assert with_copies.count(("copy", ids, stream)) == 1, with_copies  # not again in a link batch
             assert ops.count(("wait", mark, stream)) == 1, ops  # aux, before its scatters
             waits = [op for op in ops if op[0] == "wait"]
