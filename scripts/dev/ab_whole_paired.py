@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Whole staged transfers of two package trees, interleaved transfer by transfer in one process
+(issue #22). ``ab_whole.py`` runs one probe process per tree and round; on the lent GPU hosts the
+Python slowed by up to 2.6x for whole probes at a time (docs/benchmarks.md, nineteenth session), so
+a 1-2 us change drowned. Here both trees' worker cores live in one process over the same device KV,
+and every rep runs one transfer through each (the order alternating), then one contiguous copy of the
+same bytes: each pair is measured within a millisecond, and the per-rep difference is the measure.
+
+A transfer is timed as ``probe_whole_split.py``'s ``whole`` (submit, the end event's synchronize, the
+poll that reports it) and, with ``--spin``, as its ``spin`` too (submit, then polls until one reports
+it: what a connector that polls sees). This tree's package is ``new``; ``--base TREE`` is imported
+beside it under another name (the package imports itself relatively), each with its own library
+built into its own ``_native`` (``NPU_OFFLOAD_NATIVE_DIR`` must be unset: it would give both the same).
+
+    python3 scripts/dev/ab_whole_paired.py --base .gpu/prev --reps 300 --json $OUT/paired.json
+
+Prints per shape and direction: medians of whole us (base, new), of ref, whole % of each, the per-rep
+difference new - base (us and points, median and its 95% interval) and how often new was faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics as st
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.core_bench import shape_named  # noqa: E402
+from benchmarks.step_cpu import load_baseline  # noqa: E402
+from benchmarks.transfer import contiguous_copy_fn  # noqa: E402
+import vllm_npu_offload  # noqa: E402
+
+SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # as ab_whole.py: 16.1-16.2 MiB
+
+
+def build(tree: Path) -> None:
+    """The tree's CUDA library into its own package (each package loads the one beside it)."""
+    r = subprocess.run([sys.executable, str(tree / "csrc_cuda" / "build.py"), "--out",
+                        str(tree / "vllm_npu_offload" / "_native")], cwd=tree, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"building {tree}'s library failed:\n{r.stdout}{r.stderr}")
+
+
+def modules(pkg: ModuleType) -> dict[str, ModuleType]:
+    """The submodules of ``pkg`` (this tree's package or the baseline's) that the probe uses."""
+    return {name: importlib.import_module(f"{pkg.__name__}.{name}")
+            for name in ("platform", "device_kv", "offload_worker", "copy.base")}
+
+
+class Side:
+    """One package's worker core over the shared device KV, and its transfer timed whole."""
+
+    def __init__(self, pkg: ModuleType, kv: list[torch.Tensor], pages: tuple[int, ...], host_blocks: int):
+        sub = modules(pkg)
+        self.platform = sub["platform"].get_platform()
+        self.direction = sub["copy.base"].Direction
+        dk = sub["device_kv"]
+        dev = [dk.DeviceKVTensor.from_block_view(t) for t in kv]
+        refs = [[dk.GroupRef(i, p) for i, p in enumerate(pages)]]
+        self.core = sub["offload_worker"].OffloadWorkerCore(dev, refs, 1, host_blocks, self.platform)
+        self.job = 0
+
+    def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool) -> float:
+        """Seconds from submit until a poll reports the transfer (after the end event's synchronize,
+        or polling from the submit on with ``spin``)."""
+        core, d = self.core, self.direction.H2D if load else self.direction.D2H
+        self.job += 1
+        t0 = time.perf_counter()
+        core.submit(self.job, d, dev, [len(dev)], [0], host, staged=True)
+        if not spin:
+            core.engine._queues[d][-1].end.synchronize()
+        res = core.poll()
+        while not res:
+            res = core.poll()
+        t1 = time.perf_counter()
+        if len(res) != 1 or not res[0].success:
+            raise RuntimeError(f"transfer failed: {res}")
+        return t1 - t0
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """(low, median, high): the median and its 95% interval by order statistics (n >= 6)."""
+    v = sorted(values)
+    n = len(v)
+    k = max(0, int(n / 2 - 0.98 * n ** 0.5))
+    return v[k], st.median(v), v[min(n - 1, n - 1 - k)]
+
+
+def pair_rows(base: list[float], new: list[float], ref: list[float]) -> dict:
+    """Per-rep seconds of each side and of the contiguous copy -> the row the table prints (us, %)."""
+    diff_us = [1e6 * (n - b) for b, n in zip(base, new)]
+    points = [100 * r / n - 100 * r / b for b, n, r in zip(base, new, ref)]
+    return {"base_us": 1e6 * st.median(base), "new_us": 1e6 * st.median(new), "ref_us": 1e6 * st.median(ref),
+            "base%": 100 * st.median(ref) / st.median(base), "new%": 100 * st.median(ref) / st.median(new),
+            "diff_us": interval(diff_us), "points": interval(points),
+            "new_faster": sum(d < 0 for d in diff_us) / len(diff_us), "reps": len(diff_us)}
+
+
+def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool) -> dict[str, dict]:
+    shape = shape_named(shape_name)
+    mods = modules(sides["new"])
+    plat, direction = mods["platform"].get_platform(), mods["copy.base"].Direction
+    dev_blocks = max(256, 4 * shape.blocks)
+    kv = [torch.empty(dev_blocks, p, dtype=torch.uint8, device=plat.device).random_(0, 256) for p in shape.pages]
+    built = {label: Side(pkg, kv, shape.pages, dev_blocks) for label, pkg in sides.items()}
+    nbytes = shape.blocks * sum(shape.pages)
+    host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=plat.pin_memory_available)
+    dev_t = torch.empty(nbytes, dtype=torch.uint8, device=plat.device)
+    stream = plat.new_stream()
+    rng = np.random.default_rng(0)
+    out = {}
+    try:
+        for load in (True, False):
+            d = direction.H2D if load else direction.D2H
+            ref_fn = contiguous_copy_fn(plat, dev_t, host_t, d, stream)
+            times: dict[str, list[float]] = {"base": [], "new": [], "ref": []}
+            for rep in range(warmup + reps):
+                dev = rng.choice(dev_blocks, shape.blocks, replace=False).astype(np.int64)
+                c0 = int(rng.integers(0, dev_blocks - shape.blocks))
+                host = np.arange(c0, c0 + shape.blocks, dtype=np.int64)
+                order = ("base", "new") if rep % 2 == 0 else ("new", "base")
+                got = {label: built[label].whole(load, dev, host, spin) for label in order}
+                t = time.perf_counter()
+                ref_fn()
+                if spin:
+                    while not stream.query():
+                        pass
+                else:
+                    stream.synchronize()
+                got["ref"] = time.perf_counter() - t
+                if rep >= warmup:
+                    for k, v in got.items():
+                        times[k].append(v)
+            out["H2D" if load else "D2H"] = pair_rows(times["base"], times["new"], times["ref"])
+    finally:
+        for side in built.values():
+            side.core.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the other checkout (its vllm_npu_offload and csrc_cuda)")
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--spin", action="store_true", help="wait by polling, as a connector does, not by synchronize")
+    ap.add_argument("--no-build", action="store_true", help="use the libraries already in both packages")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if os.environ.get("NPU_OFFLOAD_NATIVE_DIR"):
+        raise SystemExit("NPU_OFFLOAD_NATIVE_DIR is set: both packages would load that one library; unset it")
+    base_tree = Path(a.base).resolve()
+    if not (base_tree / "vllm_npu_offload" / "__init__.py").is_file():
+        raise SystemExit(f"--base {a.base!r}: no vllm_npu_offload package there")
+    if a.reps < 6:
+        raise SystemExit(f"--reps {a.reps}: at least 6 (the 95% interval of a median needs them)")
+    os.environ.setdefault("NPU_OFFLOAD_STAGED", "1")
+    os.environ.setdefault("NPU_OFFLOAD_CALIBRATE", "0")
+    if not a.no_build:
+        for tree in (ROOT, base_tree):
+            build(tree)
+    sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
+    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "shapes": {}}
+    print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "
+          f"{'polled' if a.spin else 'synchronized'}; us and % of one contiguous copy")
+    for label, pkg in sides.items():
+        res[f"{label}_package"] = str(Path(pkg.__file__).parent)
+        print(f"{label}: {pkg.__name__} from {res[f'{label}_package']}")
+    print(f"{'shape dir':28s} {'base us':>8s} {'new us':>8s} {'ref us':>8s} {'base %':>7s} {'new %':>7s} "
+          f"{'new-base us (95%)':>26s} {'points (95%)':>24s} {'new faster':>10s}")
+    for name in filter(None, a.shapes.split(",")):
+        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin)
+        for d, r in rows.items():
+            lo, med, hi = r["diff_us"]
+            plo, pmed, phi = r["points"]
+            print(f"{name + ' ' + d:28s} {r['base_us']:8.1f} {r['new_us']:8.1f} {r['ref_us']:8.1f} {r['base%']:7.1f} "
+                  f"{r['new%']:7.1f} {f'{med:+.1f} ({lo:+.1f}..{hi:+.1f})':>26s} "
+                  f"{f'{pmed:+.2f} ({plo:+.2f}..{phi:+.2f})':>24s} {100 * r['new_faster']:9.0f}%")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

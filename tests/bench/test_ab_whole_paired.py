@@ -1,0 +1,59 @@
+"""scripts/dev/ab_whole_paired.py: two package trees' worker cores in one process, a transfer of
+each per rep; the per-rep differences and their intervals are what it reports."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "dev" / "ab_whole_paired.py"
+_spec = importlib.util.spec_from_file_location("ab_whole_paired", SCRIPT)
+paired = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(paired)
+
+
+def test_rows_are_per_rep_differences_with_the_medians_interval():
+    base = [1e-3 + i * 1e-6 for i in range(40)]  # a drifting host: both sides drift together
+    new = [b - 2e-6 for b in base]  # new 2 us faster in every pair
+    ref = [0.9e-3 + i * 1e-6 for i in range(40)]
+    r = paired.pair_rows(base, new, ref)
+    assert r["diff_us"] == pytest.approx((-2.0, -2.0, -2.0))
+    assert r["new_faster"] == 1.0 and r["reps"] == 40
+    assert r["points"][0] > 0  # faster whole, more % of the same copy, in every pair
+    assert r["new%"] > r["base%"]
+    lo, med, hi = paired.interval(list(range(100)))
+    assert (lo, med, hi) == (40, 49.5, 59)  # order statistics n/2 -+ 0.98 sqrt(n)
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=dict({k: v for k, v in os.environ.items() if k != "NPU_OFFLOAD_NATIVE_DIR"},
+                                             **(env or {})))
+
+
+def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
+    """This tree against itself imported as the baseline, on the CPU platform: every row has both
+    directions, the reps asked for, and the two packages are two imports."""
+    out = tmp_path / "paired.json"
+    r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes", "qwen2.5-0.5b-fp8@8",
+             "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    rows = doc["shapes"]["qwen2.5-0.5b-fp8@8"]
+    assert set(rows) == {"H2D", "D2H"} and all(row["reps"] == 6 for row in rows.values())
+    assert "vllm_npu_offload_baseline from" in r.stdout and "new: vllm_npu_offload from" in r.stdout
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["--base", str(ROOT), "--reps", "5"], None, "--reps 5: at least 6"),
+    (["--base", "/nonexistent"], None, "no vllm_npu_offload package there"),
+    (["--base", str(ROOT)], {"NPU_OFFLOAD_NATIVE_DIR": "/tmp"}, "NPU_OFFLOAD_NATIVE_DIR is set"),
+])
+def test_bad_arguments_are_named(args, env, says):
+    r = _run(*args, "--no-build", env=env)
+    assert r.returncode != 0 and says in r.stdout + r.stderr, r.stdout + r.stderr
