@@ -42,10 +42,15 @@ class KVShape:
     pages: tuple[int, ...]  # bytes per block of each KV tensor
     blocks: int = 64  # device blocks per transfer
     blocks_per_chunk: int = 1
+    stride: int = 0  # bytes between a tensor's blocks on the device, when more than its page (padded blocks)
 
     @property
     def record_bytes(self) -> int:
         return sum(self.pages)
+
+    def device_kv(self, blocks: int, device) -> list[torch.Tensor]:
+        """Per tensor, ``(blocks, page)`` uint8 views on ``device``, ``stride`` bytes apart where set."""
+        return [torch.empty(blocks, max(p, self.stride), dtype=torch.uint8, device=device)[:, :p] for p in self.pages]
 
 
 def _kv(layers: int, heads: int, dim: int, tokens: int = 16, dtype_bytes: int = 2) -> tuple[int, ...]:
@@ -64,6 +69,13 @@ SHAPES = {s.name: s for s in (
     KVShape("llama-8b-b128", _kv(32, 8, 128, tokens=128), 32),
     KVShape("mla-deepseek", (16 * 576 * 2,) * 61, 64),
     KVShape("mla-ascend-split", (16 * 512 * 2, 16 * 64 * 2) * 61, 64),
+    # issue #22's shapes beyond the 2 / 4 KiB rows (whole transfers >= 16 MiB at NAME@N: fp8 MLA@30,
+    # 2.5k@103, 3.5k-stride@74, mixed@29): fp8 MLA latent pages (9 KiB), head dim 80 (2.5 KiB pages),
+    # head dim 112 in a 4 KiB block stride (3.5 KiB pages, padded), and 16 KiB + 2 KiB pages in one group
+    KVShape("mla-deepseek-fp8", (16 * 576,) * 61, 32),
+    KVShape("hd80-2.5k", _kv(32, 1, 80), 64),
+    KVShape("hd112-3.5k-stride4k", _kv(32, 1, 112), 64, stride=4096),
+    KVShape("mixed-16k-2k", (16 * 8 * 64 * 2, 16 * 1 * 64 * 2) * 32, 32),
 )}
 DEFAULT_SHAPES = tuple(SHAPES)
 
@@ -88,7 +100,7 @@ class CoreRig:
     def __init__(self, platform: Platform, shape: KVShape, staging_bytes: int | None = None):
         self.platform, self.shape = platform, shape
         self.dev_blocks = max(256, 4 * shape.blocks)
-        self.kv = [torch.empty(self.dev_blocks, p, dtype=torch.uint8, device=platform.device) for p in shape.pages]
+        self.kv = shape.device_kv(self.dev_blocks, platform.device)
         for t in self.kv:
             t.random_(0, 256)
         dev = [DeviceKVTensor.from_block_view(t) for t in self.kv]

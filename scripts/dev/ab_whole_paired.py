@@ -13,6 +13,7 @@ beside it under another name (the package imports itself relatively), each with 
 built into its own ``_native`` (``NPU_OFFLOAD_NATIVE_DIR`` must be unset: it would give both the same).
 
     python3 scripts/dev/ab_whole_paired.py --base .gpu/prev --reps 300 --json $OUT/paired.json
+    ... --shapes mla-deepseek-fp8@30,hd80-2.5k@103,hd112-3.5k-stride4k@74,mixed-16k-2k@29  # issue #22's others
 
 Prints per shape and direction: medians of whole us (base, new), of ref, whole % of each, the per-rep
 difference new - base (us and points, median and its 95% interval) and how often new was faster.
@@ -107,18 +108,20 @@ def pair_rows(base: list[float], new: list[float], ref: list[float]) -> dict:
             "new_faster": sum(d < 0 for d in diff_us) / len(diff_us), "reps": len(diff_us)}
 
 
-def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool) -> dict[str, dict]:
+def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool,
+              evict_mb: int = 0) -> dict[str, dict]:
     shape = shape_named(shape_name)
     mods = modules(sides["new"])
     plat, direction = mods["platform"].get_platform(), mods["copy.base"].Direction
     dev_blocks = max(256, 4 * shape.blocks)
-    kv = [torch.empty(dev_blocks, p, dtype=torch.uint8, device=plat.device).random_(0, 256) for p in shape.pages]
+    kv = [t.random_(0, 256) for t in shape.device_kv(dev_blocks, plat.device)]
     built = {label: Side(pkg, kv, shape.pages, dev_blocks) for label, pkg in sides.items()}
     nbytes = shape.blocks * sum(shape.pages)
     host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=plat.pin_memory_available)
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=plat.device)
     stream = plat.new_stream()
     rng = np.random.default_rng(0)
+    evict = np.zeros(evict_mb << 20, np.uint8)  # touched before each timed piece: caches as a model step leaves them
     out = {}
     try:
         for load in (True, False):
@@ -130,7 +133,13 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
                 c0 = int(rng.integers(0, dev_blocks - shape.blocks))
                 host = np.arange(c0, c0 + shape.blocks, dtype=np.int64)
                 order = ("base", "new") if rep % 2 == 0 else ("new", "base")
-                got = {label: built[label].whole(load, dev, host, spin) for label in order}
+                got = {}
+                for label in order:
+                    if evict.size:
+                        evict += 1
+                    got[label] = built[label].whole(load, dev, host, spin)
+                if evict.size:
+                    evict += 1
                 t = time.perf_counter()
                 ref_fn()
                 if spin:
@@ -156,6 +165,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--spin", action="store_true", help="wait by polling, as a connector does, not by synchronize")
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="touch this many MiB before every transfer and every copy, as a model step between "
+                         "transfers leaves the host's caches (both sides and the copy alike)")
     ap.add_argument("--no-build", action="store_true", help="use the libraries already in both packages")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -172,16 +184,17 @@ def main() -> None:
         for tree in (ROOT, base_tree):
             build(tree)
     sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
-    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "shapes": {}}
+    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "shapes": {}}
     print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "
-          f"{'polled' if a.spin else 'synchronized'}; us and % of one contiguous copy")
+          f"{'polled' if a.spin else 'synchronized'}" + (f"; {a.evict_mb} MiB touched before each" if a.evict_mb else "")
+          + "; us and % of one contiguous copy (timed in the same loop)")
     for label, pkg in sides.items():
         res[f"{label}_package"] = str(Path(pkg.__file__).parent)
         print(f"{label}: {pkg.__name__} from {res[f'{label}_package']}")
     print(f"{'shape dir':28s} {'base us':>8s} {'new us':>8s} {'ref us':>8s} {'base %':>7s} {'new %':>7s} "
           f"{'new-base us (95%)':>26s} {'points (95%)':>24s} {'new faster':>10s}")
     for name in filter(None, a.shapes.split(",")):
-        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin)
+        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin, a.evict_mb)
         for d, r in rows.items():
             lo, med, hi = r["diff_us"]
             plo, pmed, phi = r["points"]

@@ -47,6 +47,11 @@ def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
     rows = doc["shapes"]["qwen2.5-0.5b-fp8@8"]
     assert set(rows) == {"H2D", "D2H"} and all(row["reps"] == 6 for row in rows.values())
     assert "vllm_npu_offload_baseline from" in r.stdout and "new: vllm_npu_offload from" in r.stdout
+    # padded device blocks and mixed page sizes (issue #22's other shapes) run the same way
+    r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes",
+             "hd112-3.5k-stride4k@4,mixed-16k-2k@2", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(json.loads(out.read_text())["shapes"]) == {"hd112-3.5k-stride4k@4", "mixed-16k-2k@2"}
 
 
 @pytest.mark.parametrize("args, env, says", [
