@@ -305,6 +305,27 @@ def case_staged_load_inline():
     for t, o in zip(kv, original):
         assert torch.equal(t[back], o[ids])
     core.pool.release(transfer.buffers)
+    # one slice: its link batch, then the mark, which the stream waits for before the slice's scatter
+    from vllm_npu_offload import staging
+    staging.MIN_SLICE_BYTES = 1 << 20
+    try:
+        k = core.stager.geometry.slot_blocks  # a slice fills one slot at most
+        assert 1 < k < 20 and core.stager.slice_sizes(k, Direction.H2D) == [k], k
+        for t in kv:
+            t.zero_()
+        transfer = core._native_staged(Direction.H2D, core._split("dst", back[:k], [k], [0], chunks[:k]), k)
+        n0 = counter("fake_log_n", ctypes.c_longlong)
+        core.stager.run_native(transfer, object(), order=(compute, after, start, end))
+        ops = _event_ops_since(n0, copies=True)
+        marked = ops.index(("record", mark, compute))
+        assert ops[:2] == [("wait", after, stream), ("record", start, stream)] and ops[2][0] == "copy", ops[:3]
+        assert all(op[0] == "copy" for op in ops[2:marked]), ops
+        assert ops[marked + 1:] == [("wait", mark, stream), ("record", end, stream)], ops[marked:]
+        for t, o in zip(kv, original):
+            assert torch.equal(t[back[:k]], o[ids[:k]])
+        core.pool.release(transfer.buffers)
+    finally:
+        staging.MIN_SLICE_BYTES = 0
     core.shutdown()
     _load_inline_past_64_blocks()
     del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]
