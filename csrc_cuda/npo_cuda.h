@@ -128,7 +128,8 @@ typedef struct {
     uint64_t min_slice_bytes, ramp, growth;  /* slice sizes (staging.py: MIN_SLICE_BYTES, RAMP, GROWTH) */
     /* The engine's stream order, when it hands it over (each NULL: skipped): `compute`'s work so
      * far is marked by `compute_mark` (an event of its own, not one of job.events); a store's
-     * job.stream waits for it, a load's scatters do (its link copies into staging need not). Then
+     * job.stream waits for it, a load's scatters do (its link copies into staging need not: a load
+     * records the mark after its first link batch, a store before anything). Then
      * job.stream waits for `after` (the direction's previous job's end) and records `start`; after
      * the copies it records `end`, also when a copy fails to enqueue (the engine then sees the job
      * finish and fail). */
