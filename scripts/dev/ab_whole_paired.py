@@ -42,6 +42,9 @@ from benchmarks.step_cpu import load_baseline  # noqa: E402
 from benchmarks.transfer import contiguous_copy_fn  # noqa: E402
 import vllm_npu_offload  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts" / "dev"))
+from probe_whole_split import whole_seconds  # noqa: E402
+
 SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # as ab_whole.py: 16.1-16.2 MiB
 
 
@@ -73,21 +76,9 @@ class Side:
         self.job = 0
 
     def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool) -> float:
-        """Seconds from submit until a poll reports the transfer (after the end event's synchronize,
-        or polling from the submit on with ``spin``)."""
-        core, d = self.core, self.direction.H2D if load else self.direction.D2H
+        """Seconds from submit until a poll reports the transfer (``probe_whole_split.whole_seconds``)."""
         self.job += 1
-        t0 = time.perf_counter()
-        core.submit(self.job, d, dev, [len(dev)], [0], host, staged=True)
-        if not spin:
-            core.engine._queues[d][-1].end.synchronize()
-        res = core.poll()
-        while not res:
-            res = core.poll()
-        t1 = time.perf_counter()
-        if len(res) != 1 or not res[0].success:
-            raise RuntimeError(f"transfer failed: {res}")
-        return t1 - t0
+        return whole_seconds(self.core, self.job, self.direction.H2D if load else self.direction.D2H, dev, host, spin)
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:

@@ -189,22 +189,30 @@ def _spin(done) -> None:
 def spin_one(rig: CoreRig, direction: Direction, reps: int) -> list[float]:
     """Seconds per whole transfer as the connector sees it: plan + submit, then ``poll`` again and
     again until it reports the transfer (the earliest a connector that polls can see it)."""
-    core = rig.core
     out = []
     for rep in range(reps + 3):
         dev, chunks = rig.ids("seq", seed=rep)
         rig._job += 1
-        t0 = time.perf_counter()
-        core.submit(rig._job, direction, dev, [len(dev)], [0], chunks, staged=True)
-        res = core.poll()
-        while not res:
-            res = core.poll()
-        t1 = time.perf_counter()
-        if len(res) != 1 or not res[0].success:
-            raise RuntimeError(f"transfer failed: {res}")
+        seconds = whole_seconds(rig.core, rig._job, direction, dev, chunks, spin=True)
         if rep >= 3:
-            out.append(t1 - t0)
+            out.append(seconds)
     return out
+
+
+def whole_seconds(core, job: int, direction, dev, chunks, spin: bool) -> float:
+    """One staged transfer through ``core``, from submit until a poll reports it: after the end
+    event's synchronize, or (``spin``) polling from the submit on (also ``ab_whole_paired.py``'s)."""
+    t0 = time.perf_counter()
+    core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=True)
+    if not spin:
+        core.engine._queues[direction][-1].end.synchronize()
+    res = core.poll()
+    while not res:
+        res = core.poll()
+    t1 = time.perf_counter()
+    if len(res) != 1 or not res[0].success:
+        raise RuntimeError(f"transfer failed: {res}")
+    return t1 - t0
 
 
 def floor_one(rig: CoreRig, direction: Direction, reps: int, lib, spin: bool = False) -> list[float]:
