@@ -26,6 +26,10 @@ def test_rows_are_per_rep_differences_with_the_medians_interval():
     assert r["new_faster"] == 1.0 and r["reps"] == 40
     assert r["points"][0] > 0  # faster whole, more % of the same copy, in every pair
     assert r["new%"] > r["base%"]
+    rows = {"s@1": {"H2D": dict(r, **{"base%": 89.5, "new%": 92.0}), "D2H": dict(r, **{"base%": 95.0, "new%": 90.0})}}
+    t = paired.at_target(rows)
+    assert t["new"] == {"rows": 2, "at": 2, "lowest": ["s@1 D2H", 90.0]}
+    assert t["base"] == {"rows": 2, "at": 1, "lowest": ["s@1 H2D", 89.5]}
     lo, med, hi = paired.interval(list(range(100)))
     assert (lo, med, hi) == (40, 49.5, 59)  # order statistics n/2 -+ 0.98 sqrt(n)
 
@@ -47,6 +51,7 @@ def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
     rows = doc["shapes"]["qwen2.5-0.5b-fp8@8"]
     assert set(rows) == {"H2D", "D2H"} and all(row["reps"] == 6 for row in rows.values())
     assert "vllm_npu_offload_baseline from" in r.stdout and "new: vllm_npu_offload from" in r.stdout
+    assert doc["at_target"]["new"]["rows"] == 2 and "new: " in r.stdout.splitlines()[-1]
     # padded device blocks and mixed page sizes (issue #22's other shapes) run the same way
     r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes",
              "hd112-3.5k-stride4k@4,mixed-16k-2k@2", "--json", str(out))
