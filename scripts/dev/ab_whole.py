@@ -28,6 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from vllm_npu_offload.numa import parse_cpulist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_front_end_cuda import build  # noqa: E402
 SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # 2 and 4 KiB pages, 16.1-16.2 MiB
 
 
@@ -156,10 +159,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for tree in sorted({v[1] for v in variants}):
-        r = subprocess.run([sys.executable, str(tree / "csrc_cuda" / "build.py"), "--out",
-                            str(tree / "vllm_npu_offload" / "_native")], cwd=tree, capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"building {tree}'s library failed:\n{r.stdout}{r.stderr}")
+        build(tree, tree / "vllm_npu_offload" / "_native")  # each tree's own library, into its package
     runs: dict[str, list[dict]] = {v[0]: [] for v in variants}
     for rnd in range(a.rounds):
         for label, tree, env in (variants if rnd % 2 == 0 else variants[::-1]):

@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import statistics as st
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,22 +37,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.core_bench import shape_named  # noqa: E402
+from benchmarks.gpu_e2e.tables import median_ci  # noqa: E402
 from benchmarks.step_cpu import load_baseline  # noqa: E402
 from benchmarks.transfer import contiguous_copy_fn  # noqa: E402
 import vllm_npu_offload  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "dev"))
+from ab_whole import SHAPES, TARGET, at_target as rows_at_target  # noqa: E402
+from bench_front_end_cuda import build  # noqa: E402
 from probe_whole_split import whole_seconds  # noqa: E402
-
-SHAPES = "qwen2.5-0.5b-fp8@172,qwen2.5-0.5b@86,llama-70b-tp8@26"  # as ab_whole.py: 16.1-16.2 MiB
-
-
-def build(tree: Path) -> None:
-    """The tree's CUDA library into its own package (each package loads the one beside it)."""
-    r = subprocess.run([sys.executable, str(tree / "csrc_cuda" / "build.py"), "--out",
-                        str(tree / "vllm_npu_offload" / "_native")], cwd=tree, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"building {tree}'s library failed:\n{r.stdout}{r.stderr}")
 
 
 def modules(pkg: ModuleType) -> dict[str, ModuleType]:
@@ -82,11 +74,9 @@ class Side:
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
-    """(low, median, high): the median and its 95% interval by order statistics (n >= 6)."""
-    v = sorted(values)
-    n = len(v)
-    k = max(0, int(n / 2 - 0.98 * n ** 0.5))
-    return v[k], st.median(v), v[min(n - 1, n - 1 - k)]
+    """(low, median, high): the median and its 95% interval (``median_ci``: n >= 6)."""
+    lo, hi = median_ci(values)
+    return lo, st.median(values), hi
 
 
 def pair_rows(base: list[float], new: list[float], ref: list[float]) -> dict:
@@ -99,23 +89,11 @@ def pair_rows(base: list[float], new: list[float], ref: list[float]) -> dict:
             "new_faster": sum(d < 0 for d in diff_us) / len(diff_us), "reps": len(diff_us)}
 
 
-TARGET = 90.0  # issue #22: every whole transfer of 16 MB or more at 90% of one contiguous copy
-
-
 def at_target(shapes: dict[str, dict[str, dict]], target: float = TARGET) -> dict[str, dict]:
     """Per side (base, new): how many rows (shape, direction) reach ``target`` % of the copy, of how many,
-    and the lowest row (the issue's target holds for every row or not at all)."""
-    out: dict[str, dict] = {}
-    for name, rows in shapes.items():
-        for d, r in rows.items():
-            for label in ("base", "new"):
-                v = out.setdefault(label, {"rows": 0, "at": 0, "lowest": None})
-                pct = r[f"{label}%"]
-                v["rows"] += 1
-                v["at"] += pct >= target
-                if v["lowest"] is None or pct < v["lowest"][1]:
-                    v["lowest"] = [f"{name} {d}", pct]
-    return out
+    and the lowest row (``ab_whole.at_target`` on these rows)."""
+    return rows_at_target({f"{name} {d}": {label: {"whole%": r[f"{label}%"]} for label in ("base", "new")}
+                           for name, rows in shapes.items() for d, r in rows.items()}, target)
 
 
 def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool,
@@ -192,7 +170,7 @@ def main() -> None:
     os.environ.setdefault("NPU_OFFLOAD_CALIBRATE", "0")
     if not a.no_build:
         for tree in (ROOT, base_tree):
-            build(tree)
+            build(tree, tree / "vllm_npu_offload" / "_native")
     sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
     res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "shapes": {}}
     print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "
