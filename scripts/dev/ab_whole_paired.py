@@ -45,7 +45,7 @@ import vllm_npu_offload  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 from ab_whole import SHAPES, TARGET, at_target as rows_at_target  # noqa: E402
 from bench_front_end_cuda import build  # noqa: E402
-from probe_whole_split import whole_seconds  # noqa: E402
+from probe_whole_split import _spin, whole_seconds  # noqa: E402
 
 
 def modules(pkg: ModuleType) -> dict[str, ModuleType]:
@@ -130,11 +130,7 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
                     evict += 1
                 t = time.perf_counter()
                 ref_fn()
-                if spin:
-                    while not stream.query():
-                        pass
-                else:
-                    stream.synchronize()
+                _spin(stream.query) if spin else stream.synchronize()
                 got["ref"] = time.perf_counter() - t
                 if rep >= warmup:
                     for k, v in got.items():
