@@ -61,6 +61,7 @@ SHAPES = {s.name: s for s in (
     KVShape("llama-8b", _kv(32, 8, 128)),
     KVShape("llama-8b-fp8", _kv(32, 8, 128, dtype_bytes=1)),
     KVShape("llama-8b-b64x4", _kv(32, 8, 128), 64, 4),
+    KVShape("llama-8b-b64x3", _kv(32, 8, 128), 64, 3),  # 3 blocks per chunk: 64 blocks end in a partial chunk
     KVShape("llama-70b-tp8", _kv(80, 1, 128), 32),
     KVShape("qwen2.5-0.5b", _kv(24, 2, 64), 128),
     KVShape("qwen2.5-0.5b-fp8", _kv(24, 2, 64, dtype_bytes=1), 128),

@@ -4,7 +4,8 @@
 Python slowed by up to 2.6x for whole probes at a time (docs/benchmarks.md, nineteenth session), so
 a 1-2 us change drowned. Here both trees' worker cores live in one process over the same device KV,
 and every rep runs one transfer through each (the order alternating), then one contiguous copy of the
-same bytes: each pair is measured within a millisecond, and the per-rep difference is the measure.
+same bytes (by default between a device tensor and the very host bytes the transfers moved): each
+pair is measured within a millisecond, and the per-rep difference is the measure.
 
 A transfer is timed as ``probe_whole_split.py``'s ``whole`` (submit, the end event's synchronize, the
 poll that reports it) and, with ``--spin``, as its ``spin`` too (submit, then polls until one reports
@@ -57,14 +58,16 @@ def modules(pkg: ModuleType) -> dict[str, ModuleType]:
 class Side:
     """One package's worker core over the shared device KV, and its transfer timed whole."""
 
-    def __init__(self, pkg: ModuleType, kv: list[torch.Tensor], pages: tuple[int, ...], host_blocks: int):
+    def __init__(self, pkg: ModuleType, kv: list[torch.Tensor], pages: tuple[int, ...], blocks_per_chunk: int,
+                 num_chunks: int):
         sub = modules(pkg)
         self.platform = sub["platform"].get_platform()
         self.direction = sub["copy.base"].Direction
         dk = sub["device_kv"]
         dev = [dk.DeviceKVTensor.from_block_view(t) for t in kv]
         refs = [[dk.GroupRef(i, p) for i, p in enumerate(pages)]]
-        self.core = sub["offload_worker"].OffloadWorkerCore(dev, refs, 1, host_blocks, self.platform)
+        self.core = sub["offload_worker"].OffloadWorkerCore(dev, refs, blocks_per_chunk, num_chunks,
+                                                                  self.platform)
         self.job = 0
 
     def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool) -> float:
@@ -97,15 +100,24 @@ def at_target(shapes: dict[str, dict[str, dict]], target: float = TARGET) -> dic
 
 
 def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool,
-              evict_mb: int = 0) -> dict[str, dict]:
+              evict_mb: int = 0, ref: str = "pool") -> dict[str, dict]:
+    """Both sides' rows of one shape. The copy (``ref``) moves the same bytes: between one device
+    tensor and, by default, the very host bytes the rep's transfers moved (``pool``: the same
+    registered host memory), or a pinned buffer of torch's own (``pinned``, calls 14-15 and the
+    probes: its pages can be backed otherwise than the pool's, which moved the copy by up to 15%
+    between shapes on one host, docs/benchmarks.md twentieth session)."""
     shape = shape_named(shape_name)
     mods = modules(sides["new"])
     plat, direction = mods["platform"].get_platform(), mods["copy.base"].Direction
     dev_blocks = max(256, 4 * shape.blocks)
     kv = [t.random_(0, 256) for t in shape.device_kv(dev_blocks, plat.device)]
-    built = {label: Side(pkg, kv, shape.pages, dev_blocks) for label, pkg in sides.items()}
+    bpc = shape.blocks_per_chunk
+    num_chunks = -(-dev_blocks // bpc)
+    chunks = -(-shape.blocks // bpc)  # the last one partial where blocks_per_chunk does not divide the blocks
+    built = {label: Side(pkg, kv, shape.pages, bpc, num_chunks) for label, pkg in sides.items()}
     nbytes = shape.blocks * sum(shape.pages)
-    host_t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=plat.pin_memory_available)
+    pool = built["new"].core  # its host KV: the chunks a transfer moved are one run of bytes there
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=plat.pin_memory_available) if ref == "pinned" else None
     dev_t = torch.empty(nbytes, dtype=torch.uint8, device=plat.device)
     stream = plat.new_stream()
     rng = np.random.default_rng(0)
@@ -114,12 +126,14 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
     try:
         for load in (True, False):
             d = direction.H2D if load else direction.D2H
-            ref_fn = contiguous_copy_fn(plat, dev_t, host_t, d, stream)
             times: dict[str, list[float]] = {"base": [], "new": [], "ref": []}
             for rep in range(warmup + reps):
                 dev = rng.choice(dev_blocks, shape.blocks, replace=False).astype(np.int64)
-                c0 = int(rng.integers(0, dev_blocks - shape.blocks))
-                host = np.arange(c0, c0 + shape.blocks, dtype=np.int64)
+                c0 = int(rng.integers(0, num_chunks - chunks))
+                host = np.arange(c0, c0 + chunks, dtype=np.int64)
+                at = c0 * pool.layout.chunk_bytes
+                ref_fn = contiguous_copy_fn(plat, dev_t, pinned if pinned is not None
+                                            else pool.host.tensor[at:at + nbytes], d, stream)
                 order = ("base", "new") if rep % 2 == 0 else ("new", "base")
                 got = {}
                 for label in order:
@@ -135,7 +149,8 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
                 if rep >= warmup:
                     for k, v in got.items():
                         times[k].append(v)
-            out["H2D" if load else "D2H"] = pair_rows(times["base"], times["new"], times["ref"])
+            out["H2D" if load else "D2H"] = dict(pair_rows(times["base"], times["new"], times["ref"]), chunks=chunks,
+                                                 blocks_per_chunk=built["new"].core.blocks_per_chunk)
     finally:
         for side in built.values():
             side.core.shutdown()
@@ -152,6 +167,9 @@ def main() -> None:
     ap.add_argument("--evict-mb", type=int, default=0,
                     help="touch this many MiB before every transfer and every copy, as a model step between "
                          "transfers leaves the host's caches (both sides and the copy alike)")
+    ap.add_argument("--ref", choices=("pool", "pinned"), default="pool",
+                    help="the contiguous copy's host side: the bytes the transfers moved in the pool (default) "
+                         "or a pinned buffer of torch's (calls 14-15)")
     ap.add_argument("--no-build", action="store_true", help="use the libraries already in both packages")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -168,17 +186,17 @@ def main() -> None:
         for tree in (ROOT, base_tree):
             build(tree, tree / "vllm_npu_offload" / "_native")
     sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
-    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "shapes": {}}
+    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "ref": a.ref, "shapes": {}}
     print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "
           f"{'polled' if a.spin else 'synchronized'}" + (f"; {a.evict_mb} MiB touched before each" if a.evict_mb else "")
-          + "; us and % of one contiguous copy (timed in the same loop)")
+          + f"; us and % of one contiguous copy (timed in the same loop; host side: {a.ref})")
     for label, pkg in sides.items():
         res[f"{label}_package"] = str(Path(pkg.__file__).parent)
         print(f"{label}: {pkg.__name__} from {res[f'{label}_package']}")
     print(f"{'shape dir':28s} {'base us':>8s} {'new us':>8s} {'ref us':>8s} {'base %':>7s} {'new %':>7s} "
           f"{'new-base us (95%)':>26s} {'points (95%)':>24s} {'new faster':>10s}")
     for name in filter(None, a.shapes.split(",")):
-        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin, a.evict_mb)
+        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin, a.evict_mb, a.ref)
         for d, r in rows.items():
             lo, med, hi = r["diff_us"]
             plo, pmed, phi = r["points"]

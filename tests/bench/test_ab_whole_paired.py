@@ -57,6 +57,17 @@ def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
              "hd112-3.5k-stride4k@4,mixed-16k-2k@2", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(json.loads(out.read_text())["shapes"]) == {"hd112-3.5k-stride4k@4", "mixed-16k-2k@2"}
+    # host chunks of 3 blocks, 7 blocks: two whole chunks and a partial one (the 82% row)
+    r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes", "llama-8b-b64x3@7",
+             "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["ref"] == "pool"  # the copy reads / writes the pool's bytes the transfers moved
+    rows = doc["shapes"]["llama-8b-b64x3@7"].values()
+    assert all((row["reps"], row["blocks_per_chunk"], row["chunks"]) == (6, 3, 3) for row in rows)
+    r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes", "qwen2.5-0.5b@4",
+             "--ref", "pinned", "--json", str(out))
+    assert r.returncode == 0 and json.loads(out.read_text())["ref"] == "pinned", r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("args, env, says", [
