@@ -70,10 +70,11 @@ class Side:
                                                                   self.platform)
         self.job = 0
 
-    def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool) -> float:
+    def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool, staged: bool | None) -> float:
         """Seconds from submit until a poll reports the transfer (``probe_whole_split.whole_seconds``)."""
         self.job += 1
-        return whole_seconds(self.core, self.job, self.direction.H2D if load else self.direction.D2H, dev, host, spin)
+        return whole_seconds(self.core, self.job, self.direction.H2D if load else self.direction.D2H, dev, host, spin,
+                             staged)
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -100,12 +101,14 @@ def at_target(shapes: dict[str, dict[str, dict]], target: float = TARGET) -> dic
 
 
 def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, spin: bool,
-              evict_mb: int = 0, ref: str = "pool") -> dict[str, dict]:
+              evict_mb: int = 0, ref: str = "pool", auto: bool = False) -> dict[str, dict]:
     """Both sides' rows of one shape. The copy (``ref``) moves the same bytes: between one device
     tensor and, by default, the very host bytes the rep's transfers moved (``pool``: the same
     registered host memory), or a pinned buffer of torch's own (``pinned``, calls 14-15 and the
     probes: its pages can be backed otherwise than the pool's, which moved the copy by up to 15%
-    between shapes on one host, docs/benchmarks.md twentieth session)."""
+    between shapes on one host, docs/benchmarks.md twentieth session). ``auto``: each core picks
+    staged or direct as it does under a connector (its calibrated size threshold, stores of large
+    pages direct); else every transfer is staged."""
     shape = shape_named(shape_name)
     mods = modules(sides["new"])
     plat, direction = mods["platform"].get_platform(), mods["copy.base"].Direction
@@ -139,7 +142,7 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
                 for label in order:
                     if evict.size:
                         evict += 1
-                    got[label] = built[label].whole(load, dev, host, spin)
+                    got[label] = built[label].whole(load, dev, host, spin, None if auto else True)
                 if evict.size:
                     evict += 1
                 t = time.perf_counter()
@@ -149,8 +152,11 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
                 if rep >= warmup:
                     for k, v in got.items():
                         times[k].append(v)
-            out["H2D" if load else "D2H"] = dict(pair_rows(times["base"], times["new"], times["ref"]), chunks=chunks,
-                                                 blocks_per_chunk=built["new"].core.blocks_per_chunk)
+            out["H2D" if load else "D2H"] = dict(
+                pair_rows(times["base"], times["new"], times["ref"]), chunks=chunks,
+                blocks_per_chunk=built["new"].core.blocks_per_chunk,
+                mode={label: "staged" if not auto or side.core.uses_staging(d, shape.blocks) else "direct"
+                      for label, side in built.items()})
     finally:
         for side in built.values():
             side.core.shutdown()
@@ -170,6 +176,9 @@ def main() -> None:
     ap.add_argument("--ref", choices=("pool", "pinned"), default="pool",
                     help="the contiguous copy's host side: the bytes the transfers moved in the pool (default) "
                          "or a pinned buffer of torch's (calls 14-15)")
+    ap.add_argument("--auto", action="store_true",
+                    help="staged or direct as each core picks it under a connector (calibrated: the first "
+                         "transfers of a shape measure both), not every transfer staged")
     ap.add_argument("--no-build", action="store_true", help="use the libraries already in both packages")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -180,29 +189,33 @@ def main() -> None:
         raise SystemExit(f"--base {a.base!r}: no vllm_npu_offload package there")
     if a.reps < 6:
         raise SystemExit(f"--reps {a.reps}: at least 6 (the 95% interval of a median needs them)")
-    os.environ.setdefault("NPU_OFFLOAD_STAGED", "1")
-    os.environ.setdefault("NPU_OFFLOAD_CALIBRATE", "0")
+    if not a.auto:  # every transfer staged; no start-up measurement of the crossover
+        os.environ.setdefault("NPU_OFFLOAD_STAGED", "1")
+        os.environ.setdefault("NPU_OFFLOAD_CALIBRATE", "0")
     if not a.no_build:
         for tree in (ROOT, base_tree):
             build(tree, tree / "vllm_npu_offload" / "_native")
     sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
-    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "ref": a.ref, "shapes": {}}
+    res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "ref": a.ref, "auto": a.auto,
+           "shapes": {}}
     print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "
           f"{'polled' if a.spin else 'synchronized'}" + (f"; {a.evict_mb} MiB touched before each" if a.evict_mb else "")
-          + f"; us and % of one contiguous copy (timed in the same loop; host side: {a.ref})")
+          + f"; us and % of one contiguous copy (timed in the same loop; host side: {a.ref})"
+          + ("; staged or direct as each core picks (mode)" if a.auto else "; every transfer staged"))
     for label, pkg in sides.items():
         res[f"{label}_package"] = str(Path(pkg.__file__).parent)
         print(f"{label}: {pkg.__name__} from {res[f'{label}_package']}")
     print(f"{'shape dir':28s} {'base us':>8s} {'new us':>8s} {'ref us':>8s} {'base %':>7s} {'new %':>7s} "
-          f"{'new-base us (95%)':>26s} {'points (95%)':>24s} {'new faster':>10s}")
+          f"{'new-base us (95%)':>26s} {'points (95%)':>24s} {'new faster':>10s} mode")
     for name in filter(None, a.shapes.split(",")):
-        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin, a.evict_mb, a.ref)
+        res["shapes"][name] = rows = run_shape(sides, name, a.reps, a.warmup, a.spin, a.evict_mb, a.ref, a.auto)
         for d, r in rows.items():
             lo, med, hi = r["diff_us"]
             plo, pmed, phi = r["points"]
             print(f"{name + ' ' + d:28s} {r['base_us']:8.1f} {r['new_us']:8.1f} {r['ref_us']:8.1f} {r['base%']:7.1f} "
                   f"{r['new%']:7.1f} {f'{med:+.1f} ({lo:+.1f}..{hi:+.1f})':>26s} "
-                  f"{f'{pmed:+.2f} ({plo:+.2f}..{phi:+.2f})':>24s} {100 * r['new_faster']:9.0f}%")
+                  f"{f'{pmed:+.2f} ({plo:+.2f}..{phi:+.2f})':>24s} {100 * r['new_faster']:9.0f}% "
+                  f"{'/'.join(sorted(set(r['mode'].values())))}")
     res["at_target"] = targets = at_target(res["shapes"])
     for label, t in targets.items():
         print(f"{label}: {t['at']} of {t['rows']} rows at {TARGET:.0f}% or more; lowest {t['lowest'][0]} "

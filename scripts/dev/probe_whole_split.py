@@ -199,11 +199,12 @@ def spin_one(rig: CoreRig, direction: Direction, reps: int) -> list[float]:
     return out
 
 
-def whole_seconds(core, job: int, direction, dev, chunks, spin: bool) -> float:
-    """One staged transfer through ``core``, from submit until a poll reports it: after the end
-    event's synchronize, or (``spin``) polling from the submit on (also ``ab_whole_paired.py``'s)."""
+def whole_seconds(core, job: int, direction, dev, chunks, spin: bool, staged: bool | None = True) -> float:
+    """One transfer through ``core`` (staged; ``staged=None``: the core's own choice, as a connector's),
+    from submit until a poll reports it: after the end event's synchronize, or (``spin``) polling from
+    the submit on (also ``ab_whole_paired.py``'s)."""
     t0 = time.perf_counter()
-    core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=True)
+    core.submit(job, direction, dev, [len(dev)], [0], chunks, staged=staged)
     if not spin:
         core.engine._queues[direction][-1].end.synchronize()
     res = core.poll()

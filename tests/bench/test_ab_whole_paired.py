@@ -68,6 +68,13 @@ def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
     r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes", "qwen2.5-0.5b@4",
              "--ref", "pinned", "--json", str(out))
     assert r.returncode == 0 and json.loads(out.read_text())["ref"] == "pinned", r.stdout + r.stderr
+    # --auto: each core's own choice, as under a connector (the CPU platform has no staging: direct)
+    r = _run("--base", str(ROOT), "--no-build", "--reps", "6", "--warmup", "1", "--shapes", "qwen2.5-0.5b@4",
+             "--auto", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["auto"] and all(row["mode"] == {"base": "direct", "new": "direct"}
+                               for row in doc["shapes"]["qwen2.5-0.5b@4"].values())
 
 
 @pytest.mark.parametrize("args, env, says", [
