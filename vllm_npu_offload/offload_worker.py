@@ -365,23 +365,28 @@ class OffloadWorkerCore:
             if direction.__class__ is not Direction:
                 direction = Direction(direction)
             n = group_sizes[0] if len(group_sizes) == 1 else 0
-            if n > 0 and (staged or n >= self.staged_min_blocks[direction]):
-                if self.blocks_per_chunk == 1:
-                    # a block per host chunk: the ids as given, when the counts match (else ``plan`` names
-                    # it). ``_split``'s frame and ``_native_staged``'s cost the H200 host 3-10 us more
-                    # here, on every transfer's critical path (docs/benchmarks.md, sixteenth session)
-                    dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
-                    host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
-                    if len(block_indices) == 1 and n == len(dev) == len(host):
-                        planner, span, per_block, pairs = self._native_groups[direction][0]
-                        stager = self.stager
-                        # ``stager.native_room(n, pairs * n)`` without its frame (the library checks the room)
-                        rows = -(-2 * n // 3) if self._room_by_ids else (pairs + 1) * n
-                        transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)], self.pool.acquire(rows),
-                                                        stager, per_block * n, pairs * n, 0, stager.orders_natively)
-                else:  # several blocks per chunk: ``plan``'s split and checks
-                    transfer = self._native_staged(direction, self._split(None, device_block_ids, group_sizes,
-                                                                          block_indices, chunk_ids, checked=True), n)
+            if n > 0 and (staged or n >= self.staged_min_blocks[direction]) and len(block_indices) == 1:
+                # the ids as given (a block per host chunk) or expanded to host blocks, when the counts
+                # match (else ``plan`` names it). ``_split``'s frame and ``_native_staged``'s cost the H200
+                # host 3-10 us more here, on every transfer's critical path (docs/benchmarks.md, sixteenth
+                # and twentieth sessions)
+                dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
+                host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
+                bpc = self.blocks_per_chunk
+                if bpc > 1:
+                    # chunks -> their blocks, from the group's first block's place in its chunk; the chunk
+                    # ids are checked first (the library checks host blocks, which an expansion of a
+                    # huge or negative chunk id could wrap into range)
+                    skip = block_indices[0] % bpc
+                    ok = len(host) == -(-(n + skip) // bpc) and max_unsigned(host) < self.num_chunks
+                    host = (host[:, None] * bpc + self._sub_blocks).ravel()[skip:skip + n] if ok else None
+                if host is not None and n == len(dev) == len(host):
+                    planner, span, per_block, pairs = self._native_groups[direction][0]
+                    stager = self.stager
+                    # ``stager.native_room(n, pairs * n)`` without its frame (the library checks the room)
+                    rows = -(-2 * n // 3) if self._room_by_ids else (pairs + 1) * n
+                    transfer = NativeStagedTransfer(direction, [(planner, span, dev, host)], self.pool.acquire(rows),
+                                                    stager, per_block * n, pairs * n, 0, stager.orders_natively)
         if transfer is None:  # anything else (several groups, direct, counts that do not match)
             transfer = self.plan(direction, device_block_ids, group_sizes, block_indices, chunk_ids, staged)
         try:

@@ -251,6 +251,44 @@ def test_submit_plans_the_common_transfer_inline(built, emu, monkeypatch, bpc):
     core.shutdown()
 
 
+@pytest.mark.parametrize("skip", [0, 1, 2])
+def test_submit_expands_chunks_inline_from_any_place_in_the_first_chunk(built, emu, monkeypatch, skip):
+    """3 blocks a host chunk, the group starting ``skip`` blocks into its first chunk (vLLM's
+    ``block_indices``): ``submit`` expands the chunk ids itself (no ``plan``), and a store then a load
+    of 7 blocks are byte-exact and land in the host blocks ``plan`` would use; a chunk count that does
+    not fit, or a chunk id out of range, is never expanded but named by ``plan``."""
+    kv: list = []
+    core = _core(built, monkeypatch, REFS["one"], 3, kv)
+    rng = np.random.default_rng(skip)
+    dev = rng.choice(DEVICE_BLOCKS, 7, replace=False).astype(np.int64)
+    chunks = rng.choice(CHUNKS, -(-(7 + skip) // 3), replace=False).astype(np.int64)
+    for t in kv:
+        t.copy_(torch.from_numpy(rng.integers(0, 256, tuple(t.shape), dtype=np.uint8)))
+    want = [t[dev].clone() for t in kv]
+    ((_, _, host_blocks),) = core.split_groups(dev, [7], [skip], chunks)
+    real_plan = core.plan
+    monkeypatch.setattr(core, "plan", lambda *a, **k: pytest.fail("submit went through plan"))
+    core.submit(1, Direction.D2H, dev, [7], [skip], chunks, staged=True)
+    core.wait([1])
+    assert [r.success for r in core.poll()] == [True]
+    for i, w in enumerate(want):  # the host blocks plan names hold the device pages
+        assert torch.equal(core.host_view(i)[torch.from_numpy(host_blocks)], w.cpu().view(w.shape[0], -1))
+    for t in kv:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev, [7], [skip], chunks, staged=True)
+    core.wait([2])
+    assert [r.success for r in core.poll()] == [True]
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    monkeypatch.setattr(core, "plan", real_plan)
+    with pytest.raises(ValueError, match="needs 3 host chunks, transfer gives 2|transfer gives 4 host chunks"):
+        core.submit(3, Direction.D2H, dev[:7], [7], [skip], np.append(chunks, 5)[:2 if skip == 2 else 4])
+    bad = chunks.copy()
+    bad[-1] = CHUNKS
+    with pytest.raises(ValueError, match=f"host chunk id out of range \\[0, {CHUNKS}\\)"):
+        core.submit(4, Direction.D2H, dev, [7], [skip], bad, staged=True)
+    core.shutdown()
+
+
 def test_a_natively_planned_transfer_goes_through_the_engine(built, emu, monkeypatch):
     """The worker plans a ``NativeStagedTransfer`` (no page descriptors in Python) and one native call
     plans and enqueues it; its descriptor count is known once enqueued."""
