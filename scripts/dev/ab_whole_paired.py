@@ -66,8 +66,7 @@ class Side:
         dk = sub["device_kv"]
         dev = [dk.DeviceKVTensor.from_block_view(t) for t in kv]
         refs = [[dk.GroupRef(i, p) for i, p in enumerate(pages)]]
-        self.core = sub["offload_worker"].OffloadWorkerCore(dev, refs, blocks_per_chunk, num_chunks,
-                                                                  self.platform)
+        self.core = sub["offload_worker"].OffloadWorkerCore(dev, refs, blocks_per_chunk, num_chunks, self.platform)
         self.job = 0
 
     def whole(self, load: bool, dev: np.ndarray, host: np.ndarray, spin: bool, staged: bool | None) -> float:
@@ -105,7 +104,7 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
     """Both sides' rows of one shape. The copy (``ref``) moves the same bytes: between one device
     tensor and, by default, the very host bytes the rep's transfers moved (``pool``: the same
     registered host memory), or a pinned buffer of torch's own (``pinned``, calls 14-15 and the
-    probes: its pages can be backed otherwise than the pool's, which moved the copy by up to 15%
+    probes: its pages can be backed otherwise than the pool's, which moved the copy by up to 19%
     between shapes on one host, docs/benchmarks.md twentieth session). ``auto``: each core picks
     staged or direct as it does under a connector (its calibrated size threshold, stores of large
     pages direct); else every transfer is staged."""

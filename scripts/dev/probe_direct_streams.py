@@ -56,8 +56,8 @@ def main() -> None:
     rows = []
     print(f"{torch.cuda.get_device_name()}: device pages (random order) <-> consecutive registered host; "
           f"device time (events), median of {a.reps}; {'any' if a.any_order else 'stream'} source order")
-    print(f"{'page':>8s} {'MiB':>4s} {'dir':3s} {'ref GB/s':>9s} " + " ".join(f"{f'k={k} %':>8s}" for k in ints(a.streams))
-          + "  bytes")
+    ks = ints(a.streams)
+    print(f"{'page':>8s} {'MiB':>4s} {'dir':3s} {'ref GB/s':>9s} " + " ".join(f"{f'k={k} %':>8s}" for k in ks) + "  bytes")
     for page_kib in ints(a.pages_kib):
         page = page_kib << 10
         for mib in ints(a.mib):
@@ -85,12 +85,15 @@ def main() -> None:
 
                 def ref(start) -> None:
                     with torch.cuda.stream(root):
-                        (ref_dev.copy_(ref_host, non_blocking=True) if load else ref_host.copy_(ref_dev, non_blocking=True))
+                        if load:
+                            ref_dev.copy_(ref_host, non_blocking=True)
+                        else:
+                            ref_host.copy_(ref_dev, non_blocking=True)
 
                 ref_s = timed(ref)
                 row["ref_gbps"] = n * page / ref_s / 1e9
                 ok = True
-                for k in ints(a.streams):
+                for k in ks:
                     edges = np.linspace(0, n, k + 1).astype(np.int64)
 
                     def split(start, k=k, edges=edges) -> None:
@@ -120,7 +123,7 @@ def main() -> None:
                 row["bytes_ok"] = ok
                 rows.append(row)
                 print(f"{page_kib:6d}Ki {mib:4d} {row['dir']:3s} {row['ref_gbps']:9.1f} "
-                      + " ".join(f"{row['k'][k]:8.1f}" for k in ints(a.streams)) + f"  {'ok' if ok else 'WRONG'}")
+                      + " ".join(f"{row['k'][k]:8.1f}" for k in ks) + f"  {'ok' if ok else 'WRONG'}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "any_order": a.any_order, "rows": rows}, f, indent=1)
