@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks.core_bench import SHAPES, CoreRig
+    from benchmarks.core_bench import CoreRig, shape_named
     from benchmarks.transfer import contiguous_copy_fn
     from vllm_npu_offload.copy.base import Direction
     from vllm_npu_offload.platform import get_platform
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = []
     for name in a.shapes.split(","):
-        shape = SHAPES[name]
+        shape = shape_named(name)  # NAME@N: N blocks per transfer
         rig = CoreRig(platform, shape)
         nbytes = shape.blocks * sum(shape.pages)
         host_t = rig.core.host.tensor[:nbytes]
