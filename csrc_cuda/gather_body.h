@@ -6,7 +6,8 @@
  * Why this shape: KV pages are small (1-32 KiB) and scattered, and at most 16 SMs may
  * copy. Bandwidth then comes from bytes in flight, not from threads, so
  *  - a group of G lanes (G = 1..32, a power of two sized to the smallest page) owns one
- *    page at a time, so 1 KiB pages keep every lane busy;
+ *    page at a time, so 1 KiB pages keep every lane busy; a launch of a few large pages
+ *    takes groups of up to a whole block, so that it still reaches every SM it may use;
  *  - every lane issues NPO_GATHER_UNROLL 16-byte loads before its stores;
  *  - the next page's descriptor is loaded before the current page is copied, so the
  *    descriptor's memory latency hides behind the data.
@@ -48,7 +49,7 @@ NPO_HD void npo_store16(npo_vec16 *p, npo_vec16 v) { memcpy(p, &v, sizeof(v)); }
 typedef struct {
     const uint64_t *src, *dst, *size; /* device arrays of descriptor columns */
     uint64_t first, width, rows, stride;
-    uint32_t group; /* lanes per page: a power of two, 1..32 */
+    uint32_t group; /* lanes per page: a power of two, 1..NPO_GATHER_THREADS (> 32 for a few large pages) */
 } npo_gather_args;
 
 NPO_HD uint64_t npo_desc_index(const npo_gather_args *a, uint64_t p) {

@@ -67,6 +67,19 @@ static unsigned grid_for(uint64_t pages, uint32_t group, int programs) {
     return (unsigned)(want < (uint64_t)programs ? want : (uint64_t)programs);
 }
 
+/* Lanes per page: npo_gather_group's (at most a warp), then twice as many while the launch would leave
+ * some of the SMs it may use idle and every lane still has a whole pass of a page. A few large pages
+ * then spread over all of them: a 2-block load of 256 KiB pages scatters its last slice, one block's
+ * 64 pages, on 4 SMs at a warp per page, which left ~80 us of a 32 MiB load unhidden on an H200
+ * (docs/benchmarks.md, twentieth session). A launch of many pages keeps its group and grid. */
+static uint32_t group_for(uint64_t pages, uint64_t min_page, int programs) {
+    uint32_t g = npo_gather_group(min_page);
+    while (g < NPO_GATHER_THREADS && grid_for(pages, g, programs) < (unsigned)programs &&
+           (uint64_t)g * 2 * 16 * NPO_GATHER_UNROLL <= min_page)
+        g *= 2;
+    return g;
+}
+
 extern "C" int npo_cuda_gather_built(void) { return NPO_GATHER_KERNEL ? 1 : 0; }
 
 int npo_gather_ready(const npo_driver *drv, void *stream, npo_gather_fns *fns, char *msg, size_t msg_len) {
@@ -103,7 +116,7 @@ int npo_gather_launch(const npo_driver *drv, void *fn, const uint64_t cols[3], u
                          (unsigned long long)stride, (unsigned long long)width);
     if (width == 0 || rows == 0) return 0;
     uint64_t src = cols[0], dst = cols[1], size = cols[2];
-    uint32_t group = npo_gather_group(min_page);
+    uint32_t group = group_for(rows * width, min_page, programs);
     const unsigned grid = grid_for(rows * width, group, programs);
     void *params[] = {&src, &dst, &size, &first, &width, &rows, &stride, &group};
     CUresult r = drv->launch_kernel((CUfunction)fn, grid, 1, 1, NPO_GATHER_THREADS, 1, 1, 0, (CUstream)stream, params,
@@ -121,7 +134,7 @@ int npo_table_launch(const npo_driver *drv, void *fn, uint64_t table, uint64_t m
     if (programs < 1 || programs > 1024)
         return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_gather_table: programs=%d; allowed: 1..1024", programs);
     if (nb == 0) return 0;
-    uint32_t group = npo_gather_group(min_page);
+    uint32_t group = group_for(m * nb, min_page, programs);
     void *params[] = {&table, &m, &src_ids, &dst_ids, &b0, &nb, &group};
     CUresult r = drv->launch_kernel((CUfunction)fn, grid_for(m * nb, group, programs), 1, 1, NPO_GATHER_THREADS, 1, 1,
                                     0, (CUstream)stream, params, nullptr);
@@ -145,7 +158,7 @@ int npo_table_inline_launch(const npo_driver *drv, void *fn, uint64_t table, uin
     a.table = (const int64_t *)(uintptr_t)table;
     a.m = m;
     a.nb = nb;
-    a.group = npo_gather_group(min_page);
+    a.group = group_for(m * nb, min_page, programs);
     memcpy(a.ids, src_ids, 8 * nb);
     memcpy(a.ids + NPO_INLINE_IDS, dst_ids, 8 * nb);
     void *params[] = {&a};

@@ -83,6 +83,19 @@ def case_ranges():
     assert np.array_equal(dst.numpy(), expect(src, dst.numel(), so, do, sizes, range(200)))
     # the grid never exceeds the programs asked for, and shrinks for small ranges
     assert counter("fake_last_grid") == 7  # 200 pages / (512 threads / 16 lanes per page) -> 7 blocks
+    # a few large pages take more lanes each, until the launch reaches its programs or a lane's share
+    # of a page falls below one pass (8 x 16 bytes): 8 pages of 64 KiB, a block each; 64 of them, 128
+    # lanes each; 2 KiB pages keep their 16 lanes (a lane would copy half a pass); unaligned pages of a
+    # size that is not a multiple of 16 (the byte path); 32 KiB pages, 256 lanes at most
+    for n_pages, page, programs, want in ((8, 65536, 16, (512, 8)), (64, 65536, 16, (128, 16)),
+                                          (3, 2048, 16, (16, 1)), (5, 65536 + 7, 4, (512, 4)),
+                                          (32, 32768, 16, (256, 16))):
+        src, dst, so, do, sizes = table(rng, 1, n_pages, [page], span_extra=8)
+        so = so + (8 if page % 16 else 0)
+        NativeGatherPath(p, [page], programs=programs).copy(src.data_ptr() + so, dst.data_ptr() + do, sizes,
+                                                             Direction.H2D, None)
+        assert np.array_equal(dst.numpy(), expect(src, dst.numel(), so, do, sizes, range(n_pages))), (n_pages, page)
+        assert (counter("fake_last_group"), counter("fake_last_grid")) == want, (n_pages, page, programs)
     print("ranges ok")
 
 
@@ -205,6 +218,39 @@ def _inline_core(seed):
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
                              enumerate(pages)]], 1, 40, FakeCuda(), staging_bytes=2 * 3 * 4 * sum(pages))
     return core, kv, rng
+
+
+def case_staged_large_pages():
+    """A 2-block staged store and load of 64 KiB pages (as 256 KiB pages at 128-token blocks, smaller):
+    each slice's gather/scatter is a few pages, whose launch takes more lanes per page than a warp;
+    both directions byte-exact."""
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    pages = [65536] * 4
+    rng = np.random.default_rng(17)
+    kv = [torch.from_numpy(rng.integers(0, 256, (6, q), dtype=np.uint8)).clone() for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
+                             enumerate(pages)]], 1, 5, FakeCuda(), staging_bytes=2 * 2 * sum(pages))
+    ids, chunks = np.array([4, 1], np.int64), np.array([3, 0], np.int64)
+    want = [t[ids].clone() for t in kv]
+    core.submit(1, Direction.D2H, ids, [2], [0], chunks, staged=True)
+    core.wait([1])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_last_group") > 32, counter("fake_last_group")  # 4 or 8 pages: a block's lanes each
+    for i, w in enumerate(want):
+        assert torch.equal(core.host_view(i)[torch.from_numpy(chunks)], w), i
+    for t in kv:
+        t.zero_()
+    core.submit(2, Direction.H2D, ids[::-1].copy(), [2], [0], chunks, staged=True)
+    core.wait([2])
+    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
+    assert counter("fake_last_group") > 32, counter("fake_last_group")
+    for t, w in zip(kv, want):
+        assert torch.equal(t[ids[::-1].copy()], w), "a page landed elsewhere"
+    core.shutdown()
+    print("staged_large_pages ok")
 
 
 def case_staged_inline_all():
