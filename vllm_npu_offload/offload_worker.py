@@ -379,7 +379,7 @@ class OffloadWorkerCore:
                     # huge or negative chunk id could wrap into range)
                     skip = block_indices[0] % bpc
                     ok = len(host) == -(-(n + skip) // bpc) and max_unsigned(host) < self.num_chunks
-                    host = (host[:, None] * bpc + self._sub_blocks).ravel()[skip:skip + n] if ok else None
+                    host = self._host_blocks(host, skip, n) if ok else None
                 if host is not None and n == len(dev) == len(host):
                     planner, span, per_block, pairs = self._native_groups[direction][0]
                     stager = self.stager
