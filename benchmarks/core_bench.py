@@ -48,6 +48,22 @@ class KVShape:
     def record_bytes(self) -> int:
         return sum(self.pages)
 
+    @property
+    def rig_blocks(self) -> int:
+        """Device blocks a benchmark allocates: room for 4 transfers' ids drawn at random."""
+        return max(256, 4 * self.blocks)
+
+    @property
+    def rig_chunks(self) -> int:
+        """Host chunks holding ``rig_blocks`` blocks."""
+        return -(-self.rig_blocks // self.blocks_per_chunk)
+
+    @property
+    def transfer_chunks(self) -> int:
+        """Host chunks of one transfer from a chunk's start (the last partial where blocks_per_chunk
+        does not divide the blocks)."""
+        return -(-self.blocks // self.blocks_per_chunk)
+
     def device_kv(self, blocks: int, device) -> list[torch.Tensor]:
         """Per tensor, ``(blocks, page)`` uint8 views on ``device``, ``stride`` bytes apart where set."""
         return [torch.empty(blocks, max(p, self.stride), dtype=torch.uint8, device=device)[:, :p] for p in self.pages]
@@ -100,13 +116,13 @@ class CoreRig:
 
     def __init__(self, platform: Platform, shape: KVShape, staging_bytes: int | None = None):
         self.platform, self.shape = platform, shape
-        self.dev_blocks = max(256, 4 * shape.blocks)
+        self.dev_blocks = shape.rig_blocks
         self.kv = shape.device_kv(self.dev_blocks, platform.device)
         for t in self.kv:
             t.random_(0, 256)
         dev = [DeviceKVTensor.from_block_view(t) for t in self.kv]
         refs = [[GroupRef(i, p) for i, p in enumerate(shape.pages)]]
-        self.num_chunks = -(-self.dev_blocks // shape.blocks_per_chunk)
+        self.num_chunks = shape.rig_chunks
         self.core = OffloadWorkerCore(dev, refs, shape.blocks_per_chunk, self.num_chunks, platform,
                                       staging_bytes=staging_bytes)
         self._job = 0
@@ -115,7 +131,7 @@ class CoreRig:
         rng = np.random.default_rng(seed)
         n = self.shape.blocks
         dev = rng.choice(self.dev_blocks, n, replace=False).astype(np.int64)
-        return dev, host_chunks(rng, host, -(-n // self.shape.blocks_per_chunk), self.num_chunks)
+        return dev, host_chunks(rng, host, self.shape.transfer_chunks, self.num_chunks)
 
     def transfer(self, direction: Direction, dev, chunks, staged: bool) -> None:
         self._job += 1

@@ -111,12 +111,9 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
     shape = shape_named(shape_name)
     mods = modules(sides["new"])
     plat, direction = mods["platform"].get_platform(), mods["copy.base"].Direction
-    dev_blocks = max(256, 4 * shape.blocks)
+    dev_blocks, num_chunks, chunks = shape.rig_blocks, shape.rig_chunks, shape.transfer_chunks
     kv = [t.random_(0, 256) for t in shape.device_kv(dev_blocks, plat.device)]
-    bpc = shape.blocks_per_chunk
-    num_chunks = -(-dev_blocks // bpc)
-    chunks = -(-shape.blocks // bpc)  # the last one partial where blocks_per_chunk does not divide the blocks
-    built = {label: Side(pkg, kv, shape.pages, bpc, num_chunks) for label, pkg in sides.items()}
+    built = {label: Side(pkg, kv, shape.pages, shape.blocks_per_chunk, num_chunks) for label, pkg in sides.items()}
     nbytes = shape.blocks * sum(shape.pages)
     pool = built["new"].core  # its host KV: the chunks a transfer moved are one run of bytes there
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=plat.pin_memory_available) if ref == "pinned" else None
