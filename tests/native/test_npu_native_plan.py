@@ -40,18 +40,19 @@ REFS = {  # KV group -> its tensors (and the bytes of their pages it owns)
 MIN_SLICES = {"many": 0, "one": 1 << 30, "mid": 3 * sum(PAGES)}  # MIN_SLICE_BYTES: slices of 1+, all, 3+ blocks
 
 
-def _core(built, monkeypatch, refs, bpc: int, kv: list | None = None) -> OffloadWorkerCore:
+def _core(built, monkeypatch, refs, bpc: int, kv: list | None = None, pages=PAGES, device_blocks=DEVICE_BLOCKS,
+          chunks=CHUNKS) -> OffloadWorkerCore:
     """A worker core on the emulation, staging always on, 4 slots of 8 records per direction (over
-    ``kv``'s tensors when given, an empty list to fill: zeroed tensors of PAGES)."""
+    ``kv``'s tensors when given, an empty list to fill: zeroed tensors of ``pages``)."""
     monkeypatch.setenv("NPU_OFFLOAD_NATIVE_DIR", str(Path(built[0]["1"]).parent))
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
     platform = fake_npu_platform()
     monkeypatch.setattr(type(platform), "device", property(lambda self: torch.device("cpu")))
     kv = kv if kv is not None else []
-    kv += [torch.zeros(DEVICE_BLOCKS, q, dtype=torch.uint8) for q in PAGES]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, bpc, CHUNKS, platform,
-                             staging_bytes=2 * 4 * 8 * sum(PAGES))
+    kv += [torch.zeros(device_blocks, q, dtype=torch.uint8) for q in pages]
+    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], refs, bpc, chunks, platform,
+                             staging_bytes=2 * 4 * 8 * sum(pages))
     assert core.stager.plans_natively and not core.stager.table_form
     return core
 
@@ -286,6 +287,34 @@ def test_submit_expands_chunks_inline_from_any_place_in_the_first_chunk(built, e
     bad[-1] = CHUNKS
     with pytest.raises(ValueError, match=f"host chunk id out of range \\[0, {CHUNKS}\\)"):
         core.submit(4, Direction.D2H, dev, [7], [skip], bad, staged=True)
+    core.shutdown()
+
+
+def test_submit_expands_chunks_inline_at_llama_8b_per_layer_shape(built, emu, monkeypatch):
+    """The same at a real model's shape: Llama-3-8B per layer as vLLM-Ascend hands it (32 layers, K and
+    V apart: 64 tensors of 32 KiB pages, a 2 MiB host record), 4 blocks a host chunk as a 64-token
+    offload block, 14 blocks starting 3 into their first chunk (5 chunks, both ends partial)."""
+    pages = [16 * 8 * 128 * 2] * 64
+    kv: list = []
+    core = _core(built, monkeypatch, [[GroupRef(i, q) for i, q in enumerate(pages)]], 4, kv, pages, 40, 12)
+    rng = np.random.default_rng(8)
+    dev = rng.choice(40, 14, replace=False).astype(np.int64)
+    chunks = rng.choice(12, 5, replace=False).astype(np.int64)
+    for t in kv:
+        t.copy_(torch.from_numpy(rng.integers(0, 256, tuple(t.shape), dtype=np.uint8)))
+    want = [t[dev].clone() for t in kv]
+    ((_, _, host_blocks),) = core.split_groups(dev, [14], [3], chunks)
+    monkeypatch.setattr(core, "plan", lambda *a, **k: pytest.fail("submit went through plan"))
+    core.submit(1, Direction.D2H, dev, [14], [3], chunks, staged=True)
+    core.wait([1])
+    assert [r.success for r in core.poll()] == [True]
+    assert all(torch.equal(core.host_view(i)[torch.from_numpy(host_blocks)], w) for i, w in enumerate(want))
+    for t in kv:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev, [14], [3], chunks, staged=True)
+    core.wait([2])
+    assert [r.success for r in core.poll()] == [True]
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
     core.shutdown()
 
 
