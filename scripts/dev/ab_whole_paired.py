@@ -159,6 +159,20 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
     return out
 
 
+def require_libraries(sides: dict[str, ModuleType], device_type: str) -> None:
+    """Each side's own copy library must load on CUDA: without it a side falls back to direct copies and
+    the pair compares that fallback with the other's library (a ``--no-build`` run whose base tree had
+    been replaced did, twenty-first session)."""
+    if device_type != "cuda":
+        return
+    for label, pkg in sides.items():
+        try:
+            importlib.import_module(f"{pkg.__name__}._native.cuda").load_library()
+        except ImportError as e:
+            raise SystemExit(f"{label} ({Path(pkg.__file__).parent}): its copy library does not load ({e}); "
+                             "run without --no-build") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the other checkout (its vllm_npu_offload and csrc_cuda)")
@@ -192,6 +206,7 @@ def main() -> None:
         for tree in (ROOT, base_tree):
             build(tree, tree / "vllm_npu_offload" / "_native")
     sides = {"base": load_baseline(base_tree), "new": vllm_npu_offload}
+    require_libraries(sides, "cuda" if torch.cuda.is_available() else "cpu")
     res = {"base": str(base_tree), "reps": a.reps, "spin": a.spin, "evict_mb": a.evict_mb, "ref": a.ref, "auto": a.auto,
            "shapes": {}}
     print(f"{a.reps} pairs per row after {a.warmup} warm-up, interleaved transfer by transfer; "

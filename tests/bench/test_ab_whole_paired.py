@@ -85,3 +85,19 @@ def test_runs_both_trees_interleaved_on_this_platform(tmp_path):
 def test_bad_arguments_are_named(args, env, says):
     r = _run(*args, "--no-build", env=env)
     assert r.returncode != 0 and says in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_side_without_its_library_is_refused_on_cuda(tmp_path):
+    """Without its library a side falls back to direct copies; on CUDA the pair would then compare that
+    fallback with the other side's library, so the tool stops and names the side (none needed on CPU)."""
+    import shutil
+
+    from benchmarks.step_cpu import load_baseline
+
+    shutil.copytree(ROOT / "vllm_npu_offload", tmp_path / "vllm_npu_offload",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    sides = {"base": load_baseline(tmp_path)}
+    paired.require_libraries(sides, "cpu")
+    with pytest.raises(SystemExit, match=r"base \(.*vllm_npu_offload\): its copy library does not load .*"
+                                         r"libnpu_offload_cuda.so not found.*run without --no-build"):
+        paired.require_libraries(sides, "cuda")
