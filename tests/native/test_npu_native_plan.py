@@ -57,6 +57,16 @@ def _core(built, monkeypatch, refs, bpc: int, kv: list | None = None, pages=PAGE
     return core
 
 
+def _load_back(core: OffloadWorkerCore, kv: list, want: list, dev, sizes, skips, chunks) -> None:
+    """Zero the device KV, load ``dev`` back from the host chunks (job 2): every tensor holds ``want``."""
+    for t in kv:
+        t.zero_()
+    core.submit(2, Direction.H2D, dev, sizes, skips, chunks, staged=True)
+    core.wait([2])
+    assert [r.success for r in core.poll()] == [True]
+    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+
+
 def _python_plan(core: OffloadWorkerCore, direction: Direction, parts) -> dict[str, np.ndarray]:
     """Stager.plan's page-form plan, as the arrays the native planner gives."""
     plan = core._staged_plan(direction, parts)
@@ -240,12 +250,7 @@ def test_submit_plans_the_common_transfer_inline(built, emu, monkeypatch, bpc):
         NativeStagedTransfer, planned.total_bytes, planned.pages, False)
     core.wait([1])
     assert [r.success for r in core.poll()] == [True]
-    for t in kv:
-        t.zero_()
-    core.submit(2, Direction.H2D, dev, [7], [0], chunks, staged=True)
-    core.wait([2])
-    assert [r.success for r in core.poll()] == [True]
-    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    _load_back(core, kv, want, dev, [7], [0], chunks)
     monkeypatch.setattr(core, "plan", real_plan)
     with pytest.raises(ValueError, match="do not add up"):
         core.submit(3, Direction.D2H, dev, [6], [0], chunks, staged=True)
@@ -274,12 +279,7 @@ def test_submit_expands_chunks_inline_from_any_place_in_the_first_chunk(built, e
     assert [r.success for r in core.poll()] == [True]
     for i, w in enumerate(want):  # the host blocks plan names hold the device pages
         assert torch.equal(core.host_view(i)[torch.from_numpy(host_blocks)], w.cpu().view(w.shape[0], -1))
-    for t in kv:
-        t.zero_()
-    core.submit(2, Direction.H2D, dev, [7], [skip], chunks, staged=True)
-    core.wait([2])
-    assert [r.success for r in core.poll()] == [True]
-    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    _load_back(core, kv, want, dev, [7], [skip], chunks)
     monkeypatch.setattr(core, "plan", real_plan)
     with pytest.raises(ValueError, match="needs 3 host chunks, transfer gives 2|transfer gives 4 host chunks"):
         core.submit(3, Direction.D2H, dev[:7], [7], [skip], np.append(chunks, 5)[:2 if skip == 2 else 4])
@@ -309,12 +309,7 @@ def test_submit_expands_chunks_inline_at_llama_8b_per_layer_shape(built, emu, mo
     core.wait([1])
     assert [r.success for r in core.poll()] == [True]
     assert all(torch.equal(core.host_view(i)[torch.from_numpy(host_blocks)], w) for i, w in enumerate(want))
-    for t in kv:
-        t.zero_()
-    core.submit(2, Direction.H2D, dev, [14], [3], chunks, staged=True)
-    core.wait([2])
-    assert [r.success for r in core.poll()] == [True]
-    assert all(torch.equal(t[dev], w) for t, w in zip(kv, want))
+    _load_back(core, kv, want, dev, [14], [3], chunks)
     core.shutdown()
 
 
