@@ -455,3 +455,44 @@ def record_load_stats(connector_worker, worker_meta, num_bytes: int, seconds: fl
     else:
         connector_worker.kv_connector_stats.record_transfer(num_bytes=num_bytes, time=seconds,
                                                             transfer_type=("CPU", "GPU"))
+
+
+# -- lower tiers (disk) -------------------------------------------------------------------
+# The tier manager (tiered_manager.py) needs per-key lookups with a request context, which every
+# release from 0.23 on has: 0.23-0.24 answer True / False / None (retry), >= 0.25 LookupResult.
+ReqContext = getattr(_base, "ReqContext", None)
+_LookupResult = getattr(_base, "LookupResult", None)
+TIERS_SUPPORTED = ReqContext is not None
+if _LookupResult is not None:
+    LOOKUP_HIT, LOOKUP_MISS, LOOKUP_DEFER = _LookupResult.HIT, _LookupResult.MISS, _LookupResult.RETRY
+else:
+    LOOKUP_HIT, LOOKUP_MISS, LOOKUP_DEFER = True, False, None
+
+
+def make_req_context(req_id: str):
+    return ReqContext(req_id=req_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """Who this spec serves: what keys a tier's records and a tier's socket on."""
+
+    engine_id: str
+    model: str
+    kv_dtype: str
+    rank: int  # this worker's rank (0 on the scheduler side)
+    world_size: int
+
+
+def engine_facts(args: tuple, kwargs: dict) -> EngineFacts:
+    if API == "config":
+        (config,) = list(args) + list(kwargs.values())
+        return EngineFacts(str(config.engine_id), str(config.model.name), str(config.model.dtype),
+                           int(config.parallel.rank), int(config.parallel.world_size))
+    vllm_config, _ = _legacy_args(args, kwargs)
+    par = vllm_config.parallel_config
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype in (None, "auto"):
+        dtype = vllm_config.model_config.dtype
+    return EngineFacts(str(vllm_config.kv_transfer_config.engine_id), str(vllm_config.model_config.model),
+                       str(dtype), int(getattr(par, "rank", 0)), int(par.world_size))

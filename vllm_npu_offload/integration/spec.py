@@ -10,6 +10,7 @@ serves vLLM 0.21-0.24 (``get_handlers``), 0.25 (``get_worker``) and >= 0.26
 
 from __future__ import annotations
 
+import atexit
 from typing import Sequence
 
 from ..errors import OffloadConfigError
@@ -20,6 +21,7 @@ from ..offload_worker import OffloadWorkerCore
 from . import compat
 from .job_router import ResultRouter
 from .layer_groups import LayerGroups, split_layer_groups
+from .tier_options import DISK_KEYS, check_disk_path, disk_options
 from .options import (
     LAYERWISE_KEYS,
     SPEC_KEYS,
@@ -30,7 +32,24 @@ from .options import (
     staging_bytes_option,
     validate_extra_config,
 )
+from .tiered_manager import TieredManager
 from .workers import NPUOffloadingWorker, handler_pair
+from ..tiers.contract import RecordIdentity
+from ..tiers.channel import socket_path
+from ..tiers.disk_tier import DiskTier, DiskTierConfig
+from ..tiers.disk_worker import DiskTierServer
+
+
+def start_disk_worker(core: OffloadWorkerCore, root: str, facts) -> DiskTierServer:
+    """This rank's disk tier worker over the core's host buffer (records of its own share)."""
+    lay = core.layout
+    identity = RecordIdentity(model=facts.model, kv_dtype=facts.kv_dtype, page_bytes=tuple(lay.page_bytes),
+                              page_offsets=tuple(lay.page_offsets), record_bytes=lay.record_bytes,
+                              blocks_per_chunk=lay.blocks_per_chunk, world_size=facts.world_size)
+    host = memoryview(core.host.tensor.numpy()).cast("B")
+    server = DiskTierServer(host, identity, facts.rank, root, socket_path(facts.engine_id, root, facts.rank))
+    atexit.register(server.shutdown)  # the socket file goes with the process
+    return server
 
 
 def canonical_refs(kv_caches) -> list[list[GroupRef]]:
@@ -61,7 +80,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         check_layerwise_owner(inp.extra)
         reject_unknown_keys(
             inp.extra,
-            SPEC_KEYS + LAYERWISE_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
+            SPEC_KEYS + LAYERWISE_KEYS + DISK_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
             f"NPUOffloadingSpec on vLLM {compat.VLLM_VERSION}",
         )
         layerwise_options(inp.extra)  # checked at start-up; NPUOffloadingConnector acts on it
@@ -71,7 +90,16 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             allowed_policies=compat.registered_cache_policies(),
         )
         self._staging_bytes = staging_bytes_option(inp.extra)
+        self._disk = disk_options(inp.extra)
+        if self._disk is not None and not compat.TIERS_SUPPORTED:
+            raise OffloadConfigError(f"kv_connector_extra_config['disk_path']: the disk tier needs vLLM >= 0.23 "
+                                     f"(installed: {compat.VLLM_VERSION})")
+        self._disk_writable = check_disk_path(self._disk) if self._disk is not None else False
+        self._facts = compat.engine_facts(args, kwargs) if self._disk is not None else None
+        self._tier_manager = None
+        self._tier_server = None
         bpc = inp.blocks_per_chunk or opts.blocks_per_chunk
+        self._engine_block_size = inp.engine_block_size
         extra = compat.base_extra(inp.extra, inp.engine_block_size, bpc)
         per_chunk = inp.bytes_per_block * bpc
         if per_chunk > 0:
@@ -125,7 +153,23 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             extra = self.layer_groups.refs
         core = core_from_canonical(kv_caches, bpc, chunks, staging_bytes=self._staging_bytes, extra_groups=extra)
         self.npu_router = ResultRouter(core)
+        if self._disk is not None:
+            self._tier_server = start_disk_worker(core, self._disk.path, self._facts)
         return self.npu_router
+
+    def get_manager(self):
+        """The host tier's manager (vLLM's), wrapped by the disk tier's when ``disk_path`` is set."""
+        host = super().get_manager()
+        if self._disk is None:
+            return host
+        if self._tier_manager is None:
+            bpc = self.geometry[0]
+            self._tier_manager = TieredManager(host, DiskTier(DiskTierConfig(
+                root=self._disk.path, budget_bytes=self._disk.budget_bytes, world_size=self._facts.world_size,
+                engine_id=self._facts.engine_id, tokens_per_key=bpc * (self._engine_block_size or 1),
+                read_timeout_s=self._disk.read_timeout_s, prefill_tokens_per_s=self._disk.prefill_tokens_per_s,
+                rescan_s=self._disk.rescan_s, admit=self._disk.admit)))
+        return self._tier_manager
 
     def get_worker(self, kv_caches):
         """vLLM >= 0.25: one worker for both directions."""

@@ -1,0 +1,99 @@
+"""The disk tier's ``kv_connector_extra_config`` keys (``NPUOffloadingSpec``), checked at start-up.
+
+- ``disk_path``: a directory for KV records (created owner-only if missing); the tier is off without it.
+- ``disk_bytes_to_use``: the records' byte budget, all tensor-parallel ranks together (required).
+- ``disk_admit``: ``reuse`` (default: a key is written once a request hits it again) or ``all``.
+- ``disk_read_timeout_s``: a read not done by then is a miss for its request (default 5).
+- ``disk_prefill_tokens_per_s``: the accelerator's prefill rate for the cost rule; 0 (default)
+  decides by the disk's queue against half the read deadline.
+- ``disk_rescan_s``: how often records other servers wrote are picked up (default 10; 0: at
+  start-up only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import OffloadConfigError
+
+logger = logging.getLogger(__name__)
+
+DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_prefill_tokens_per_s",
+             "disk_rescan_s")
+ADMIT_POLICIES = ("reuse", "all")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    path: str
+    budget_bytes: int
+    admit: str = "reuse"
+    read_timeout_s: float = 5.0
+    prefill_tokens_per_s: float = 0.0
+    rescan_s: float = 10.0
+
+
+def _number(extra: Mapping[str, Any], key: str, default: float, positive: bool) -> float:
+    if key not in extra:
+        return default
+    raw = extra[key]
+    ok = isinstance(raw, (int, float)) and not isinstance(raw, bool) and (raw > 0 if positive else raw >= 0)
+    if not ok:
+        need = "a number > 0" if positive else "a number >= 0"
+        raise OffloadConfigError(f"kv_connector_extra_config[{key!r}]={raw!r} must be {need}")
+    return float(raw)
+
+
+def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
+    """The disk tier's settings, or None when ``disk_path`` is not set (then no other disk key may be)."""
+    path = extra.get("disk_path")
+    if path is None:
+        stray = [k for k in DISK_KEYS if k in extra]
+        if stray:
+            raise OffloadConfigError(f"kv_connector_extra_config sets {stray} but not 'disk_path': the disk tier "
+                                     "needs a directory")
+        return None
+    if not isinstance(path, str) or not path.strip():
+        raise OffloadConfigError(f"kv_connector_extra_config['disk_path']={path!r} must be a directory path")
+    budget = extra.get("disk_bytes_to_use")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['disk_bytes_to_use']={budget!r}: with 'disk_path' set, give the disk "
+            "tier's byte budget for all ranks together as a positive integer (e.g. 107374182400 for 100 GiB)"
+        )
+    admit = extra.get("disk_admit", "reuse")
+    if admit not in ADMIT_POLICIES:
+        raise OffloadConfigError(f"kv_connector_extra_config['disk_admit']={admit!r} must be one of {ADMIT_POLICIES}")
+    return DiskOptions(
+        path=os.path.abspath(os.path.expanduser(path)),
+        budget_bytes=budget,
+        admit=admit,
+        read_timeout_s=_number(extra, "disk_read_timeout_s", 5.0, positive=True),
+        prefill_tokens_per_s=_number(extra, "disk_prefill_tokens_per_s", 0.0, positive=False),
+        rescan_s=_number(extra, "disk_rescan_s", 10.0, positive=False),
+    )
+
+
+def check_disk_path(opts: DiskOptions) -> bool:
+    """Create the directory if needed; False if it exists but cannot be written (a read-only tier).
+    A path that cannot be used at all is a start-up error naming the key."""
+    try:
+        os.makedirs(opts.path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['disk_path']={opts.path!r} cannot be used: {e.strerror}"
+        ) from None
+    if not os.path.isdir(opts.path):
+        raise OffloadConfigError(f"kv_connector_extra_config['disk_path']={opts.path!r} is not a directory")
+    if not os.access(opts.path, os.R_OK | os.X_OK):
+        raise OffloadConfigError(f"kv_connector_extra_config['disk_path']={opts.path!r} cannot be read")
+    writable = os.access(opts.path, os.W_OK)
+    if not writable:
+        logger.warning("disk tier: %s is read-only; records there are served, none are written", opts.path)
+    return writable
+
+
+__all__ = ["DISK_KEYS", "DiskOptions", "check_disk_path", "disk_options"]

@@ -1,0 +1,132 @@
+"""The scheduler side of ``NPUOffloadingSpec`` when a disk tier is configured: host, then disk.
+
+vLLM's own host manager (``CPUOffloadingManager``, LRU/ARC) keeps deciding everything about host
+chunks; this wrapper adds the tier below it, through the calls every vLLM from 0.23 on makes
+(``lookup`` per key, ``prepare_load``, ``touch``, ``prepare_store``, ``complete_store``), so it
+does not depend on vLLM's own tiering classes, whose contract changed with almost every release.
+
+- A lookup that misses the host but hits the disk allocates a host chunk (``prepare_store``,
+  evicting as any store would), orders the read on every rank and answers "not yet" (the request
+  waits, the step does not); once every rank has read and verified its record, the chunk is
+  completed and the next lookup is a host hit. A failed or late read is a miss.
+- Admission (``disk_admit``): with ``reuse`` a key goes to disk the first time it is hit again
+  (loaded from host, or found in the device's prefix cache while still in host), so keys that no
+  request reuses never cost a write; ``all`` writes every stored key. The chunk stays pinned
+  (``prepare_load``) until the write has ended on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..tiers.contract import Op
+from ..tiers.disk_tier import DiskTier
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+RESET_DRAIN_S = 30.0
+
+
+class TieredManager:
+    """Wraps the host tier's ``OffloadingManager``; every call it does not override goes to it."""
+
+    def __init__(self, host, tier: DiskTier):
+        self.host = host
+        self.tier = tier
+        self._ctx = compat.make_req_context("npu-offload-disk-tier")
+        self._hit, self._miss, self._defer = compat.LOOKUP_HIT, compat.LOOKUP_MISS, compat.LOOKUP_DEFER
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.host, name)
+
+    # -- completions ---------------------------------------------------------------------
+    def _settle(self) -> None:
+        for c in self.tier.poll():
+            if c.op is Op.READ:
+                self.host.complete_store([c.key], self._ctx, c.ok)
+            else:
+                self.host.complete_load([c.key], self._ctx)
+
+    # -- lookups and promotions ----------------------------------------------------------
+    def lookup(self, key, req_context):
+        self._settle()
+        if key in self.tier.abandoned:
+            return self._miss
+        result = self.host.lookup(key, req_context)
+        if result != self._miss and result is not False:
+            return result
+        if self.tier.reading(key):
+            return self._defer
+        if not self.tier.has(key) or not self.tier.worth_reading():
+            return result
+        out = self.host.prepare_store([key], self._ctx)
+        if out is None or list(out.keys_to_store) != [key]:
+            return result  # no host chunk free of pins right now: recompute
+        chunk = int(out.store_spec.block_ids[0])
+        if not self.tier.start_read(key, chunk):
+            self.host.complete_store([key], self._ctx, False)
+            return result
+        return self._defer
+
+    # -- admission to disk ---------------------------------------------------------------
+    def _admit(self, keys) -> None:
+        if not self.tier.may_write():
+            return
+        todo = [k for k in keys if self.tier.wants_write(k) and self._ready_in_host(k)]
+        if not todo:
+            return
+        spec = self.host.prepare_load(todo, self._ctx)
+        for key, chunk in zip(todo, spec.block_ids):
+            if not self.tier.start_write(key, int(chunk)):
+                self.host.complete_load([key], self._ctx)
+
+    def _ready_in_host(self, key) -> bool:
+        r = self.host.lookup(key, self._ctx)
+        return r is True or r == self._hit
+
+    def prepare_load(self, keys, req_context):
+        self._settle()
+        spec = self.host.prepare_load(keys, req_context)
+        if self.tier.cfg.admit == "reuse":
+            self._admit(list(keys))
+        return spec
+
+    def touch(self, keys, req_context):
+        self.host.touch(keys, req_context)
+        if self.tier.cfg.admit == "reuse":
+            self._settle()
+            self._admit(list(keys))
+
+    def complete_store(self, keys, req_context, success: bool = True):
+        self.host.complete_store(keys, req_context, success)
+        if success and self.tier.cfg.admit == "all":
+            self._settle()
+            self._admit(list(keys))
+
+    def prepare_store(self, keys, req_context):
+        self._settle()
+        return self.host.prepare_store(keys, req_context)
+
+    def reset_cache(self) -> None:
+        # Chunks pinned by tier I/O must not be handed out again while a thread still uses them.
+        for c in self.tier.drain(RESET_DRAIN_S):
+            if c.op is Op.READ:
+                self.host.complete_store([c.key], self._ctx, c.ok)
+            else:
+                self.host.complete_load([c.key], self._ctx)
+        if self.tier.in_flight():
+            logger.warning("disk tier: %d orders still in flight after %.0f s at reset", self.tier.in_flight(),
+                           RESET_DRAIN_S)
+        self.tier.abandoned.clear()
+        return self.host.reset_cache()
+
+    def shutdown(self) -> None:
+        self.tier.close()
+        fn = getattr(self.host, "shutdown", None)
+        if fn is not None:
+            fn()
+
+
+__all__ = ["TieredManager"]

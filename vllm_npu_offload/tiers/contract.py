@@ -1,0 +1,120 @@
+"""What a lower tier and the scheduler say to each other, and what makes a record valid.
+
+A record is one host chunk of one rank: the bytes of one offloaded key (vLLM's block hash, which
+carries ``cache_salt`` and LoRA, plus the KV-cache group) on that rank. Its validity fingerprint
+covers everything else that decides what those bytes mean: the model, the KV dtype, the host record
+layout (page sizes and offsets, i.e. each KV-cache group's spec as this rank holds it), our layout
+version and the parallelism. Two servers that agree on the fingerprint may read each other's
+records; any difference puts them in different directories, and the header is checked again on
+every read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+# Bump when the meaning of a record's bytes or header changes: old records then stop matching.
+RECORD_LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RecordIdentity:
+    """Everything that makes one rank's record bytes valid for another server."""
+
+    model: str
+    kv_dtype: str
+    page_bytes: tuple[int, ...]  # host slot of each KV tensor, in record order
+    page_offsets: tuple[int, ...]
+    record_bytes: int  # one engine block of every tensor, aligned
+    blocks_per_chunk: int
+    world_size: int  # ranks that each hold a share of a key's bytes
+    layout_version: int = RECORD_LAYOUT_VERSION
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.record_bytes * self.blocks_per_chunk
+
+    def fingerprint(self) -> str:
+        """32 hex digits over the identity; the directory records of this identity live in."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class Op(str, Enum):
+    READ = "read"  # tier -> host chunk (a promotion)
+    WRITE = "write"  # host chunk -> tier
+
+
+class Failure(str, Enum):
+    """Why a read or write did not happen; every one of them is a miss or a dropped store."""
+
+    MISSING = "missing"  # no record (evicted, or never written by this rank)
+    CORRUPT = "corrupt"  # checksum, size or header mismatch: the record is removed
+    FOREIGN = "foreign"  # a record of another identity or key under this name: removed
+    NO_SPACE = "no_space"  # ENOSPC / EDQUOT
+    READ_ONLY = "read_only"  # EROFS / EACCES / EPERM on write
+    IO_ERROR = "io_error"  # any other OSError
+    BUSY = "busy"  # the tier's queue was full: dropped before any I/O
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank's worker introduces itself to the scheduler once its host buffer exists."""
+
+    rank: int
+    identity: RecordIdentity
+    writable: bool
+    direct_io: bool
+    read_bytes_per_s: float  # measured at start-up on the tier's own path
+    write_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Order:
+    seq: int
+    op: Op
+    key: bytes
+    chunk: int  # host chunk id (the manager's block id) on every rank
+
+
+@dataclass(frozen=True)
+class Done:
+    seq: int
+    rank: int
+    op: Op
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    failure: Failure | None = None
+    detail: str = ""
+
+
+@dataclass
+class TierStats:
+    """Counters a tier reports (log line and metrics); monotonically increasing except ``*_now``."""
+
+    hits: int = 0  # keys promoted to host
+    misses_cost: int = 0  # on the tier, recomputed because the read would not have been faster
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    stores: int = 0  # keys written
+    dropped_stores: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    read_failures: int = 0
+    timeouts: int = 0
+    used_bytes_now: int = 0
+    keys_now: int = 0
+    by_failure: dict[str, int] = field(default_factory=dict)
+
+    def count_failure(self, failure: Failure | None) -> None:
+        name = failure.value if failure is not None else "unknown"
+        self.by_failure[name] = self.by_failure.get(name, 0) + 1
+
+
+__all__ = ["Done", "Failure", "Hello", "Op", "Order", "RECORD_LAYOUT_VERSION", "RecordIdentity", "TierStats"]

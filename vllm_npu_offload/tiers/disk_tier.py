@@ -1,0 +1,359 @@
+"""The scheduler's side of the disk tier: what is on disk, what to read and write, and when not to.
+
+Everything here is called on the scheduler's thread and returns at once. Orders go to every rank's
+``DiskTierServer`` over its socket; their answers come back on receiver threads into a queue that
+``poll`` drains. A key on disk is promoted into the host tier (read into a host chunk the caller
+allocated) before a request may count it as a hit, so a record that fails its checks is a miss
+and the tokens are recomputed: a request never waits on a read that went wrong, and never loads
+bytes that were not verified.
+
+The cost rule: a read is started only if the disk, with what is already queued on it, delivers the
+key sooner than the accelerator would recompute its tokens (``prefill_tokens_per_s``), or, when no
+prefill rate is given, within half the read deadline: on a busy server the accelerator's prefill is
+shared by every request while the disk's reads run beside it, so the queue is the cost that
+matters. A read that misses its deadline turns the lookup into a miss; its chunk is released only
+when the read has really ended (a late read must not land in a chunk that holds something else).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .channel import connect, socket_path
+from .contract import Done, Failure, Hello, Op, Order, TierStats
+from .disk_index import DiskIndex, scan
+from .disk_io import RecordFiles
+from .record import HEADER_BYTES
+
+logger = logging.getLogger(__name__)
+
+NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
+RECONNECT_S = 0.2
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    root: str
+    budget_bytes: int  # all ranks' records together
+    world_size: int
+    engine_id: str
+    tokens_per_key: int
+    read_timeout_s: float = 5.0
+    prefill_tokens_per_s: float = 0.0  # 0: decide by the read queue and the deadline
+    rescan_s: float = 10.0  # 0: scan once at start-up
+    admit: str = "reuse"  # "reuse": write a key once it is hit again; "all": every stored key
+    max_write_backlog_bytes: int = 1 << 30
+
+
+@dataclass
+class Completion:
+    key: bytes
+    op: Op
+    ok: bool
+    chunk: int
+
+
+@dataclass
+class _Pending:
+    key: bytes
+    op: Op
+    chunk: int
+    ranks_left: set[int]
+    started: float
+    ok: bool = True
+    nbytes: int = 0
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+
+
+class DiskTier:
+    def __init__(self, cfg: DiskTierConfig):
+        self.cfg = cfg
+        self.stats = TierStats()
+        self.index: DiskIndex | None = None
+        self.files: RecordFiles | None = None
+        self.read_rate = 0.0
+        self.writable = False
+        self._hellos: dict[int, Hello] = {}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._conns: list = [None] * cfg.world_size
+        self._pending: dict[int, _Pending] = {}
+        self._reads: dict[bytes, int] = {}  # key -> seq
+        self._writes: dict[bytes, int] = {}
+        self.abandoned: set[bytes] = set()
+        self._seq = 0
+        self._read_backlog = 0
+        self._write_backlog = 0
+        self._stores_paused_until = 0.0
+        self._warned: set[str] = set()
+        self._closed = threading.Event()
+        self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
+        self._addresses = [socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)]
+        self._connector = threading.Thread(target=self._connect_all, name="npu-kv-disk-connect", daemon=True)
+        self._connector.start()
+
+    # -- background threads ------------------------------------------------------------------
+    def _connect_all(self) -> None:
+        while not self._closed.is_set():
+            for rank, addr in enumerate(self._addresses):
+                if self._conns[rank] is not None:
+                    continue
+                try:
+                    conn = connect(addr)
+                except OSError:
+                    continue
+                self._conns[rank] = conn
+                threading.Thread(target=self._receive, args=(rank, conn), name=f"npu-kv-disk-recv-r{rank}",
+                                 daemon=True).start()
+            self._closed.wait(RECONNECT_S)
+
+    def _receive(self, rank: int, conn) -> None:
+        try:
+            while True:
+                self._events.put(conn.recv())
+        except (EOFError, OSError):
+            self._events.put(("down", rank))
+
+    def _janitor(self) -> None:
+        assert self.files is not None
+        next_scan = 0.0
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if now >= next_scan:
+                self._events.put(("scan", scan(self.files.dir, self.cfg.world_size)))
+                next_scan = now + self.cfg.rescan_s if self.cfg.rescan_s > 0 else float("inf")
+            try:
+                key = self._to_delete.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            for rank in range(self.cfg.world_size):
+                self.files.remove(key, rank)
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        return self.index is not None and all(c is not None for c in self._conns)
+
+    def _on_hello(self, h: Hello) -> None:
+        self._hellos[h.rank] = h
+        if len(self._hellos) < self.cfg.world_size or self.index is not None:
+            return
+        ids = {x.identity for x in self._hellos.values()}
+        if len(ids) != 1:
+            logger.error("disk tier off: the ranks disagree on the record identity (%s)", ids)
+            return
+        ident = ids.pop()
+        self.files = RecordFiles(Path(self.cfg.root), ident.fingerprint())
+        self.index = DiskIndex(self.cfg.budget_bytes, (ident.chunk_bytes + HEADER_BYTES) * self.cfg.world_size)
+        self.read_rate = min(x.read_bytes_per_s for x in self._hellos.values())
+        self.writable = all(x.writable for x in self._hellos.values())
+        threading.Thread(target=self._janitor, name="npu-kv-disk-janitor", daemon=True).start()
+        logger.info(
+            "disk tier: %s, budget %.1f GiB (%d keys of %d bytes over %d ranks), %s I/O, read %.2f GB/s, "
+            "write %.2f GB/s, reads at most %.1f s%s", self.files.dir, self.cfg.budget_bytes / 2**30,
+            self.cfg.budget_bytes // self.index.key_bytes, self.index.key_bytes, self.cfg.world_size,
+            "direct" if all(x.direct_io for x in self._hellos.values()) else "buffered",
+            self.read_rate / 1e9, min(x.write_bytes_per_s for x in self._hellos.values()) / 1e9,
+            self.cfg.read_timeout_s, "" if self.writable else ", read-only",
+        )
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(msg, *args)
+
+    def poll(self) -> list[Completion]:
+        """Take in everything the ranks said; returns the orders that ended on every rank."""
+        out: list[Completion] = []
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, Hello):
+                self._on_hello(ev)
+            elif isinstance(ev, Done):
+                c = self._on_done(ev)
+                if c is not None:
+                    out.append(c)
+            elif ev[0] == "scan" and self.index is not None:
+                self.index.merge(ev[1])
+            elif ev[0] == "down":
+                self._conns[ev[1]] = None
+                self._warn_once(f"down{ev[1]}", "disk tier: rank %d's worker went away; the tier is off", ev[1])
+        now = time.monotonic()
+        for p in self._pending.values():
+            if p.op is Op.READ and p.key not in self.abandoned and now - p.started > self.cfg.read_timeout_s:
+                self.abandoned.add(p.key)
+                self.stats.timeouts += 1
+                self._warn_once("timeout", "disk tier: a read took over %.1f s; its request recomputes",
+                                self.cfg.read_timeout_s)
+        if self.index is not None:
+            self.stats.used_bytes_now = self.index.used_bytes
+            self.stats.keys_now = len(self.index)
+        return out
+
+    def _on_done(self, d: Done) -> Completion | None:
+        p = self._pending.get(d.seq)
+        if p is None:
+            return None
+        p.ranks_left.discard(d.rank)
+        p.nbytes += d.nbytes
+        p.seconds = max(p.seconds, d.seconds)
+        if not d.ok:
+            p.ok = False
+            p.failures.append(d.failure or Failure.IO_ERROR)
+            logger.debug("disk tier: %s of %s failed on rank %d: %s", d.op.value, p.key.hex()[:16], d.rank, d.detail)
+        if p.ranks_left:
+            return None
+        del self._pending[d.seq]
+        size = self.index.key_bytes if self.index else 0
+        if p.op is Op.READ:
+            self._reads.pop(p.key, None)
+            self._read_backlog -= size
+            self.abandoned.discard(p.key)
+            self._finish_read(p)
+        else:
+            self._writes.pop(p.key, None)
+            self._write_backlog -= size
+            self._finish_write(p)
+        return Completion(p.key, p.op, p.ok, p.chunk)
+
+    def _finish_read(self, p: _Pending) -> None:
+        s = self.stats
+        if p.ok:
+            s.hits += 1
+            s.read_bytes += p.nbytes
+            s.read_seconds += p.seconds
+            return
+        s.read_failures += 1
+        for f in p.failures:
+            s.count_failure(f)
+            if f in (Failure.CORRUPT, Failure.FOREIGN):
+                s.checksum_failures += 1
+        if any(f in (Failure.CORRUPT, Failure.FOREIGN) for f in p.failures):
+            self._warn_once("corrupt", "disk tier: a record failed its checks and was removed; recomputing")
+        if self.index is not None and self.index.remove(p.key):
+            self._to_delete.put(p.key)  # the other ranks' records of it are useless now
+
+    def _finish_write(self, p: _Pending) -> None:
+        s = self.stats
+        if p.ok:
+            s.stores += 1
+            s.write_bytes += p.nbytes
+            s.write_seconds += p.seconds
+            if self.index is not None:
+                self.index.add(p.key)
+                for key in self.index.over_budget(protected=self._reads):
+                    s.evictions += 1
+                    self._to_delete.put(key)
+            return
+        s.dropped_stores += 1
+        for f in p.failures:
+            s.count_failure(f)
+        if Failure.READ_ONLY in p.failures:
+            self.writable = False
+            self._warn_once("ro", "disk tier: %s is not writable; stores are dropped, reads go on", self.cfg.root)
+        elif Failure.NO_SPACE in p.failures:
+            self._stores_paused_until = time.monotonic() + NO_SPACE_BACKOFF_S
+            self._warn_once("nospace", "disk tier: %s is full (ENOSPC); stores pause %.0f s at a time",
+                            self.cfg.root, NO_SPACE_BACKOFF_S)
+        self._to_delete.put(p.key)  # a partial write: no rank's record may stay alone
+
+    # -- decisions -------------------------------------------------------------------------
+    def has(self, key: bytes) -> bool:
+        return self.up and self.index is not None and key in self.index
+
+    def reading(self, key: bytes) -> bool:
+        return key in self._reads
+
+    def writing(self, key: bytes) -> bool:
+        return key in self._writes
+
+    def worth_reading(self) -> bool:
+        """The cost rule (module docstring) for one more key now."""
+        if self.index is None or self.read_rate <= 0:
+            return False
+        seconds = (self._read_backlog + self.index.key_bytes) / self.read_rate
+        if self.cfg.prefill_tokens_per_s > 0:
+            ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
+        else:
+            ok = seconds < 0.5 * self.cfg.read_timeout_s
+        if not ok:
+            self.stats.misses_cost += 1
+        return ok
+
+    def wants_write(self, key: bytes) -> bool:
+        """Whether a write of ``key`` should start now (not on disk, not moving, room in the queue)."""
+        return (self.may_write() and self.index is not None and key not in self.index
+                and key not in self._writes and key not in self._reads)
+
+    def may_write(self) -> bool:
+        return (self.up and self.writable and time.monotonic() >= self._stores_paused_until
+                and self._write_backlog < self.cfg.max_write_backlog_bytes)
+
+    def _send(self, op: Op, key: bytes, chunk: int) -> bool:
+        self._seq += 1
+        seq = self._seq
+        order = Order(seq, op, key, chunk)
+        self._pending[seq] = _Pending(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
+        sent = 0
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(order)
+                sent += 1
+            except (OSError, AttributeError):
+                self._conns[rank] = None
+        if sent == 0:
+            del self._pending[seq]
+            return False
+        # a rank that did not get the order answers nothing; the order then never ends (see poll)
+        return True
+
+    def start_read(self, key: bytes, chunk: int) -> bool:
+        if not self._send(Op.READ, key, chunk):
+            return False
+        self._reads[key] = self._seq
+        self._read_backlog += self.index.key_bytes
+        self.index.touch(key)
+        return True
+
+    def start_write(self, key: bytes, chunk: int) -> bool:
+        if not self._send(Op.WRITE, key, chunk):
+            return False
+        self._writes[key] = self._seq
+        self._write_backlog += self.index.key_bytes
+        return True
+
+    def drop_store(self, failure: Failure = Failure.BUSY) -> None:
+        self.stats.dropped_stores += 1
+        self.stats.count_failure(failure)
+
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def drain(self, timeout_s: float) -> list[Completion]:
+        """Wait (blocking) until no order is in flight, at most ``timeout_s``; for resets only."""
+        out = self.poll()
+        end = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < end:
+            time.sleep(0.005)
+            out += self.poll()
+        return out
+
+    def close(self) -> None:
+        self._closed.set()
+        for c in self._conns:
+            if c is not None:
+                try:
+                    c.close()
+                except OSError:
+                    pass
+
+
+__all__ = ["Completion", "DiskTier", "DiskTierConfig"]

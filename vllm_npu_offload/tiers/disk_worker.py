@@ -1,0 +1,136 @@
+"""A rank's side of the disk tier: reads and writes whole host chunks on its own threads.
+
+It owns nothing the scheduler does not hand it: an order names a key and a host chunk, and the
+scheduler has pinned that chunk in its host-tier manager for the order's whole life (a write's
+chunk cannot be evicted or rewritten, a read's chunk is loadable only after the read is done), so
+the I/O threads never race a device transfer. The model's step and the engine's thread never wait
+for any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .channel import listen
+from .contract import Done, Failure, Hello, Op, Order, RecordIdentity
+from .disk_io import RecordFiles, TierIOError, page_buffer, probe_rates, remove_stale_temporaries
+from .record import RecordError
+
+logger = logging.getLogger(__name__)
+
+IO_THREADS = 4  # a few reads in flight keep a disk's queue busy; CRC-32C runs on the same threads
+
+
+class DiskTierServer:
+    """Serves one scheduler connection at a time on ``address`` for one rank's host buffer."""
+
+    def __init__(self, host: memoryview, identity: RecordIdentity, rank: int, root: str, address: str,
+                 probe_bytes: int = 64 << 20, io_threads: int = IO_THREADS):
+        self.host = host
+        self.identity = identity
+        self.rank = rank
+        self.files = RecordFiles(Path(root), identity.fingerprint())
+        self.address = address
+        self.chunk_bytes = identity.chunk_bytes
+        self.num_chunks = host.nbytes // self.chunk_bytes
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"npu-kv-disk-r{rank}")
+        self._headers: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(io_threads):
+            self._headers.put(page_buffer())
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.writable, self.read_rate, self.write_rate = self._prepare(probe_bytes)
+        self._listener = listen(address)
+        self._thread = threading.Thread(target=self._serve, name=f"npu-kv-disk-accept-r{rank}", daemon=True)
+        self._thread.start()
+        logger.info(
+            "disk tier (rank %d): %s, record %d bytes, %s I/O, read %.2f GB/s, write %.2f GB/s%s",
+            rank, self.files.dir, self.chunk_bytes, "direct" if self.files.direct else "buffered",
+            self.read_rate / 1e9, self.write_rate / 1e9, "" if self.writable else ", read-only: no stores",
+        )
+
+    def _prepare(self, probe_bytes: int) -> tuple[bool, float, float]:
+        try:
+            self.files.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            remove_stale_temporaries(self.files.dir)
+            read, write = probe_rates(self.files, probe_bytes)
+            return True, read, write
+        except (OSError, TierIOError) as e:
+            logger.warning("disk tier (rank %d): %s is not writable (%s): it serves reads only", self.rank,
+                           self.files.dir, e)
+            return False, 0.0, 0.0
+
+    def hello(self) -> Hello:
+        return Hello(self.rank, self.identity, self.writable, self.files.direct, self.read_rate, self.write_rate)
+
+    # -- serving -------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return
+            try:
+                conn.send(self.hello())
+                while not self._closed:
+                    order = conn.recv()
+                    self._pool.submit(self._run, conn, order)
+            except (EOFError, OSError):
+                pass  # the scheduler went away; wait for the next one
+            finally:
+                conn.close()
+
+    def _run(self, conn, order: Order) -> None:
+        done = self.execute(order)
+        try:
+            with self._send_lock:
+                conn.send(done)
+        except OSError:
+            pass
+
+    def execute(self, order: Order) -> Done:
+        """Carry out one order now (on the calling thread); never raises."""
+        t0 = time.perf_counter()
+        if not 0 <= order.chunk < self.num_chunks:
+            return Done(order.seq, self.rank, order.op, False, failure=Failure.IO_ERROR,
+                        detail=f"host chunk {order.chunk} out of range [0, {self.num_chunks})")
+        view = self.host[order.chunk * self.chunk_bytes:(order.chunk + 1) * self.chunk_bytes]
+        hdr = self._headers.get()
+        try:
+            if order.op is Op.READ:
+                n = self.files.read_into(order.key, self.rank, self.identity.world_size, view, hdr)
+            else:
+                if not self.writable:
+                    raise TierIOError(Failure.READ_ONLY, f"{self.files.dir} is read-only")
+                n = self.files.write_from(order.key, self.rank, self.identity.world_size, view, hdr)
+            return Done(order.seq, self.rank, order.op, True, n, time.perf_counter() - t0)
+        except RecordError as e:
+            self.files.remove(order.key, self.rank)  # never to be read again
+            return Done(order.seq, self.rank, order.op, False, failure=e.failure, detail=str(e))
+        except TierIOError as e:
+            return Done(order.seq, self.rank, order.op, False, failure=e.failure, detail=str(e))
+        except Exception as e:  # a tier never takes the worker down: the order fails, the key is a miss
+            return Done(order.seq, self.rank, order.op, False, failure=Failure.IO_ERROR, detail=repr(e))
+        finally:
+            self._headers.put(hdr)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.address)
+        except OSError:
+            pass
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["DiskTierServer"]
