@@ -18,6 +18,8 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from typing import Any
 
 from ..tiers.contract import Op
@@ -27,6 +29,12 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 RESET_DRAIN_S = 30.0
+_LIVE: "weakref.WeakSet[TieredManager]" = weakref.WeakSet()
+
+
+def live_tier_managers() -> list["TieredManager"]:
+    """Tier managers alive in this process (diagnostics and tests)."""
+    return list(_LIVE)
 
 
 class TieredManager:
@@ -37,6 +45,15 @@ class TieredManager:
         self.tier = tier
         self._ctx = compat.make_req_context("npu-offload-disk-tier")
         self._hit, self._miss, self._defer = compat.LOOKUP_HIT, compat.LOOKUP_MISS, compat.LOOKUP_DEFER
+        _LIVE.add(self)
+
+    def settle(self, timeout_s: float = 0.0) -> None:
+        """Take in the tier's finished orders, waiting up to ``timeout_s`` for those in flight."""
+        self._settle()
+        end = time.monotonic() + timeout_s
+        while self.tier.in_flight() and time.monotonic() < end:
+            time.sleep(0.005)
+            self._settle()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.host, name)
@@ -129,4 +146,4 @@ class TieredManager:
             fn()
 
 
-__all__ = ["TieredManager"]
+__all__ = ["TieredManager", "live_tier_managers"]
