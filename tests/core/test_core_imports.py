@@ -1,4 +1,4 @@
-"""The core must import with torch and numpy alone (the GPU bench machine has no vLLM): every
+"""The core must import with torch, numpy and crc32c alone (the GPU bench machine has no vLLM): every
 module of the package except the adapters (``integration``), the demo and ``__main__``."""
 
 import subprocess

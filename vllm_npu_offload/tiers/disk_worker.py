@@ -59,7 +59,9 @@ class DiskTierServer:
         try:
             self.files.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             remove_stale_temporaries(self.files.dir)
-            read, write = probe_rates(self.files, probe_bytes)
+            st = os.statvfs(self.files.dir)
+            room = st.f_bavail * st.f_frsize // 8 // 4096 * 4096  # never fill a small filesystem to probe it
+            read, write = probe_rates(self.files, max(4096, min(probe_bytes, room)))
             return True, read, write
         except (OSError, TierIOError) as e:
             logger.warning("disk tier (rank %d): %s is not writable (%s): it serves reads only", self.rank,

@@ -1,0 +1,324 @@
+"""The disk tier's core without vLLM: rank workers over real host buffers, the scheduler-side tier over
+their sockets, real files. Byte-exact round trips, every bad record a miss, the budget, sharing a
+path, a full and a read-only filesystem, a read past its deadline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_npu_offload.tiers.channel import socket_path
+from vllm_npu_offload.tiers.contract import Failure, Op, RecordIdentity
+from vllm_npu_offload.tiers.disk_index import DiskIndex
+from vllm_npu_offload.tiers.disk_io import RecordFiles
+from vllm_npu_offload.tiers.disk_tier import DiskTier, DiskTierConfig
+from vllm_npu_offload.tiers.disk_worker import DiskTierServer
+from vllm_npu_offload.tiers.record import HEADER_BYTES
+
+CHUNK = 256 << 10
+CHUNKS = 8
+
+
+def identity(world: int = 1, dtype: str = "bfloat16", chunk: int = CHUNK) -> RecordIdentity:
+    return RecordIdentity("tiny-llama", dtype, (chunk // 2, chunk // 2), (0, chunk // 2), chunk, 1, world)
+
+
+class Rig:
+    """``world`` rank workers (each its own host buffer) and one scheduler-side tier on ``root``."""
+
+    def __init__(self, root: Path, world: int = 1, budget: int = 64 << 20, ident: RecordIdentity | None = None,
+                 **cfg):
+        self.engine = uuid.uuid4().hex
+        self.ident = ident or identity(world)
+        self.hosts = [np.zeros(CHUNKS * self.ident.chunk_bytes, dtype=np.uint8) for _ in range(world)]
+        self.servers = [DiskTierServer(memoryview(h), self.ident, r, str(root), socket_path(self.engine, str(root), r),
+                                       probe_bytes=1 << 20) for r, h in enumerate(self.hosts)]
+        self.tier = DiskTier(DiskTierConfig(str(root), budget, world, self.engine, tokens_per_key=16, **cfg))
+        end = time.monotonic() + 10
+        while not self.tier.up:
+            assert time.monotonic() < end, "the tier did not come up"
+            self.tier.poll()
+            time.sleep(0.005)
+
+    def fill(self, chunk: int, seed: int) -> list[np.ndarray]:
+        out = []
+        for r, h in enumerate(self.hosts):
+            data = np.random.default_rng(seed * 10 + r).integers(0, 256, self.ident.chunk_bytes, dtype=np.uint8)
+            h[chunk * self.ident.chunk_bytes:(chunk + 1) * self.ident.chunk_bytes] = data
+            out.append(data)
+        return out
+
+    def chunk(self, rank: int, chunk: int) -> np.ndarray:
+        c = self.ident.chunk_bytes
+        return self.hosts[rank][chunk * c:(chunk + 1) * c]
+
+    def wait(self, timeout: float = 10.0):
+        out = []
+        end = time.monotonic() + timeout
+        while self.tier.in_flight() and time.monotonic() < end:
+            out += self.tier.poll()
+            time.sleep(0.002)
+        return out + self.tier.poll()
+
+    def close(self):
+        self.tier.close()
+        for s in self.servers:
+            s.shutdown()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path / "kv"
+
+
+def test_round_trip_byte_exact_on_every_rank(root):
+    rig = Rig(root, world=2)
+    try:
+        want = rig.fill(1, seed=3)
+        assert rig.tier.wants_write(b"key-a")
+        assert rig.tier.start_write(b"key-a", 1)
+        (done,) = rig.wait()
+        assert done.ok and done.op is Op.WRITE and rig.tier.has(b"key-a")
+        assert not rig.tier.wants_write(b"key-a")  # content-addressed: never twice
+        assert rig.tier.start_read(b"key-a", 5)
+        (done,) = rig.wait()
+        assert done.ok and done.chunk == 5
+        for r in range(2):
+            assert np.array_equal(rig.chunk(r, 5), want[r]), f"rank {r}'s chunk differs after the round trip"
+        files = sorted(p.name for p in root.rglob("*.r*"))
+        assert files == [f"{b'key-a'.hex()}.r0", f"{b'key-a'.hex()}.r1"]
+        assert all((p.stat().st_mode & 0o777) == 0o600 for p in root.rglob("*.r*"))
+        assert (root / rig.ident.fingerprint()).stat().st_mode & 0o777 == 0o700
+        assert rig.tier.stats.hits == 1 and rig.tier.stats.read_bytes == 2 * (CHUNK + HEADER_BYTES)
+    finally:
+        rig.close()
+
+
+def _written(rig: Rig, key: bytes, chunk: int = 0) -> None:
+    rig.fill(chunk, seed=len(key))
+    rig.tier.start_write(key, chunk)
+    assert rig.wait()[0].ok
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated", "empty", "other_key", "other_rank"])
+def test_bad_records_are_misses_and_removed(root, damage):
+    rig = Rig(root, world=1)
+    try:
+        _written(rig, b"good")
+        _written(rig, b"other", chunk=1)
+        files = RecordFiles(root, rig.ident.fingerprint())
+        path = files.path(b"good", 0)
+        raw = bytearray(path.read_bytes())
+        if damage == "payload":
+            raw[HEADER_BYTES + 7] ^= 0x01
+        elif damage == "header":
+            raw[40] ^= 0x01
+        elif damage == "truncated":
+            raw = raw[: HEADER_BYTES + CHUNK // 2]
+        elif damage == "empty":
+            raw = bytearray()
+        elif damage == "other_key":  # a whole, valid record of another key under this key's name
+            raw = bytearray(files.path(b"other", 0).read_bytes())
+        elif damage == "other_rank":
+            raw[12:16] = (1).to_bytes(4, "little")
+        path.write_bytes(bytes(raw))
+        rig.tier.start_read(b"good", 4)
+        (done,) = rig.wait()
+        assert not done.ok
+        assert not path.exists(), "a record that failed its checks must be removed"
+        assert not rig.tier.has(b"good")
+        assert rig.tier.stats.checksum_failures == 1 and rig.tier.stats.hits == 0
+    finally:
+        rig.close()
+
+
+def test_foreign_identities_never_meet(root):
+    a = Rig(root, world=1, ident=identity(dtype="bfloat16"))
+    try:
+        _written(a, b"shared-prefix")
+    finally:
+        a.close()
+    for other in (identity(dtype="float16"), identity(world=1, chunk=CHUNK // 2), identity(world=2)):
+        assert other.fingerprint() != a.ident.fingerprint()
+        b = Rig(root, world=other.world_size, ident=other, rescan_s=0)
+        try:
+            assert not b.tier.has(b"shared-prefix")
+        finally:
+            b.close()
+    # and a foreign record copied under this identity's name is refused by its header
+    files_a = RecordFiles(root, a.ident.fingerprint())
+    c = Rig(root, world=1, ident=identity(dtype="float8_e4m3fn"))
+    try:
+        dst = RecordFiles(root, c.ident.fingerprint()).path(b"shared-prefix", 0)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(files_a.path(b"shared-prefix", 0).read_bytes())
+        order_done = c.servers[0].execute(_order(Op.READ, b"shared-prefix", 2))
+        assert not order_done.ok and order_done.failure is Failure.FOREIGN and not dst.exists()
+    finally:
+        c.close()
+
+
+def _order(op, key, chunk):
+    from vllm_npu_offload.tiers.contract import Order
+
+    return Order(1, op, key, chunk)
+
+
+def test_restart_and_sharing_see_earlier_records(root):
+    a = Rig(root, world=1, rescan_s=0.1)
+    b = Rig(root, world=1, rescan_s=0.1)  # a second server on the same path, running at the same time
+    try:
+        want = a.fill(0, seed=9)[0]
+        a.tier.start_write(b"conv-1", 0)
+        assert a.wait()[0].ok
+        end = time.monotonic() + 5
+        while not b.tier.has(b"conv-1"):
+            assert time.monotonic() < end, "the second server never saw the first one's record"
+            b.tier.poll()
+            time.sleep(0.02)
+        b.tier.start_read(b"conv-1", 3)
+        assert b.wait()[0].ok and np.array_equal(b.chunk(0, 3), want)
+    finally:
+        a.close()
+        b.close()
+    c = Rig(root, world=1)  # a restart: the start-up scan finds it
+    try:
+        end = time.monotonic() + 5
+        while not c.tier.has(b"conv-1"):
+            assert time.monotonic() < end
+            c.tier.poll()
+            time.sleep(0.01)
+    finally:
+        c.close()
+
+
+def test_budget_holds_after_many_stores(root):
+    key_bytes = CHUNK + HEADER_BYTES
+    rig = Rig(root, world=1, budget=5 * key_bytes)
+    try:
+        for i in range(40):
+            rig.fill(i % CHUNKS, seed=i)
+            rig.tier.start_write(f"k{i}".encode(), i % CHUNKS)
+            rig.wait()
+        assert rig.tier.index.used_bytes <= 5 * key_bytes and len(rig.tier.index) == 5
+        assert rig.tier.stats.evictions == 35
+        end = time.monotonic() + 5
+        while len(list(root.rglob("*.r0"))) > 5:
+            assert time.monotonic() < end, "evicted records stayed on disk"
+            time.sleep(0.02)
+        kept = {p.name.split(".")[0] for p in root.rglob("*.r0")}
+        assert kept == {f"k{i}".encode().hex() for i in range(35, 40)}  # least recently used went first
+    finally:
+        rig.close()
+
+
+def test_index_sizing_at_a_real_shape():
+    """Llama-3-70B at TP 8, bf16: 80 layers, K and V of one 8-head... one KV head per rank, 16-token blocks."""
+    page = 16 * 1 * 128 * 2  # tokens x kv heads per rank x head dim x bf16
+    ident = RecordIdentity("meta-llama/Llama-3.3-70B-Instruct", "bfloat16", (page,) * 160,
+                           tuple(i * page for i in range(160)), 160 * page, 4, 8)
+    assert ident.chunk_bytes == 160 * page * 4 == 2_621_440
+    index = DiskIndex(budget_bytes=1 << 40, key_bytes=(ident.chunk_bytes + HEADER_BYTES) * 8)
+    assert index.key_bytes == 21_004_288
+    assert (1 << 40) // index.key_bytes == 52_347  # keys (64 tokens each) a 1 TiB budget holds
+    for i in range(52_347):
+        index.add(i.to_bytes(8, "big"))
+    assert index.over_budget() == []
+    index.add(b"one more")
+    assert index.over_budget() == [(0).to_bytes(8, "big")]
+
+
+def _mount_tmpfs(path: Path, opts: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_drops_stores_and_keeps_serving(tmp_path):
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "size=1m,mode=0700"):
+        pytest.skip("needs root to mount a 1 MiB tmpfs")
+    try:
+        rig = Rig(mnt, world=1)
+        try:
+            _written(rig, b"first")  # 260 KiB of the 1 MiB
+            results = []
+            for i in range(6):
+                rig.fill(i % CHUNKS, seed=i)
+                if rig.tier.wants_write(f"x{i}".encode()):
+                    rig.tier.start_write(f"x{i}".encode(), i % CHUNKS)
+                    results += rig.wait()
+            assert any(not r.ok for r in results), "a 1 MiB filesystem took every record"
+            assert rig.tier.stats.dropped_stores >= 1 and rig.tier.stats.by_failure.get("no_space", 0) >= 1
+            assert not rig.tier.may_write(), "stores go on at once after ENOSPC"
+            assert not [p for p in mnt.rglob("*") if ".tmp." in p.name], "a failed write left its temporary file"
+            rig.tier.start_read(b"first", 6)  # reads go on
+            assert rig.wait()[0].ok
+        finally:
+            rig.close()
+    finally:
+        _umount(mnt)
+
+
+def test_read_only_path_serves_reads_and_drops_stores(tmp_path):
+    mnt = tmp_path / "ro"
+    if not _mount_tmpfs(mnt, "size=4m,mode=0700"):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        rig = Rig(mnt, world=1)
+        want = rig.fill(0, seed=1)[0]
+        rig.tier.start_write(b"kept", 0)
+        assert rig.wait()[0].ok
+        rig.close()
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+        rig = Rig(mnt, world=1)
+        try:
+            assert all(not s.writable for s in rig.servers) and not rig.tier.writable
+            assert not rig.tier.wants_write(b"new")
+            rig.tier.start_read(b"kept", 2)
+            assert rig.wait()[0].ok and np.array_equal(rig.chunk(0, 2), want)
+        finally:
+            rig.close()
+    finally:
+        _umount(mnt)
+
+
+def test_a_read_past_its_deadline_is_a_miss_and_its_chunk_waits(root, monkeypatch):
+    rig = Rig(root, world=1, read_timeout_s=0.2)
+    try:
+        _written(rig, b"slow")
+        real = RecordFiles.read_into
+
+        def slow(self, *a, **k):
+            time.sleep(0.6)  # a hung network filesystem, for a while
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(RecordFiles, "read_into", slow)
+        rig.tier.start_read(b"slow", 3)
+        time.sleep(0.3)
+        assert rig.tier.poll() == [] and b"slow" in rig.tier.abandoned and rig.tier.stats.timeouts == 1
+        assert rig.tier.reading(b"slow"), "the chunk is released before the read has ended"
+        (done,) = rig.wait()
+        assert done.ok and b"slow" not in rig.tier.abandoned
+    finally:
+        rig.close()
+
+
+def test_out_of_range_chunk_is_refused(root):
+    rig = Rig(root, world=1)
+    try:
+        d = rig.servers[0].execute(_order(Op.WRITE, b"k", CHUNKS))
+        assert not d.ok and "out of range" in d.detail
+    finally:
+        rig.close()
