@@ -82,6 +82,11 @@ def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path)
             assert r2[t]["tokens"] == reference[t]["tokens"], f"turn {t}: round 2 differs from offload-off"
         assert stats.hits > 0, "the host tier is smaller than the conversation, yet nothing came from disk"
         assert sum(r["cached"] for r in r2) > 0
+        reported = eng.manager.get_stats()  # what vLLM >= 0.28 publishes as /metrics
+        counts = reported.data["data"] if reported is not None and hasattr(reported, "data") else None
+        if counts is not None:  # counters are reported as increments since the last report
+            assert "vllm:kv_offload_disk_hits" in counts and "vllm:kv_offload_disk_usage_bytes" in counts
+            assert eng.manager._reported["vllm:kv_offload_disk_hits"] == stats.hits
     finally:
         eng.close()
     files = _records(disk)
@@ -118,3 +123,12 @@ def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path)
         assert s.read_failures == s.checksum_failures
     finally:
         eng.close()
+
+
+def test_metric_definitions_name_the_disk_counters():
+    from vllm_npu_offload.integration.spec import NPUOffloadingSpec
+
+    defs = NPUOffloadingSpec.build_metric_definitions({"disk_path": "/x", "disk_bytes_to_use": 1})
+    assert "vllm:kv_offload_disk_hits" in defs and "vllm:kv_offload_disk_usage_bytes" in defs
+    assert "vllm:kv_offload_cpu_cache_usage_perc" in defs
+    assert not any("disk" in k for k in NPUOffloadingSpec.build_metric_definitions({}))

@@ -496,3 +496,14 @@ def engine_facts(args: tuple, kwargs: dict) -> EngineFacts:
         dtype = vllm_config.model_config.dtype
     return EngineFacts(str(vllm_config.kv_transfer_config.engine_id), str(vllm_config.model_config.model),
                        str(dtype), int(getattr(par, "rank", 0)), int(par.world_size))
+
+
+def disk_metric_definitions(counters, gauges) -> dict:
+    """vLLM's metric metadata for the disk tier's (name, field, help) rows; empty before 0.28."""
+    counter = getattr(_base, "OffloadingCounterMetadata", None)
+    gauge = getattr(_base, "OffloadingGaugeMetadata", None)
+    if counter is None or gauge is None:
+        return {}
+    out = {name: counter(documentation=doc) for name, _, doc in counters}
+    out.update({name: gauge(documentation=doc) for name, _, doc in gauges})
+    return out

@@ -32,7 +32,7 @@ from .options import (
     staging_bytes_option,
     validate_extra_config,
 )
-from .tiered_manager import TieredManager
+from .tiered_manager import DISK_COUNTERS, DISK_GAUGES, TieredManager
 from .workers import NPUOffloadingWorker, handler_pair
 from ..tiers.contract import RecordIdentity
 from ..tiers.channel import socket_path
@@ -156,6 +156,14 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         if self._disk is not None:
             self._tier_server = start_disk_worker(core, self._disk.path, self._facts)
         return self.npu_router
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config):
+        """vLLM >= 0.28's metrics of the host tier, plus the disk tier's when it is configured."""
+        defs = dict(super().build_metric_definitions(extra_config))
+        if extra_config.get("disk_path"):
+            defs.update(compat.disk_metric_definitions(DISK_COUNTERS, DISK_GAUGES))
+        return defs
 
     def get_manager(self):
         """The host tier's manager (vLLM's), wrapped by the disk tier's when ``disk_path`` is set."""

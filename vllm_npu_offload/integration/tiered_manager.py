@@ -29,6 +29,26 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 RESET_DRAIN_S = 30.0
+# vLLM's metrics (vLLM >= 0.28 publishes what a manager's get_stats reports): (name, TierStats field, help)
+DISK_COUNTERS = (
+    ("vllm:kv_offload_disk_hits", "hits", "Offloaded chunks read from the disk tier into host memory"),
+    ("vllm:kv_offload_disk_cost_misses", "misses_cost",
+     "Chunks on the disk tier recomputed because reading them would not have been faster"),
+    ("vllm:kv_offload_disk_read_bytes", "read_bytes", "Bytes read from the disk tier"),
+    ("vllm:kv_offload_disk_read_seconds", "read_seconds", "Seconds the disk tier's reads took (sum)"),
+    ("vllm:kv_offload_disk_write_bytes", "write_bytes", "Bytes written to the disk tier"),
+    ("vllm:kv_offload_disk_write_seconds", "write_seconds", "Seconds the disk tier's writes took (sum)"),
+    ("vllm:kv_offload_disk_stores", "stores", "Chunks written to the disk tier"),
+    ("vllm:kv_offload_disk_dropped_stores", "dropped_stores",
+     "Chunks not written to the disk tier (full, read-only, queue full, failed)"),
+    ("vllm:kv_offload_disk_evictions", "evictions", "Chunks evicted from the disk tier by its byte budget"),
+    ("vllm:kv_offload_disk_checksum_failures", "checksum_failures",
+     "Disk records that failed their checksum or header check (removed, recomputed)"),
+    ("vllm:kv_offload_disk_read_timeouts", "timeouts", "Disk reads past their deadline (recomputed)"),
+)
+DISK_GAUGES = (
+    ("vllm:kv_offload_disk_usage_bytes", "used_bytes_now", "Bytes of records on the disk tier"),
+)
 _LIVE: "weakref.WeakSet[TieredManager]" = weakref.WeakSet()
 
 
@@ -45,6 +65,7 @@ class TieredManager:
         self.tier = tier
         self._ctx = compat.make_req_context("npu-offload-disk-tier")
         self._hit, self._miss, self._defer = compat.LOOKUP_HIT, compat.LOOKUP_MISS, compat.LOOKUP_DEFER
+        self._reported: dict[str, float] = {}
         _LIVE.add(self)
 
     def settle(self, timeout_s: float = 0.0) -> None:
@@ -57,6 +78,22 @@ class TieredManager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.host, name)
+
+    def get_stats(self):
+        """The host tier's stats plus the disk tier's counters, where vLLM has per-manager metrics."""
+        get = getattr(self.host, "get_stats", None)
+        stats = get() if get is not None else None
+        if stats is None or not hasattr(stats, "increase_counter"):
+            return stats
+        self._settle()
+        cur = self.tier.stats
+        for name, attr, _ in DISK_COUNTERS:
+            value = getattr(cur, attr)
+            stats.increase_counter(name, value - self._reported.get(name, 0))
+            self._reported[name] = value
+        for name, attr, _ in DISK_GAUGES:
+            stats.set_gauge(name, getattr(cur, attr))
+        return stats
 
     # -- completions ---------------------------------------------------------------------
     def _settle(self) -> None:
