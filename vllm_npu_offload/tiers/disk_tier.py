@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
 RECONNECT_S = 0.2
+DEADLINE_CHECK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class DiskTier:
         self._read_backlog = 0
         self._write_backlog = 0
         self._stores_paused_until = 0.0
+        self._next_deadline_check = 0.0
         self._warned: set[str] = set()
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
@@ -187,12 +189,14 @@ class DiskTier:
                 self._conns[ev[1]] = None
                 self._warn_once(f"down{ev[1]}", "disk tier: rank %d's worker went away; the tier is off", ev[1])
         now = time.monotonic()
-        for p in self._pending.values():
-            if p.op is Op.READ and p.key not in self.abandoned and now - p.started > self.cfg.read_timeout_s:
-                self.abandoned.add(p.key)
-                self.stats.timeouts += 1
-                self._warn_once("timeout", "disk tier: a read took over %.1f s; its request recomputes",
-                                self.cfg.read_timeout_s)
+        if self._reads and now >= self._next_deadline_check:  # poll runs on every lookup: look now and then
+            self._next_deadline_check = now + DEADLINE_CHECK_S
+            for key, seq in self._reads.items():
+                if key not in self.abandoned and now - self._pending[seq].started > self.cfg.read_timeout_s:
+                    self.abandoned.add(key)
+                    self.stats.timeouts += 1
+                    self._warn_once("timeout", "disk tier: a read took over %.1f s; its request recomputes",
+                                    self.cfg.read_timeout_s)
         if self.index is not None:
             self.stats.used_bytes_now = self.index.used_bytes
             self.stats.keys_now = len(self.index)
