@@ -108,3 +108,46 @@ def test_two_ranks_store_load_and_agree(setup, kind):
         assert all(c >= 64 for c in cached) and tokens != ref, "corrupted host KV did not change the tokens"
     finally:
         _close(llm)
+
+
+def test_two_ranks_disk_tier_serves_a_restarted_engine(setup, tmp_path):
+    """The disk tier at TP 2: each rank writes its own share of a key (``.r0`` / ``.r1``, equal
+    sizes), and a new engine on the same path (empty host tier) serves the prompts from them."""
+    import time
+    from pathlib import Path
+
+    model, ref = setup
+    disk = tmp_path / "kv"
+    cfg = {**CONFIGS["spec"]}
+    cfg["kv_connector_extra_config"] = {**cfg["kv_connector_extra_config"], "disk_path": str(disk),
+                                        "disk_bytes_to_use": 256 << 20, "disk_admit": "all"}
+    llm = _llm(model, cfg)
+    try:
+        time.sleep(1.0)  # the scheduler's tier reaches both ranks' tier servers
+        tokens, _ = _gen(llm, PROMPTS)
+        assert tokens == ref
+        _gen(llm, [random_words(3, 77)])  # a step after the stores completed: their writes start
+        end = time.monotonic() + 30
+        while True:
+            r0 = sorted(p.name[:-3] for p in disk.rglob("*.r0"))
+            r1 = sorted(p.name[:-3] for p in disk.rglob("*.r1"))
+            if r0 and r0 == r1:
+                break
+            assert time.monotonic() < end, f"ranks' records never matched: {r0} / {r1}"
+            _gen(llm, [random_words(3, 78)])
+            time.sleep(0.2)
+        sizes = {p.stat().st_size for p in disk.rglob("*.r[01]")}
+        assert len(sizes) == 1, sizes  # every rank's record of a key is its equal share
+    finally:
+        _close(llm)
+    llm = _llm(model, cfg)
+    try:
+        time.sleep(1.0)
+        tokens, cached = _gen(llm, PROMPTS)
+        if not all(c >= 64 for c in cached):  # a first lookup may start the reads and find them done next time
+            tokens, cached = _gen(llm, PROMPTS)
+        assert tokens == ref, "served from disk at TP 2, the tokens differ from offload off"
+        assert all(c >= 64 for c in cached), cached
+    finally:
+        _close(llm)
+    assert not list(Path(str(disk)).rglob("*.tmp.*"))
