@@ -60,7 +60,7 @@ def check_header(header, fingerprint: str, key: bytes, rank: int, world: int, pa
     if checksum(bytes(header[:end])) != h_crc:
         raise RecordError(Failure.CORRUPT, "header checksum mismatch")
     h_key = bytes(header[_FIXED.size:end])
-    if h_fp.decode(errors="replace") != fingerprint:
+    if h_fp.rstrip(b"\0").decode(errors="replace") != fingerprint:
         raise RecordError(Failure.FOREIGN, f"record of identity {h_fp!r}, expected {fingerprint}")
     if h_key != key or h_rank != rank or h_world != world:
         raise RecordError(Failure.FOREIGN, f"record of another key or rank ({h_rank}/{h_world})")
