@@ -132,3 +132,28 @@ def test_metric_definitions_name_the_disk_counters():
     assert "vllm:kv_offload_disk_hits" in defs and "vllm:kv_offload_disk_usage_bytes" in defs
     assert "vllm:kv_offload_cpu_cache_usage_perc" in defs
     assert not any("disk" in k for k in NPUOffloadingSpec.build_metric_definitions({}))
+
+
+def test_tenants_never_share_a_hit(tiny_model, tmp_path):
+    """Two ``cache_salt`` values over the same prompt: no hit crosses them, neither from host nor from disk."""
+    from engine_run import greedy
+
+    from vllm_npu_offload.demo.tiny_model import random_words
+
+    prompt = random_words(200, 11)
+    eng = Engine(tiny_model, _disk_config(tmp_path / "kv"))
+    try:
+        a = {"prompt": prompt, "cache_salt": "tenant-a"}
+        b = {"prompt": prompt, "cache_salt": "tenant-b"}
+        greedy(eng.llm, [a])
+        eng.manager.settle(30)
+        assert eng.manager.tier.stats.stores > 0
+        assert eng.llm.reset_prefix_cache()
+        _, cached_b = greedy(eng.llm, [b])
+        assert cached_b == [0], "tenant b was served tenant a's KV"
+        assert eng.manager.tier.stats.hits == 0
+        assert eng.llm.reset_prefix_cache()
+        _, cached_a = greedy(eng.llm, [a])
+        assert cached_a[0] >= OFFLOAD_BLOCK, "tenant a's own KV did not come back"
+    finally:
+        eng.close()
