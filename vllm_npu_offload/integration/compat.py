@@ -462,7 +462,7 @@ def record_load_stats(connector_worker, worker_meta, num_bytes: int, seconds: fl
 # release from 0.23 on has: 0.23-0.24 answer True / False / None (retry), >= 0.25 LookupResult.
 ReqContext = getattr(_base, "ReqContext", None)
 _LookupResult = getattr(_base, "LookupResult", None)
-TIERS_SUPPORTED = ReqContext is not None
+TIERS_SUPPORTED = ReqContext is not None and (VLLM_RELEASE is None or VLLM_RELEASE[:2] >= (0, 23))
 if _LookupResult is not None:
     LOOKUP_HIT, LOOKUP_MISS, LOOKUP_DEFER = _LookupResult.HIT, _LookupResult.MISS, _LookupResult.RETRY
 else:
