@@ -18,7 +18,7 @@ from vllm_npu_offload.errors import OffloadConfigError  # noqa: E402
 from vllm_npu_offload.integration import compat  # noqa: E402
 from vllm_npu_offload.integration.tiered_manager import TieredManager  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not compat.TIERS_SUPPORTED, reason="the disk tier needs vLLM >= 0.23")
+needs_tiers = pytest.mark.skipif(not compat.TIERS_SUPPORTED, reason="the disk tier needs vLLM >= 0.23")
 
 BLOCKS = len(PROMPT) // BLOCK  # 6
 OTHER = list(range(200, 300))  # another 6 blocks: pushes PROMPT out of a 6-chunk host tier
@@ -33,6 +33,7 @@ def run_until_done(eng: Engine, prompt, seconds: float = 20.0):
         time.sleep(0.001)  # the tier's reads run on threads: let them
 
 
+@needs_tiers
 def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path):
     extra = {"cpu_bytes_to_use": BLOCKS * PAGE * 2, "disk_path": str(tmp_path / "kv"),
              "disk_bytes_to_use": 64 << 20, "disk_admit": "all"}
@@ -74,6 +75,7 @@ def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path):
     eng.manager.shutdown()
 
 
+@needs_tiers
 @pytest.mark.parametrize("extra, match", [
     ({"disk_path": "/tmp/x"}, r"disk_bytes_to_use"),
     ({"disk_bytes_to_use": 1 << 30}, r"not 'disk_path'"),
@@ -87,3 +89,11 @@ def test_bad_disk_config_errors(tiny_model, extra, match):
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
     with pytest.raises(OffloadConfigError, match=match):
         Engine.build(vc, kcc, stacked_caches(), OffloadingConnector)
+
+
+@pytest.mark.skipif(compat.TIERS_SUPPORTED, reason="this vLLM has what the disk tier needs")
+def test_disk_tier_refused_before_023(tiny_model, tmp_path):
+    vc = vllm_config(tiny_model, {"cpu_bytes_to_use": BLOCKS * PAGE * 2, "disk_path": str(tmp_path),
+                                  "disk_bytes_to_use": 1 << 30})
+    with pytest.raises(OffloadConfigError, match=r"\['disk_path'\]: the disk tier needs vLLM >= 0.23"):
+        Engine.build(vc, kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE), stacked_caches(), OffloadingConnector)
