@@ -12,7 +12,7 @@ keeps the loop (the Stager decides, for every platform).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,11 +20,6 @@ from .._native import acl
 from ..errors import CopyError
 from ..plan import CopyPlanner, Descriptors, address
 from .base import Direction, SliceRanges, as_direction
-
-if TYPE_CHECKING:
-    from ..staging import Stager
-    from ..transfer import NativeStagedTransfer
-    from .acl_copy import AclCopyPath
 
 def slice_indices(local_ranges) -> tuple[np.ndarray, np.ndarray]:
     """(descriptor indices of every slice back to back, slice bounds into them), vectorised.
@@ -70,13 +65,17 @@ def _contiguous(d: "Descriptors") -> "Descriptors":
 
 class AclStagedPipeline:
     """Runs page-descriptor staged plans for one stager; owns each direction's slot events
-    (entry, filled[slots], drained[slots]), created once in the library, not torch_npu's."""
+    (entry, filled[slots], drained[slots]), created once in the library, not torch_npu's.
+
+    ``local`` and ``link`` are ``acl_copy.AclCopyPath``s over one library (the path makes its pipeline,
+    so this module names neither it nor the layers above: a ``stager`` is the ``staging.Stager`` that
+    owns this pipeline, a ``transfer`` a ``transfer.NativeStagedTransfer``)."""
 
     table_form = False  # Stager.plan hands over page descriptors and per-slice ranges
     plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
     checks_ids = True  # ... and checks the block ids of both sides (NPU_OFFLOAD_OUT_OF_RANGE: ValueError)
 
-    def __init__(self, local: "AclCopyPath", link: "AclCopyPath", slots: int):
+    def __init__(self, local: Any, link: Any, slots: int):
         self.local, self.link, self.slots = local, link, slots
         self.lib = local.lib
         self.events = {d: acl.create_events(1 + 2 * slots, self.lib) for d in Direction}
@@ -114,7 +113,7 @@ class AclStagedPipeline:
             hit = self._tables[id(planner)] = (planner, table, address(table))
         return hit[2]
 
-    def _request(self, stager: "Stager", direction: Direction) -> acl.StagedRequest:
+    def _request(self, stager: Any, direction: Direction) -> acl.StagedRequest:
         """``direction``'s request, made once (geometry, events, copy settings) and reused: the engine
         enqueues one transfer at a time, under its lock, on the engine thread."""
         req = self._requests.get(direction)
@@ -129,7 +128,7 @@ class AclStagedPipeline:
                 setattr(req, k, geo[k])
         return req
 
-    def request(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: int, aux: int | None,
+    def request(self, stager: Any, transfer: Any, stream: int, aux: int | None,
                 link: bool = True) -> acl.StagedRequest:
         """The native request for ``transfer`` on raw streams ``stream`` / ``aux``."""
         d = as_direction(transfer.direction)
@@ -157,7 +156,7 @@ class AclStagedPipeline:
         req.min_slice_bytes, req.ramp, req.growth = stager.slice_constants()
         return req
 
-    def submit(self, stager: "Stager", transfer: "NativeStagedTransfer", stream: Any, aux: Any,
+    def submit(self, stager: Any, transfer: Any, stream: Any, aux: Any,
                link: bool = True, order: None = None) -> int:
         """Plan and enqueue ``transfer`` in one call (``link=False``: only the gather/scatter, on
         ``stream``); its link copies."""
@@ -167,7 +166,7 @@ class AclStagedPipeline:
         req = self.request(stager, transfer, handle(stream), handle(aux) if link else None, link)
         return acl.staged_submit(req, self.lib)[1]
 
-    def plan_only(self, stager: "Stager", transfer: "NativeStagedTransfer") -> dict[str, np.ndarray]:
+    def plan_only(self, stager: Any, transfer: Any) -> dict[str, np.ndarray]:
         """The native plan of ``transfer`` without enqueueing it (tests compare it with Stager.plan;
         benchmarks time it): page and link descriptors (copies of the room's rows) and slice bounds."""
         n = sum(len(g[2]) for g in transfer.groups)
