@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 9
+#define NPO_CUDA_ABI_VERSION 10
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -148,14 +148,6 @@ NPO_EXPORT int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *l
 /* Timing-disabled CUevents for the pipeline (created in the current or primary context). */
 NPO_EXPORT int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len);
 NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len);
-
-/* Whether a job's `end` event has completed, and (with `start`) the milliseconds between the two,
- * in one call: the engine's poll asks this of every job it reports. Returns 0 when done (*ms set
- * when start and ms are given), NPO_PENDING when `end` has not completed, NPO_DONE_NO_TIME when it
- * has but cuEventElapsedTime failed (msg says why; the time is best effort), else an error. */
-#define NPO_PENDING 1
-#define NPO_DONE_NO_TIME 2
-NPO_EXPORT int npo_cuda_event_poll(void *start, void *end, float *ms, char *msg, size_t msg_len);
 
 /* A non-blocking stream of the caller's own, created by the driver with `priority` (0: the
  * default; lower is higher): transfer streams must never be one of torch's pooled streams,

@@ -117,23 +117,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "of a load is written to device memory before the model's mark, and the first link copy starts at "
          "once (H200: the library's call alone 0.3-1.5 points nearer one contiguous copy on loads; "
          "docs/benchmarks.md, fifteenth session). 0: the ids uploaded on the aux stream after the mark"),
-    Knob("NPU_OFFLOAD_TRANSFER_STREAMS", "int", 4,
-         "streams per direction that transfers take in turn, each after the previous one (1: one stream, "
-         "whose queue can fill behind a long forward and block the engine thread)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_EVENT_TIMING", "flag", True,
-         "0: the transfer engine's start/end events are made without timing (CUDA, NPU), which a device "
-         "records and queries at less cost; a transfer's seconds are then the host's time from its submit to "
-         "the poll that reports it, not the device's span (A/B of the poll's cost: docs/benchmarks.md, "
-         "eleventh session)"),
-    Knob("NPU_OFFLOAD_NATIVE_POLL", "flag", False,
-         "1: the transfer engine's poll asks the native library whether a CUDA job's end event has completed "
-         "and for its device time, in one call (cuEventQuery + cuEventElapsedTime), instead of torch's "
-         "Event.query and elapsed_time (A/B of the poll's cost on a GPU; CUDA only)"),
-    Knob("NPU_OFFLOAD_SUBMIT_THREAD", "flag", False,
-         "1: direct stores are enqueued by a thread of the transfer engine, not vLLM's engine thread (a direct "
-         "store of 8,000 pages costs ~3.5 ms of driver calls on CUDA); the engine thread records where the "
-         "model's stream stands and returns; loads stay on it (CUDA only; on an H200 it took 265 ms of CPU per "
-         "no-reuse round off that thread, not yet measured in serving)"),
     Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
     Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
          "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),

@@ -24,9 +24,6 @@ from .staging import StagedPlan, Stager
 
 class Transfer(ABC):
     direction: Direction
-    # True: ``enqueue`` may run on another thread than the one that planned it (it keeps no state of
-    # the stager's and never touches the model's stream): TransferEngine's submit thread may take it
-    enqueue_anywhere: bool = False
     # True: ``enqueue`` names every stream it uses (raw handles), so the engine need not make
     # ``stream`` the current one around it
     names_streams: bool = False
@@ -58,7 +55,6 @@ class Transfer(ABC):
 class DirectTransfer(Transfer):
     """One descriptor per page and tensor, device <-> host."""
 
-    enqueue_anywhere = True
     direction: Direction
     descriptors: Descriptors
     backend: NPUDmaCopyBackend
