@@ -87,9 +87,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
     Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
          ("npu", "cuda", "cpu")),
-    Knob("NPU_OFFLOAD_STAGE_GATHER", "choice", None,
-         "CUDA staged gather/scatter: the native kernel, Triton, or the copy engines (dma: one descriptor per page, "
-         "no SMs; diagnosis) (unset: native when compiled in, else triton)", ("native", "triton", "dma")),
     Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
          "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
          ("native", "python")),
@@ -117,14 +114,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "of a load is written to device memory before the model's mark, and the first link copy starts at "
          "once (H200: the library's call alone 0.3-1.5 points nearer one contiguous copy on loads; "
          "docs/benchmarks.md, fifteenth session). 0: the ids uploaded on the aux stream after the mark"),
-    Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
-         "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_SM_PROGRAMS", "int", None,
-         "SMs of a direct SM copy (unset: 2 for the native kernel, 8 for Triton)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_SM_TILE_BYTES", "int", 32 * 1024, "bytes a Triton SM-copy program moves per iteration",
-         lo=256, hi=1 << 20),
-    Knob("NPU_OFFLOAD_ACL_MAX_BATCH", "int", 0, "descriptors per aclrtMemcpyBatchAsync call (0: all)", lo=0),
 )}
 
 

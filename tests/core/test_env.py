@@ -14,8 +14,9 @@ PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 
 @pytest.mark.parametrize("name, raw, value", [
     ("NPU_OFFLOAD_STAGED", "1", True), ("NPU_OFFLOAD_STAGED", "0", False), ("NPU_OFFLOAD_STAGED", "", None),
-    ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_STAGE_PROGRAMS", "4", 4),
-    ("NPU_OFFLOAD_STAGE_PIPELINE", "", "native"), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
+    ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_NUMA_NODE", "4", 4),
+    ("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "", False), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
+    ("NPU_OFFLOAD_DEVICE", " cpu ", "cpu"),
 ])
 def test_values(monkeypatch, name, raw, value):
     monkeypatch.setenv(name, raw)
@@ -24,10 +25,10 @@ def test_values(monkeypatch, name, raw, value):
 
 @pytest.mark.parametrize("name, raw, allowed", [
     ("NPU_OFFLOAD_STAGED", "yes", "0 or 1"),
-    ("NPU_OFFLOAD_STAGE_PROGRAMS", "17", "an integer in 1..16"),
-    ("NPU_OFFLOAD_SM_TILE_BYTES", "big", "an integer in 256..1048576"),
-    ("NPU_OFFLOAD_STAGE_GATHER", "cuda", "native, triton"),
-    ("NPU_OFFLOAD_ACL_MAX_BATCH", "-1", "an integer >= 0"),
+    ("NPU_OFFLOAD_NUMA_NODE", "-1", "an integer >= 0"),
+    ("NPU_OFFLOAD_NUMA_NODE", "near", "an integer >= 0"),
+    ("NPU_OFFLOAD_COPY_PATH", "warp", "host, dma, dma_loop, sm, gather_native, acl_batch, acl_loop"),
+    ("NPU_OFFLOAD_DEVICE", "tpu", "npu, cuda, cpu"),
 ])
 def test_bad_values_name_variable_value_and_allowed(monkeypatch, name, raw, allowed):
     monkeypatch.setenv(name, raw)
@@ -49,8 +50,8 @@ def test_no_module_reads_its_own_variable():
 
 
 def test_info_lists_every_variable(monkeypatch):
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PROGRAMS", "99")
+    monkeypatch.setenv("NPU_OFFLOAD_NUMA_NODE", "-3")
     text = format_info()
     for name in env.KNOBS:
         assert name in text
-    assert "INVALID (NPU_OFFLOAD_STAGE_PROGRAMS='99'" in text  # a bad value shows, info does not fail
+    assert "INVALID (NPU_OFFLOAD_NUMA_NODE='-3'" in text  # a bad value shows, info does not fail

@@ -176,8 +176,7 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
 STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
                   "on_compute": {"NPU_OFFLOAD_STAGE_STORE_AUX": "compute"},
                   "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
-                  "load_uploaded_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "0"},
-                  "dma_gather": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
+                  "load_uploaded_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "0"}}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -186,14 +185,12 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
     gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store
     with its block ids in its launch parameters (CUDA native pipeline; no id upload), a load's ids uploaded
-    (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0; by default its scatters take them inline), or the gather and
-    scatter on the copy engines (CUDA, NPU_OFFLOAD_STAGE_GATHER=dma)."""
+    (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0; by default its scatters take them inline)."""
     for k, v in STORE_VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
     assert core.stager._store_gathers_on == {"own_stream": "0", "on_compute": "compute"}.get(variant, "1")
     if device == "cuda":
-        assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
         if core.stager._fused is not None:
             assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
             assert core.stager._fused.inline_load_ids == (variant != "load_uploaded_ids")

@@ -416,30 +416,6 @@ def _load_inline_past_64_blocks():
     core.shutdown()
 
 
-def case_staged_dma_local():
-    """NPU_OFFLOAD_STAGE_GATHER=dma: the gather and scatter by batch DMA (device to device, in
-    stream order), no kernel launched; the worker core's round trip is byte-exact."""
-    from vllm_npu_offload import staging
-    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-    from vllm_npu_offload.offload_worker import OffloadWorkerCore
-
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_GATHER="dma")
-    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
-    rng = np.random.default_rng(17)
-    pages = [2048, 1152, 4096]
-    kv = [torch.from_numpy(rng.integers(0, 256, (40, q), dtype=np.uint8)).clone() for q in pages]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
-                             enumerate(pages)]], 2, 24, FakeCuda(), staging_bytes=2 * 3 * 2 * sum(pages))
-    assert (core.stager.local_path.name, core.stager.link_path.name) == ("dma_local", "dma")
-    assert core.stager._fused is None and not core.stager.table_form
-    launches0 = counter("fake_launches", ctypes.c_longlong)
-    store_then_load(core, kv, rng)
-    assert counter("fake_launches", ctypes.c_longlong) == launches0  # no kernel
-    core.shutdown()
-    del os.environ["NPU_OFFLOAD_STAGE_GATHER"]
-    print("staged_dma_local ok")
-
-
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging
@@ -937,7 +913,6 @@ def case_not_built():
         NativeGatherPath(FakeCuda(), [64])
     except ImportError as e:
         assert "without the gather kernel" in str(e)
-    os.environ.pop("NPU_OFFLOAD_STAGE_GATHER", None)
     try:
         local, link = cuda_paths.staged_cuda(FakeCuda(), [4096])
         assert local.name == "sm_local", local.name  # triton installed: the fallback gather
