@@ -70,8 +70,8 @@ NPO_EXPORT int npo_cuda_gather(uint64_t src, uint64_t dst, uint64_t size, uint64
                                uint64_t rows, uint64_t stride, uint64_t min_page, int programs, void *stream,
                                char *msg, size_t msg_len);
 
-/* One staged transfer, enqueued whole by npo_cuda_staged_run (see staging.py for the
- * pipeline). Page addresses come from pair tables on the device ((5, m) int64 rows:
+/* One staged transfer, as npo_cuda_staged_submit plans and enqueues it whole (see staging.py for
+ * the pipeline). Page addresses come from pair tables on the device ((5, m) int64 rows:
  * src base, src block stride, dst base, dst block stride, bytes; uploaded once per KV
  * group and direction) and this transfer's block ids, uploaded here in one copy. Per
  * slice s: the ranges ranges[range_off[s] .. range_off[s+1]) (4 values each: table
@@ -99,8 +99,6 @@ typedef struct {
                                   * at all; a load's ids then travel in no link batch either) */
 } npo_staged_job;
 
-NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len);
-
 /* One KV group's part of a staged transfer that the library plans itself (npo_cuda_staged_submit). */
 typedef struct {
     uint64_t table;             /* the group's pair table on the device ((5, pairs) int64 rows) */
@@ -111,8 +109,8 @@ typedef struct {
     uint64_t blocks;
     uint64_t device_limit;      /* the group's device blocks (NPO_ERR_RANGE past it) */
 } npo_staged_group;
-/* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is as for
- * npo_cuda_staged_run, less what the plan fills in (n_ids, n_slices and every array); its
+/* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is the transfer's,
+ * less what the plan fills in (n_ids, n_slices and every array); its
  * host_ids is pinned room for ids_capacity int64 ids (2 per block), which the plan fills. */
 typedef struct {
     npo_staged_job job;

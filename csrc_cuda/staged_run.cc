@@ -1,5 +1,5 @@
-// npo_cuda_staged_run: enqueue a whole staged transfer in one call (the slice pipeline of
-// vllm_npu_offload/staging.py): the block-id upload, the gather/scatter launches (on the
+// npo_staged_run_job: enqueue a whole planned staged transfer for npo_cuda_staged_submit (the slice
+// pipeline of vllm_npu_offload/staging.py): the block-id upload, the gather/scatter launches (on the
 // direction's aux stream, except the one on the critical path), the link copies on the job's
 // stream, and the slot events between them. Every driver call is checked; a failure names the call and
 // the slice. Done in C because each slice costs several driver calls, and from Python
@@ -17,7 +17,7 @@ namespace {
 
 int pipeline_ready(const npo_driver *drv, char *msg, size_t msg_len) {
     if (!drv->event_record || !drv->stream_wait_event)
-        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_run: the driver lacks cuEventRecord/"
+        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_submit: the driver lacks cuEventRecord/"
                          "cuStreamWaitEvent");
     return 0;
 }
@@ -40,13 +40,9 @@ struct Ctx {
 
 }  // namespace
 
-extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
-    return npo_staged_run_job(job, nullptr, nullptr, msg, msg_len);
-}
-
 int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mark_on, char *msg, size_t msg_len) {
     const npo_driver *drv = npo_driver_get();
-    if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
+    if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: null job");
     npo_gather_fns fns = {nullptr, nullptr, nullptr};
     int rc = npo_gather_ready(drv, job->stream, &fns, msg, msg_len);
     if (rc == 0) rc = pipeline_ready(drv, msg, msg_len);
@@ -54,12 +50,12 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
     if (!job->stream || !job->aux || !job->events || job->slots < 1 || !job->host_ids || !job->dev_ids ||
         !job->n_ids || !job->range_off || !job->ranges || !job->link_bounds)
         return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len,
-                         "npo_cuda_staged_run: bad job (null stream, events, ids or arrays; slots=%llu, n_ids=%llu)",
+                         "npo_cuda_staged_submit: bad job (null stream, events, ids or arrays; slots=%llu, n_ids=%llu)",
                          (unsigned long long)job->slots, (unsigned long long)job->n_ids);
     const uint64_t n_link = job->skip_link ? 0 : job->link_bounds[job->n_slices];
     for (uint64_t i = 0; i < n_link; ++i)
         if (!job->link_src[i] || !job->link_dst[i] || !job->link_size[i])
-            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: link descriptor %llu is invalid "
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: link descriptor %llu is invalid "
                              "(src=0x%llx dst=0x%llx size=%llu)", (unsigned long long)i,
                              (unsigned long long)job->link_src[i], (unsigned long long)job->link_dst[i],
                              (unsigned long long)job->link_size[i]);
@@ -149,7 +145,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
         const uint64_t m = k1 - k0;
         uint64_t *fs = (uint64_t *)malloc(3 * 8 * (m + 1));
         if (!fs)
-            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: malloc failed for the first "
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: malloc failed for the first "
                              "slice's %llu link descriptors (out of host memory)", (unsigned long long)(m + 1));
         uint64_t *fd = fs + m + 1, *fz = fd + m + 1;
         memcpy(fs, job->link_src + k0, 8 * m);
@@ -185,7 +181,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)
-                return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: slice %llu range %llu covers "
+                return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: slice %llu range %llu covers "
                                  "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);

@@ -155,7 +155,7 @@ class TransferEngine:
             with nullcontext() if transfer.names_streams else self.platform.stream_context(stream):
                 start.record(stream)
                 try:
-                    transfer.enqueue(stream, compute)
+                    transfer.enqueue(stream)
                 except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
                     self._events.extend((start, end))
                     raise

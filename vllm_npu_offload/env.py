@@ -87,24 +87,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
     Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
          ("npu", "cuda", "cpu")),
-    Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
-         "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
-         ("native", "python")),
-    Knob("NPU_OFFLOAD_STAGE_PLAN", "choice", "native",
-         "who plans a staged transfer (host order, slices, CUDA's block ids or Ascend's page descriptors, link "
-         "runs): the native library, in the call that enqueues it (on CUDA that call also takes the engine's "
-         "stream order and events), or the Python planner (the reference)",
-         ("native", "python")),
-    Knob("NPU_OFFLOAD_STAGE_ORDER", "choice", "native",
-         "who orders a natively planned CUDA staged transfer after the model's stream and the previous job "
-         "and records its events: the library, in the same call (a load's link copies then start at once and "
-         "only its scatters wait for the model's stream), or the engine through torch (the whole load waits; "
-         "diagnosis, A/B)",
-         ("native", "engine")),
-    Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
-         "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
-         "its link copies; compute the model's stream, which then waits for the link (both diagnosis)",
-         ("1", "0", "compute")),
     Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
          "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
          "most 64 blocks per range), so no id upload runs (diagnosis)"),

@@ -45,10 +45,9 @@ class Transfer(ABC):
         """Descriptors (device pages and link runs) the transfer copies."""
 
     @abstractmethod
-    def enqueue(self, stream: Any, compute: Any = None) -> None:
-        """Enqueue every copy; ``stream`` passes its end only after the last one (``compute``: the
-        model's stream, which the engine ordered ``stream`` after). Raises ``CopyError`` when a copy
-        cannot be submitted."""
+    def enqueue(self, stream: Any) -> None:
+        """Enqueue every copy; ``stream`` (which the engine ordered after the model's stream) passes
+        its end only after the last one. Raises ``CopyError`` when a copy cannot be submitted."""
 
 
 @dataclass
@@ -70,7 +69,7 @@ class DirectTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.descriptors)
 
-    def enqueue(self, stream: Any, compute: Any = None) -> None:
+    def enqueue(self, stream: Any) -> None:
         d = self.descriptors
         self.backend.copy(d.src, d.dst, d.sizes, self.direction, stream, d.buffers)
 
@@ -94,9 +93,9 @@ class StagedTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
+    def enqueue(self, stream: Any, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
-        self.stager.run(self.plan, self.direction, stream, link=link, compute=compute)
+        self.stager.run(self.plan, self.direction, stream, link=link)
 
 
 @dataclass
@@ -129,9 +128,9 @@ class NativeStagedTransfer(Transfer):
     def __len__(self) -> int:
         return self.pages + self.links
 
-    def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
+    def enqueue(self, stream: Any, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
-        self.links = self.stager.run_native(self, stream, link=link, compute=compute)
+        self.links = self.stager.run_native(self, stream, link=link)
 
     def enqueue_ordered(self, stream: Any, platform: Any, start: Any, end: Any, after: Any = None) -> None:
         """``enqueue`` with the engine's stream order in the same native call: a store's ``stream``

@@ -173,8 +173,7 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
     core.shutdown()
 
 
-STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
-                  "on_compute": {"NPU_OFFLOAD_STAGE_STORE_AUX": "compute"},
+STORE_VARIANTS = {"default": {},
                   "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
                   "load_uploaded_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "0"}}
 
@@ -182,14 +181,12 @@ STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
 def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
-    """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
-    gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store
+    """Byte-exact through more slices than slots, also with the diagnosis switches: every gather of a store
     with its block ids in its launch parameters (CUDA native pipeline; no id upload), a load's ids uploaded
     (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0; by default its scatters take them inline)."""
     for k, v in STORE_VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
-    assert core.stager._store_gathers_on == {"own_stream": "0", "on_compute": "compute"}.get(variant, "1")
     if device == "cuda":
         if core.stager._fused is not None:
             assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
@@ -214,9 +211,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     core.shutdown()
 
 
-@pytest.mark.parametrize("store_aux", ["1", "0", "compute"])
-def test_many_staged_jobs_in_flight_threaded(store_aux, monkeypatch):
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)
+def test_many_staged_jobs_in_flight_threaded():
     core, tensors, refs, rng = random_core(11, 4, staging_chunks=1, threaded=True)
     originals = [t.clone() for t in tensors]
     jobs, plans = [], []
@@ -432,12 +427,8 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     still-busy stream writes just before the submit, and two loads back to back (on the ring, the
     second after the first's end) land byte-exact after what the busy stream writes into their blocks
     before the submit, each reported once with its bytes."""
-    core, tensors, refs, page, n = _native_order_core(monkeypatch, 6)
-    platform, rng = core.platform, np.random.default_rng(8)
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_ORDER", "engine")
-    other = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
-    assert other.stager.plans_natively and not other.stager.orders_natively  # the A/B switch
-    other.shutdown()
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 6)
+    rng = np.random.default_rng(8)
     dev_ids = rng.choice(DEV_BLOCKS, 2 * n, replace=False).astype(np.int64)
     chunks = chunks_for(rng, 2 * n, 0, 1)
     torch.cuda.synchronize()

@@ -40,7 +40,6 @@ class NativeCudaLib:
         u64 = ctypes.c_uint64
         lib.npo_cuda_gather.argtypes = [u64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_gather_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_submit.argtypes = [ctypes.c_void_p, _u64p, ctypes.c_char_p, ctypes.c_size_t]
         events_args = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
@@ -50,7 +49,6 @@ class NativeCudaLib:
         lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_gather_load",
-                   "npo_cuda_staged_run",
                    "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create",
                    "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
@@ -136,11 +134,6 @@ class NativeCudaLib:
         """Load the gather kernel into the current context now: loading code may wait for the device,
         so at a transfer's first launch it held that submit until the model's step ended."""
         self._call(self._lib.npo_cuda_gather_load, call="npo_cuda_gather_load")
-
-    def staged_run(self, job, rows: int) -> None:
-        """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""
-        self._call(self._lib.npo_cuda_staged_run, ctypes.byref(job), call="npo_cuda_staged_run",
-                   what=f"{rows} page descriptors")
 
     def staged_plan(self, request, out) -> None:
         """Plan a staged transfer (``cuda_pipeline.StagedRequest``) into ``out`` without enqueueing it."""

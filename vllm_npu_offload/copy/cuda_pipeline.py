@@ -1,10 +1,9 @@
-"""The staged slice pipeline enqueued by one call into ``libnpu_offload_cuda.so``.
+"""The staged slice pipeline planned and enqueued by one call into ``libnpu_offload_cuda.so``.
 
-Same schedule as ``Stager.run`` (staging.py), but the descriptor upload, every
+Same schedule as ``Stager.run`` (staging.py), but the plan, the block-id upload, every
 gather/scatter launch, link copy and slot event of a transfer go to the driver from C:
 from Python each of those calls costs tens of microseconds, and on transfers of a few
-MiB the device would spend that time waiting. ``NPU_OFFLOAD_STAGE_PIPELINE=python``
-keeps the Python loop (for comparison in benchmarks).
+MiB the device would spend that time waiting.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import numpy as np
 import torch
 
 from .. import env
-from ..errors import CopyError
 from ..plan import address
 from ..platform import Platform
 from .base import Direction, as_direction
@@ -32,7 +30,7 @@ ENV_INLINE_LOAD_IDS = "NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"
 
 
 class StagedJob(ctypes.Structure):
-    """Mirror of ``npo_staged_job`` in csrc_cuda/npo_cuda.h."""
+    """Mirror of ``npo_staged_job`` in csrc_cuda/npo_cuda.h (a request's streams, ids and events)."""
 
     _fields_ = [
         ("store", ctypes.c_int), ("programs", ctypes.c_int), ("stream", ctypes.c_void_p), ("aux", ctypes.c_void_p),
@@ -96,12 +94,11 @@ def _ptr(a: np.ndarray):
 
 
 class CudaStagedPipeline:
-    """Runs staged plans in table form for one stager: slot events per direction (created once)
-    and each group planner's pair table on the device (uploaded at first use)."""
+    """Plans and runs staged transfers in table form for one stager: slot events per direction
+    (created once) and each group planner's pair table on the device (uploaded at the start)."""
 
-    table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
-    plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
-    orders_natively = True  # ... and takes the engine's stream order and events in the same call
+    table_form = True  # the plan is block ids + pair tables (Stager.plan's reference plan too), no page descriptors
+    orders_natively = True  # the library takes the engine's stream order and events in the same call
     checks_ids = True  # ... and checks the block ids of both sides (NPO_ERR_RANGE: ValueError)
 
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
@@ -156,27 +153,6 @@ class CudaStagedPipeline:
                 bufs.device_cols = torch.empty(3 * bufs.capacity, dtype=torch.int64, device=self.platform.device)
             addr = bufs.device_addr = bufs.device_cols.data_ptr()
         return addr
-
-    def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
-        """Enqueue ``plan``; ``link=False`` runs only the gather/scatter (benchmarks)."""
-        if plan.table_ranges is None or plan.ids is None:
-            raise CopyError("staged run: the plan is not in table form", "npo_cuda_staged_run")
-        rows = [(self._table(r.planner), len(r.planner.pairs), r.block0, r.blocks)
-                for per in plan.table_ranges for r in per]
-        rng = np.array(rows, np.uint64).reshape(-1, 4)
-        off = np.zeros(plan.num_slices + 1, np.uint64)
-        np.cumsum([len(per) for per in plan.table_ranges], out=off[1:])
-        bounds = np.ascontiguousarray(plan.link_bounds, np.uint64)
-        lk = [np.ascontiguousarray(a, np.int64) for a in (plan.link.src, plan.link.dst, plan.link.sizes)]
-        ids = plan.ids
-        job = StagedJob(
-            int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
-            self.platform.raw_stream_handle(stream),
-            self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids, aux),
-            plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
-            _ptr(bounds), self.events[direction], int(not link),
-            self._inline_ids(Direction(direction)))
-        self.lib.staged_run(job, rows=plan.pages)
 
     # -- native planning (npo_cuda_staged_submit) ------------------------------------------------
     def _lane(self, stager, d: Direction) -> "_Lane":

@@ -101,11 +101,8 @@ def case_ranges():
 
 def case_staged():
     """The worker core's staged store and load through the native gather and the batch DMA,
-    enqueued by the native pipeline (one call per transfer; planned natively or in Python) and
-    by the Python loop."""
-    for mode, planner in (("native", "native"), ("native", "python"), ("python", "native")):
-        os.environ["NPU_OFFLOAD_STAGE_PIPELINE"], os.environ["NPU_OFFLOAD_STAGE_PLAN"] = mode, planner
-        staged_round_trip(mode, planner)
+    planned and enqueued by the native pipeline (one call per transfer)."""
+    staged_round_trip()
     print("staged ok")
 
 
@@ -115,7 +112,7 @@ def case_staged_groups():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(5)
     pages = [1024, 1024, 2048, 512]
@@ -152,7 +149,7 @@ def case_staged_wide_first():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [64, 64, 128, 32]
     staging.MIN_SLOT_BYTES = 0
     rng = np.random.default_rng(3)
@@ -181,7 +178,7 @@ def case_staged_one_slice():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = 0
     pages = [256, 512]
     rng = np.random.default_rng(9)
@@ -210,7 +207,7 @@ def _inline_core(seed):
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     pages = [256, 512, 128]
     rng = np.random.default_rng(seed)
@@ -227,7 +224,7 @@ def case_staged_large_pages():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [65536] * 4
     rng = np.random.default_rng(17)
     kv = [torch.from_numpy(rng.integers(0, 256, (6, q), dtype=np.uint8)).clone() for q in pages]
@@ -435,7 +432,7 @@ def case_staged_fail():
     print("staged_fail ok")
 
 
-def staged_round_trip(mode, planner="native"):
+def staged_round_trip():
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
@@ -452,22 +449,19 @@ def staged_round_trip(mode, planner="native"):
     core = OffloadWorkerCore(dev, [[GroupRef(i, q) for i, q in enumerate(pages)]], bpc, 24, p,
                              staging_bytes=2 * 3 * bpc * record)
     assert (core.stager.local_path.name, core.stager.link_path.name) == ("gather_native", "dma")
-    assert (core.stager._fused is not None) == (mode == "native") == core.stager.table_form
-    assert core.stager.plans_natively == (mode == "native" and planner == "native")
+    assert core.stager._fused is not None and core.stager.table_form and core.stager.plans_natively
     tables0 = counter("fake_table_launches", ctypes.c_longlong)
     records0 = counter("fake_records", ctypes.c_longlong)
     launches0 = counter("fake_launches", ctypes.c_longlong)
     inline0 = counter("fake_inline_launches", ctypes.c_longlong)
     store_then_load(core, kv, rng)
-    # native stores: the first gather takes its block ids in the launch parameters
-    assert (counter("fake_inline_launches", ctypes.c_longlong) > inline0) == (mode == "native")
+    # stores: the first gather takes its block ids in the launch parameters
+    assert counter("fake_inline_launches", ctypes.c_longlong) > inline0
     assert counter("fake_launches", ctypes.c_longlong) - launches0 >= 4  # one per slice, both directions
-    native_records = counter("fake_records", ctypes.c_longlong) - records0
-    assert (native_records > 0) == (mode == "native"), native_records  # the Python loop uses torch events
-    tables = counter("fake_table_launches", ctypes.c_longlong) - tables0
-    assert (tables > 0) == (mode == "native"), tables  # native: the table kernel, no page descriptors
+    assert counter("fake_records", ctypes.c_longlong) > records0  # the library's slot events
+    assert counter("fake_table_launches", ctypes.c_longlong) > tables0  # the table kernel, no page descriptors
     core.shutdown()
-    assert mode == "python" or counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
+    assert counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
 
 
 def _python_plan(core, direction, parts, n):
@@ -492,7 +486,7 @@ def case_native_plan():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     rng = np.random.default_rng(21)
     checked = 0
     for groups_kind in ("one", "two", "sub"):
@@ -642,8 +636,7 @@ def case_staged_ids_checked():
     events go back, and the next transfer is byte-exact."""
     from vllm_npu_offload import staging
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     for platform in (FakeCuda(), FakeCudaOrdered()):
         _staged_ids_checked(platform)
@@ -775,8 +768,7 @@ def case_submit_frames():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(12)
     kv = [torch.from_numpy(rng.integers(0, 256, (40, 256), dtype=np.uint8)).clone() for _ in range(8)]
