@@ -94,9 +94,6 @@ typedef struct {
     const uint64_t *link_bounds; /* n_slices + 1 */
     void *const *events;         /* 1 + 2 * slots CUevents: entry, filled[slots], drained[slots] */
     int skip_link;               /* benchmarks: the device-local copies alone */
-    int inline_ids;              /* every gather (a store) or scatter (a load) takes its ids in its launch
-                                  * parameters when each range has <= NPO_INLINE_IDS blocks (no id upload
-                                  * at all; a load's ids then travel in no link batch either) */
 } npo_staged_job;
 
 /* One KV group's part of a staged transfer that the library plans itself (npo_cuda_staged_submit). */

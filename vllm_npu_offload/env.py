@@ -87,15 +87,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
     Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
          ("npu", "cuda", "cpu")),
-    Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
-         "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
-         "most 64 blocks per range), so no id upload runs (diagnosis)"),
-    Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", True,
-         "every scatter of a CUDA staged load takes its block ids in its launch parameters (ranges of at most "
-         "64 blocks; a load with a longer one uploads them), so the ids go to the device in no copy, nothing "
-         "of a load is written to device memory before the model's mark, and the first link copy starts at "
-         "once (H200: the library's call alone 0.3-1.5 points nearer one contiguous copy on loads; "
-         "docs/benchmarks.md, fifteenth session). 0: the ids uploaded on the aux stream after the mark"),
 )}
 
 

@@ -173,24 +173,10 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
     core.shutdown()
 
 
-STORE_VARIANTS = {"default": {},
-                  "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
-                  "load_uploaded_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "0"}}
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
-def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
-    """Byte-exact through more slices than slots, also with the diagnosis switches: every gather of a store
-    with its block ids in its launch parameters (CUDA native pipeline; no id upload), a load's ids uploaded
-    (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0; by default its scatters take them inline)."""
-    for k, v in STORE_VARIANTS[variant].items():
-        monkeypatch.setenv(k, v)
+def test_pipeline_reuses_slots_across_many_slices(device):
+    """Byte-exact through more slices than slots."""
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
-    if device == "cuda":
-        if core.stager._fused is not None:
-            assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
-            assert core.stager._fused.inline_load_ids == (variant != "load_uploaded_ids")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
@@ -497,15 +483,12 @@ def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
+def test_cuda_load_scatters_follow_the_model_stream(monkeypatch):
     """A natively ordered load's link copies start at once, its scatters only after the model's
     stream: the model's step in flight writes the load's blocks last thing (a kernel after a long
-    sleep), and the load lands over that write, byte-exact; also with the scatters' block ids in
-    their launch parameters (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1, where no upload orders them)."""
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", inline)
+    sleep), and the load lands over that write, byte-exact, with the scatters' block ids in their
+    launch parameters (where no upload orders them)."""
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
-    assert core.stager._fused.inline_load_ids == (inline == "1")
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 11)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # the model's step ...
@@ -518,13 +501,11 @@ def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
     core.shutdown()
 
 
-def _fresh_room_and_a_busy_block(monkeypatch, inline: str):
+def _fresh_room_and_a_busy_block(monkeypatch):
     """A natively ordered core with job 1 stored and the device zeroed, the pool holding one room
     whose device mirror is not made yet, and a block of that mirror's size which the model's
     stream, busy for ~25 ms, still reads: (core, tensors, n, dev_ids, chunks, want, room, block,
-    seen), ``seen`` the stream's copy of the block as it reads it. ``inline``: the load's ids in its
-    scatters' launch parameters ("1", the default) or uploaded to that mirror ("0")."""
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", inline)
+    seen), ``seen`` the stream's copy of the block as it reads it."""
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
     while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
@@ -538,14 +519,13 @@ def _fresh_room_and_a_busy_block(monkeypatch, inline: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch, inline):
+def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
     """A natively ordered load starts its link copies at once but writes its block ids only after
     the model's stream is through, whatever memory their device mirror is: given a mirror that the
     busy model stream still reads (as one allocated on that stream could be: vLLM 0.23's serving
     crashed with an illegal address when the ids were written at once), what the stream reads from
     it is unchanged, and the load lands byte-exact."""
-    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch, inline)
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
     room.device_cols, room.device_addr = freed, freed.data_ptr()  # the mirror takes it (as if freed meanwhile)
     core.pool.release([room])
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
@@ -557,15 +537,14 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch, inline):
+def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch):
     """A room's device mirror of the block ids is made at its first use, on a stream of ours:
     torch's allocator hands a stream only blocks freed on that stream, so the mirror is never memory
     that the model's stream freed while a kernel of its step in flight still reads it (vLLM 0.23's
     async scheduling: its serving crashed with an illegal address when the mirror came from the
     model's stream and the ids were written at once): what the busy stream reads from its freed
     block is unchanged, and the load lands byte-exact."""
-    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch, inline)
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
     ptr = freed.data_ptr()
     del freed  # the model's stream frees the block it still reads
     again = torch.empty(3 * room.capacity, dtype=torch.int64, device="cuda")

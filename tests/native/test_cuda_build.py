@@ -230,7 +230,7 @@ def test_gather_kernel_ranges_staged_and_errors(libs, fake_driver):
     """The kernel body (run on the CPU by the fake driver) copies exactly the selected descriptors;
     the launcher sizes the grid and lane groups; the worker core's staged path round-trips."""
     cases = ["ranges", "staged", "native_plan", "staged_groups", "staged_wide_first", "staged_one_slice",
-             "staged_inline_all", "staged_large_pages", "staged_load_inline", "staged_ordered", "staged_ids_checked", "submit_frames", "errors"]
+             "staged_large_pages", "staged_load_inline", "staged_ordered", "staged_ids_checked", "submit_frames", "errors"]
     out = _gather_cases(libs["1"], fake_driver, *cases)
     assert out.split() == [w for c in cases for w in (c, "ok")]
 

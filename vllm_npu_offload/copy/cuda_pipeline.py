@@ -16,17 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import env
 from ..plan import address
 from ..platform import Platform
 from .base import Direction, as_direction
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
-# 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
-ENV_INLINE_STORE_IDS = "NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"
-# 1: every scatter of a load takes them so: no upload, no ids in the first link batch
-ENV_INLINE_LOAD_IDS = "NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"
 
 
 class StagedJob(ctypes.Structure):
@@ -38,7 +33,6 @@ class StagedJob(ctypes.Structure):
         ("min_page", ctypes.c_uint64), ("n_slices", ctypes.c_uint64), ("slots", ctypes.c_uint64),
         ("range_off", _u64p), ("ranges", _u64p), ("link_src", _u64p), ("link_dst", _u64p), ("link_size", _u64p),
         ("link_bounds", _u64p), ("events", ctypes.POINTER(ctypes.c_void_p)), ("skip_link", ctypes.c_int),
-        ("inline_ids", ctypes.c_int),
     ]
 
 
@@ -108,8 +102,6 @@ class CudaStagedPipeline:
         # scatters wait for it after the entry has been recorded again)
         self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
         lib.gather_load()  # at the worker's start: loading the kernel at a first launch waited out a model step
-        self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
-        self.inline_load_ids = bool(env.get(ENV_INLINE_LOAD_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._lanes: dict[Direction, _Lane] = {}
         self._raw: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, its raw handle)
@@ -134,11 +126,6 @@ class CudaStagedPipeline:
             table = torch.from_numpy(planner.pair_table()).to(self.platform.device)
             hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
         return hit[2]
-
-    def _inline_ids(self, d: Direction) -> int:
-        """The job's inline_ids: a store's gathers or a load's scatters with their ids in their launch
-        parameters (NPU_OFFLOAD_STAGE_STORE_INLINE_IDS / NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS)."""
-        return int(self.inline_store_ids if d is Direction.D2H else self.inline_load_ids)
 
     def _device_ids(self, bufs, stream: Any) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
@@ -167,7 +154,6 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
                 setattr(req, k, geo[k])
-            j.inline_ids = self._inline_ids(d)
             req.compute_mark = self._marks[d]
             lane = self._lanes[d] = _Lane(req, d is Direction.D2H, constants=sys.modules[stager.slice_constants.__module__])
             lane.call, lane.links, lane.msg = self.lib.staged_submitter(req)

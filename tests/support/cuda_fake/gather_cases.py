@@ -250,48 +250,13 @@ def case_staged_large_pages():
     print("staged_large_pages ok")
 
 
-def case_staged_inline_all():
-    """NPU_OFFLOAD_STAGE_STORE_INLINE_IDS=1: a store of several slices launches every gather with
-    its ids inline and uploads nothing; the bytes are the same, and the load back is byte-exact."""
-    os.environ.update(NPU_OFFLOAD_STAGE_STORE_INLINE_IDS="1")
-    core, kv, rng = _inline_core(13)
-    assert core.stager._fused.inline_store_ids
-    ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
-    slices = len(core.stager.slice_sizes(20, Direction.D2H))
-    assert slices > 3, slices  # more slices than slots
-    copies0, inline0 = counter("fake_memcpy_calls", ctypes.c_longlong), counter("fake_inline_launches", ctypes.c_longlong)
-    tables0 = counter("fake_table_launches", ctypes.c_longlong)
-    core.submit(1, Direction.D2H, ids, [20], [0], chunks)
-    core.wait([1])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    assert counter("fake_inline_launches", ctypes.c_longlong) - inline0 == slices  # every gather inline
-    assert counter("fake_table_launches", ctypes.c_longlong) == tables0
-    assert counter("fake_memcpy_calls", ctypes.c_longlong) == copies0  # no id upload
-    for i, t in enumerate(kv):
-        assert torch.equal(core.host_view(i)[core._host_blocks(chunks, 0, 20)], t[ids]), i
-    original = [t.clone() for t in kv]
-    for t in kv:
-        t.zero_()
-    back = rng.permutation(48)[:20].astype(np.int64)
-    core.submit(2, Direction.H2D, back, [20], [0], chunks)  # loads are unchanged: ids uploaded
-    core.wait([2])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    for t, o in zip(kv, original):
-        assert torch.equal(t[back], o[ids])
-    core.shutdown()
-    del os.environ["NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"]
-    print("staged_inline_all ok")
-
-
 def case_staged_load_inline():
-    """NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1: a load of several slices launches every scatter with its
-    ids inline, and the ids go to the device in no copy (neither an upload nor a descriptor of the
-    first link batch); the bytes land exact. With the engine's order the last scatter waits for the
-    model's mark itself (no upload for it to wait for)."""
-    os.environ.update(NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="1")
+    """A load of several slices launches every scatter with its ids inline, and the ids go to the
+    device in no copy (neither an upload nor a descriptor of the first link batch); the bytes land
+    exact. With the engine's order the last scatter waits for the model's mark itself (no upload for
+    it to wait for)."""
     core, kv, rng = _inline_core(17)
     fused = core.stager._fused
-    assert fused.inline_load_ids and not fused.inline_store_ids
     ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
     core.submit(1, Direction.D2H, ids, [20], [0], chunks)
     core.wait([1])
@@ -371,14 +336,13 @@ def case_staged_load_inline():
         staging.MIN_SLICE_BYTES = 0
     core.shutdown()
     _load_inline_past_64_blocks()
-    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]
     print("staged_load_inline ok")
 
 
 def _load_inline_past_64_blocks():
-    """The same switch at a real model's shape (32 layers, K and V apart: 64 tensors of 2 KiB pages) and
-    a load with a slice of more than 64 blocks, which launch parameters cannot hold: that load takes
-    its ids the usual way (in the first link batch, no order given) and lands byte-exact."""
+    """Loads at a real model's shape (32 layers, K and V apart: 64 tensors of 2 KiB pages), one with a
+    slice of more than 64 blocks, which launch parameters cannot hold: that load takes its ids in the
+    first link batch (no order given) and lands byte-exact."""
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
@@ -388,7 +352,7 @@ def _load_inline_past_64_blocks():
     record = tensors * page
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page) for i in
                              range(tensors)]], 1, 140, FakeCuda(), staging_bytes=2 * 4 * 80 * record)
-    assert core.stager._fused.inline_load_ids and core.stager.geometry.slot_blocks == 80
+    assert core.stager.geometry.slot_blocks == 80
     sizes = core.stager.slice_sizes(n, Direction.H2D)
     assert max(sizes) > 64, sizes
     ids, chunks = rng.choice(blocks, n, replace=False).astype(np.int64), rng.choice(140, n, replace=False).astype(np.int64)
@@ -565,24 +529,25 @@ def case_staged_ordered():
     from vllm_npu_offload import staging
     from vllm_npu_offload.errors import CopyError
 
-    # the uploaded ids' order (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0, and any load whose scatter ranges exceed
-    # the launch parameters; staged_load_inline checks the default, ids inline)
-    os.environ.update(NPU_OFFLOAD_STAGE_PIPELINE="native", NPU_OFFLOAD_STAGE_PLAN="native",
-                      NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(4)
-    core = _fresh_core()
-    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]  # read when the core's pipeline is made
-    fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
-    # every planner's pair table is on the device before the first transfer: uploaded at a submit,
-    # the copy waited for the model's stream (a whole step, on a GPU)
-    tables = {id(p) for p in core._staged.values() if p is not None}
-    assert len(tables) == 2 and set(fused._tables) == tables, (tables, fused._tables)
-    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
+    stream = 0x51  # FakeCuda's every stream
     compute, after, start, end = 0xC0, 0xAF, 0x57, 0xE0
-    for direction in Direction:
-        parts = core._split("src" if direction is Direction.D2H else "dst", dev, [6], [0], chunks)
-        transfer = core._native_staged(direction, parts, 6)
+    # a store of 6 blocks; a load of 100 blocks whose first slice has more than the 64 its scatters can
+    # take in their launch parameters: its ids are uploaded (staged_load_inline checks loads with their
+    # ids inline)
+    for direction, core, n in ((Direction.D2H, _fresh_core(), 6), (Direction.H2D, _fresh_core(blocks=200), 100)):
+        fused = core.stager._fused
+        # every planner's pair table is on the device before the first transfer: uploaded at a submit,
+        # the copy waited for the model's stream (a whole step, on a GPU)
+        tables = {id(p) for p in core._staged.values() if p is not None}
+        assert len(tables) == 2 and set(fused._tables) == tables, (tables, fused._tables)
+        if direction is Direction.H2D:
+            assert max(core.stager.slice_sizes(n, direction)) > 64, core.stager.slice_sizes(n, direction)
+        dev = rng.choice(core.device_tensors[0].num_blocks, n, replace=False).astype(np.int64)
+        chunks = np.arange(3, 3 + n, dtype=np.int64)
+        parts = core._split("src" if direction is Direction.D2H else "dst", dev, [n], [0], chunks)
+        transfer = core._native_staged(direction, parts, n)
         mark = fused.model_mark(direction)
         n0 = counter("fake_log_n", ctypes.c_longlong)
         core.stager.run_native(transfer, object(), order=(compute, after, start, end))
@@ -624,8 +589,8 @@ def case_staged_ordered():
             staging.GROWTH = 4
         assert _event_ops_since(n0) == [("record", end, stream)]
         core.pool.release(transfer.buffers)
-    assert set(fused._tables) == tables, "a transfer uploaded a table"
-    core.shutdown()
+        assert set(fused._tables) == tables, "a transfer uploaded a table"
+        core.shutdown()
     print("staged_ordered ok")
 
 
@@ -837,17 +802,20 @@ def case_errors():
     print("errors ok")
 
 
-def _fresh_core():
-    """A staged CUDA worker core over two tensors of 512 and 256-byte pages in one KV group (FakeCuda)."""
+def _fresh_core(blocks: int = 32):
+    """A staged CUDA worker core over two tensors of 512 and 256-byte pages in one KV group (FakeCuda):
+    32 device blocks, 24 host chunks and staging slots of 3 blocks, or with ``blocks`` device blocks
+    that many host chunks, and slots of 80 blocks."""
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [512, 256]
-    kv = [torch.zeros((32, q), dtype=torch.uint8) for q in pages]
+    kv = [torch.zeros((blocks, q), dtype=torch.uint8) for q in pages]
+    chunks, slot_blocks = (24, 3) if blocks == 32 else (blocks, 80)
     return OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
-                             [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, 24, FakeCuda(),
-                             staging_bytes=2 * 3 * 4 * sum(pages))
+                             [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, chunks, FakeCuda(),
+                             staging_bytes=2 * 4 * slot_blocks * sum(pages))
 
 
 def case_kernel_at_start():
