@@ -4,8 +4,8 @@ One parser, one list: ``get(NAME)`` returns the checked value (a bad value raise
 ``ValueError`` naming the variable, the value and what is allowed), and
 ``python -m vllm_npu_offload info`` prints the list with the values in effect. Values are read
 where the object that uses them is built (a worker core, a copy path), never per transfer.
-``user`` marks the ones a user sets (README lists those); the rest exist for benchmarks and
-diagnosis. Build-time flags (``NPU_OFFLOAD_BUILD_*``, ``VLLM_ASCEND_ENABLE_BATCH_MEMCPY`` ...)
+Each is for a user or an operator, and its meaning says when to set it: tuning constants live in
+the module that uses them, with the measurement that chose them. Build-time flags (``NPU_OFFLOAD_BUILD_*``, ``VLLM_ASCEND_ENABLE_BATCH_MEMCPY`` ...)
 are read by ``setup.py`` / ``csrc_*/build.py``, not here.
 """
 
@@ -25,7 +25,6 @@ class Knob:
     choices: tuple[str, ...] = ()
     lo: int | None = None
     hi: int | None = None
-    user: bool = False
 
     def raw(self) -> str:
         return os.environ.get(self.name, "").strip()
@@ -66,26 +65,34 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_COPY_PATH", "choice", None,
-         "force one direct copy path for both directions (unset: calibrated per direction)",
-         ("host", "dma", "dma_loop", "sm", "gather_native", "acl_batch", "acl_loop"), user=True),
+         "force one direct copy path for both directions (unset: calibrated per direction): to pin a path the "
+         "start-up measurement misjudges, or to compare paths",
+         ("host", "dma", "dma_loop", "sm", "gather_native", "acl_batch", "acl_loop")),
     Knob("NPU_OFFLOAD_STAGED", "flag", None,
          "1: every transfer staged, 0: every transfer direct (unset: by size, from the start-up measurement; "
-         "CPU-only machines stay direct)", user=True),
+         "CPU-only machines stay direct): to override the measured crossover"),
     Knob("NPU_OFFLOAD_STAGED_STORES", "flag", None,
-         "0: stores always direct on the copy engines (no device gather beside the model's steps); 1: stores "
-         "staged from the measured size; unset: direct on CUDA for pages of 32 KiB or more, else as 1. "
-         "Loads as NPU_OFFLOAD_STAGED says", user=True),
+         "0: stores always direct on the copy engines, 1: stores staged from the measured size (unset: direct "
+         "on CUDA for pages of 32 KiB or more, else as 1; loads as NPU_OFFLOAD_STAGED says): 0 keeps every "
+         "gather kernel off the model's device"),
     Knob("NPU_OFFLOAD_CALIBRATE", "flag", True,
-         "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics", user=True),
+         "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics: a faster "
+         "start, or a device busy with other work while the worker starts"),
     Knob("NPU_OFFLOAD_CACHE_DIR", "path", None,
-         "folder of the calibration cache (unset: $XDG_CACHE_HOME or ~/.cache, /vllm_npu_offload)", user=True),
+         "folder of the calibration cache (unset: $XDG_CACHE_HOME or ~/.cache, /vllm_npu_offload): for a "
+         "read-only home, or one cache shared by identical machines"),
     Knob("NPU_OFFLOAD_NUMA_NODE", "int", None,
-         "NUMA node of the host KV buffer (unset: the device's node from sysfs)", lo=0, user=True),
+         "NUMA node of the host KV buffer (unset: the device's node from sysfs): where sysfs does not say "
+         "it, or the CPUs that serve the device sit elsewhere", lo=0),
     Knob("NPU_OFFLOAD_NATIVE_DIR", "path", None,
-         "folder holding libnpu_offload_cuda.so / libnpu_offload_acl.so (unset: the package's _native/)", user=True),
+         "folder holding libnpu_offload_cuda.so / libnpu_offload_acl.so (unset: the package's _native/): "
+         "libraries built apart from the install, e.g. for another toolkit"),
     Knob("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "flag", False,
-         "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
-    Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
+         "1: an unknown kv_connector_extra_config key is a warning, not an error: a config written for a "
+         "newer release still starts"),
+    Knob("NPU_OFFLOAD_DEVICE", "choice", None,
+         "force the device kind (unset: npu > cuda > cpu by availability): a host with more than one kind, "
+         "or the CPU path on an accelerator host",
          ("npu", "cuda", "cpu")),
 )}
 

@@ -12,6 +12,17 @@ from vllm_npu_offload.info import format_info
 PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 
 
+def test_only_what_users_and_operators_set():
+    """Run-time variables are for users and operators, at most ten; a tuning value or an A/B switch
+    is a constant (or a constructor argument) in the module that uses it."""
+    assert list(env.KNOBS) == [
+        "NPU_OFFLOAD_COPY_PATH", "NPU_OFFLOAD_STAGED", "NPU_OFFLOAD_STAGED_STORES", "NPU_OFFLOAD_CALIBRATE",
+        "NPU_OFFLOAD_CACHE_DIR", "NPU_OFFLOAD_NUMA_NODE", "NPU_OFFLOAD_NATIVE_DIR", "NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS",
+        "NPU_OFFLOAD_DEVICE"]
+    for k in env.KNOBS.values():  # what it does, then (after the last colon) why one would set it
+        assert "\n" not in k.meaning and ": " in k.meaning, k.name
+
+
 @pytest.mark.parametrize("name, raw, value", [
     ("NPU_OFFLOAD_STAGED", "1", True), ("NPU_OFFLOAD_STAGED", "0", False), ("NPU_OFFLOAD_STAGED", "", None),
     ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_NUMA_NODE", "4", 4),
