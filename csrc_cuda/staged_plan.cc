@@ -22,7 +22,7 @@
 
 namespace {
 
-struct Scratch {  // per thread: the engine thread and the submit thread plan concurrently
+struct Scratch {  // per thread: plans on different threads (worker cores in one process) never share it
     std::vector<int64_t> dev, host;
     std::vector<uint64_t> pos, edges, range_off, ranges, link_src, link_dst, link_size, link_bounds;
     std::vector<spc_pair> sort_a, sort_b;
