@@ -194,7 +194,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host),
         # and the device read once: a worker process computes on one device, and each torch call here
         # costs 0.5 us in a loop and about three times that when the model's step left the caches cold
-        # (scripts/dev/probe_cold_pieces.py, docs/benchmarks.md fifteenth session)
+        # (measured with scripts/dev/probe_cold_pieces.py: docs/benchmarks.md)
         dev = self._device
         if dev is None:
             dev = self._device = torch._C._cuda_getDevice()
@@ -220,7 +220,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         Never ``torch.cuda.Stream()``: torch hands out 32 pooled streams per priority round-robin,
         and vLLM computes on a pooled stream, so after enough draws in one process a "new" stream
         is the model's own stream and every transfer on it stalls the next forward for its whole
-        duration (docs/benchmarks.md, fifth run). Without the native library (no copy-engine
+        duration (docs/benchmarks.md). Without the native library (no copy-engine
         path either) a high-priority pooled stream is the fallback: vLLM draws from the normal pool.
         """
         from ._native.cuda import load_library

@@ -667,7 +667,7 @@ def _staged_ids_checked(platform):
 # (one KV group, a block per host chunk, planned and ordered by the library). Each frame there costs the
 # engine thread 1-5 us on a GPU server's host after the model's step left the caches cold; two frames and
 # a loop more cost 3-10 us per transfer on an H200 host where the fake-driver rig saw 0.5 us
-# (docs/benchmarks.md, sixteenth session). Lower it when a change removes frames; never raise it without
+# (docs/benchmarks.md). Lower it when a change removes frames; never raise it without
 # a measurement on the device.
 SUBMIT_FRAMES_BEFORE_NATIVE = 8
 
@@ -727,7 +727,7 @@ def _package_frames(fn):
 def case_submit_frames():
     """The common transfer reaches the library within SUBMIT_FRAMES_BEFORE_NATIVE Python calls in both
     directions, once warm as a serving engine is (counted by sys.setprofile on the fake driver: a count,
-    not a timing, so it holds on any host; a7370d9 made 12), the poll that reports it within POLL_FRAMES
+    not a timing, so it holds on any host), the poll that reports it within POLL_FRAMES
     of the package's, and the counted transfers arrive whole. SUBMIT_FRAMES_LIST=1 lists the calls."""
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
