@@ -42,9 +42,10 @@ from .transfer import Transfer
 
 _DIRECTIONS = tuple(Direction)
 _new_result = tuple.__new__
-# Streams per direction that transfers take in turn. One stream fills its hardware queue behind a
-# long forward and blocks the engine thread in the next enqueue; four kept every queue short in the
-# no-reuse rounds that showed it (docs/benchmarks.md), and are made once, when the engine starts.
+# Streams per direction that transfers take in turn. One stream's hardware queue holds about one job
+# of many page copies, so a second job on it blocked the engine thread until the stream drained (2.7 s
+# per no-reuse round of direct stores on an H200); with four per direction that time fell to what
+# vLLM's native offload spends there (docs/benchmarks.md). Made once, when the engine starts.
 TRANSFER_STREAMS = 4
 
 
