@@ -1,6 +1,6 @@
 """Do transfers delay model work that is enqueued *after* them?
 
-Why: in real vLLM (docs/benchmarks.md, fifth run) the first decode forward after a prefill ran
+Why: in real vLLM (docs/benchmarks.md) the first decode forward after a prefill ran
 ~30 ms longer with our stores on, about the link time of the stores submitted just before it.
 The cause: vLLM computes on a stream from torch's pool (32 per priority, handed out
 round-robin), and our transfer streams came from the same pool, so after enough draws a

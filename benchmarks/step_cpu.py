@@ -14,11 +14,11 @@ Staged transfers run on the Ascend code path against the ACL emulation (the test
 page-descriptor plans and the one native pipeline call), direct transfers on the host copy
 path. Only the planning and the Python side are measured: the native calls that would move bytes
 (``npu_offload_acl_staged_run``, the host path's memmove loop) are replaced by no-ops, so device
-KV is never touched (no CUDA or ACL enqueue is in these numbers). Where the library plans staged
-transfers itself (``NPU_OFFLOAD_STAGE_PLAN=native``, the default), its plan-and-enqueue call
-``npu_offload_acl_staged_submit`` is replaced by its plan-only entry ``npu_offload_acl_staged_plan``:
-the same native planner runs in full (inside ``enqueue``), only the enqueue is left out, as it is
-for Python plans (``NPU_OFFLOAD_STAGE_PLAN=python``: ``Stager.plan`` inside ``plan``). KV shapes come from
+KV is never touched (no CUDA or ACL enqueue is in these numbers). The library plans staged transfers
+itself: its plan-and-enqueue call ``npu_offload_acl_staged_submit`` is replaced by its plan-only entry
+``npu_offload_acl_staged_plan``, so the same native planner runs in full (inside ``enqueue``) and only
+the enqueue is left out (a baseline tree that plans them in Python times ``Stager.plan`` inside
+``plan``, its enqueue left out the same way). KV shapes come from
 ``core_bench.SHAPES`` and the GPU yardstick's models (per-layer pages of 16-token blocks); a
 transfer of N blocks moves N blocks of every KV group (a request's blocks), each group from
 host chunks of its own, as vLLM hands them.
@@ -49,9 +49,7 @@ import numpy as np
 import torch
 
 import vllm_npu_offload
-from vllm_npu_offload import env
 from vllm_npu_offload.copy.base import Direction
-from vllm_npu_offload.staging import ENV_PLAN
 from .core_bench import HOSTS, SHAPES, KVShape, host_chunks
 from .gpu_e2e.models import SHAPES as MODELS
 
@@ -361,7 +359,7 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
                               "numpy": np.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "command": " ".join(sys.argv), "reps": reps, "warmup": warmup, "bpc": bpc,
                               "baseline_tree": baseline_tree, "fused": fused, "unit": "us per transfer",
-                              "stage_plan": env.get(ENV_PLAN), "rows": []}
+                              "rows": []}
     with contextlib.ExitStack() as stack:
         out = Path(native_dir) if native_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         build_emulation(out)
@@ -369,11 +367,9 @@ def run(shapes: list[str] | None = None, blocks: tuple[int, ...] = DEFAULT_BLOCK
         for pkg in (vllm_npu_offload, baseline):
             if pkg is not None:
                 stack.enter_context(python_side_only(pkg))
-        planner = ("native (npu_offload_acl_staged_plan in enqueue)" if report["stage_plan"] == "native"
-                   else "python (Stager.plan in plan)")
         printer(f"device: {report['device']} ({report['cpus']} CPUs); us per transfer, wall median [p10-p90] "
                 f"over {reps} reps; Python side and planning only (native copies are no-ops); staged planner: "
-                f"{planner}")
+                f"native (npu_offload_acl_staged_plan in enqueue)")
         printer(HEADER)
         for n in names:
             report["rows"] += bench_shape(STEP_SHAPES[n], blocks, bpc, reps, warmup, hosts, modes, baseline, printer,

@@ -1,7 +1,7 @@
 """KV transfer benchmark: every copy path against one contiguous copy of the same bytes.
 
-Why: the targets (BRIEF section 4) are stated as a fraction of the link's contiguous
-bandwidth for real model page sizes with scattered blocks; this reproduces exactly that
+Why: a transfer's speed is judged as a fraction of the link's contiguous bandwidth (one
+contiguous copy of the same bytes) for real model page sizes with scattered blocks; this reproduces exactly that
 setup (per-layer K and V tensors, bf16, 16-token blocks, random block ids, descriptors
 from ``CopyPlanner``) and times wall clock including synchronisation. On a CPU-only
 machine it measures the host path only, so it can be smoke-tested anywhere.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 LIB_NAME = "libnpu_offload_cuda.so"
 SOURCES = ("driver.cc", "loop_copy.cc", "batch_copy.cc", "mode.cc", "gather_launch.cc", "staged_run.cc",
-           "staged_plan.cc", "streams.cc", "event_poll.cc")
+           "staged_plan.cc", "streams.cc")
 KERNEL = "gather_kernel.cu"
 COMMON = "csrc_common"  # beside csrc_cuda: headers shared with csrc_npu (staged_plan_core.h)
 ENV_BATCH = "NPU_OFFLOAD_CUDA_BATCH_MEMCPY"

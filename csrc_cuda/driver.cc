@@ -97,8 +97,6 @@ void resolve() {
     g_drv.event_destroy = reinterpret_cast<npo_cuEventDestroy_t>(r.get("cuEventDestroy", 11030));
     g_drv.event_record = reinterpret_cast<npo_cuEventRecord_t>(r.get("cuEventRecord", 11030));
     g_drv.stream_wait_event = reinterpret_cast<npo_cuStreamWaitEvent_t>(r.get("cuStreamWaitEvent", 11030));
-    g_drv.event_query = reinterpret_cast<npo_cuEventQuery_t>(r.get("cuEventQuery", 11030));
-    g_drv.event_elapsed = reinterpret_cast<npo_cuEventElapsedTime_t>(r.get("cuEventElapsedTime", 11030));
     g_drv.stream_create = reinterpret_cast<npo_cuStreamCreateWithPriority_t>(r.get("cuStreamCreateWithPriority", 11030));
     g_drv.stream_destroy = reinterpret_cast<npo_cuStreamDestroy_t>(r.get("cuStreamDestroy", 11030));
 #if NPO_BATCH_MEMCPY

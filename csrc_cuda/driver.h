@@ -25,8 +25,6 @@ typedef CUresult (*npo_cuEventCreate_t)(CUevent *, unsigned);
 typedef CUresult (*npo_cuEventDestroy_t)(CUevent);
 typedef CUresult (*npo_cuEventRecord_t)(CUevent, CUstream);
 typedef CUresult (*npo_cuStreamWaitEvent_t)(CUstream, CUevent, unsigned);
-typedef CUresult (*npo_cuEventQuery_t)(CUevent);
-typedef CUresult (*npo_cuEventElapsedTime_t)(float *, CUevent, CUevent);
 typedef CUresult (*npo_cuStreamCreateWithPriority_t)(CUstream *, unsigned, int);
 typedef CUresult (*npo_cuStreamDestroy_t)(CUstream);
 typedef CUresult (*npo_cuLaunchKernel_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -60,9 +58,6 @@ typedef struct {
     npo_cuEventDestroy_t event_destroy;
     npo_cuEventRecord_t event_record;
     npo_cuStreamWaitEvent_t stream_wait_event;
-    /* Optional (the engine's poll through the library). */
-    npo_cuEventQuery_t event_query;
-    npo_cuEventElapsedTime_t event_elapsed;
     /* Optional (dedicated transfer streams). */
     npo_cuStreamCreateWithPriority_t stream_create;
     npo_cuStreamDestroy_t stream_destroy;

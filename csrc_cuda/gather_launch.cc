@@ -70,8 +70,8 @@ static unsigned grid_for(uint64_t pages, uint32_t group, int programs) {
 /* Lanes per page: npo_gather_group's (at most a warp), then twice as many while the launch would leave
  * some of the SMs it may use idle and every lane still has a whole pass of a page. A few large pages
  * then spread over all of them: a 2-block load of 256 KiB pages scattered its last slice, one block's
- * 64 pages, on 4 SMs at a warp per page, where an H200 left 80-100 us of a 32 MiB load beyond the link
- * (docs/benchmarks.md, twentieth session); with this, 61-68 us less per such load (twenty-first session).
+ * 64 pages, on 4 SMs at a warp per page, where an H200 left 80-100 us of a 32 MiB load beyond the link;
+ * with this, 61-68 us less per such load (docs/benchmarks.md).
  * A launch of many pages keeps its group and grid. */
 static uint32_t group_for(uint64_t pages, uint64_t min_page, int programs) {
     uint32_t g = npo_gather_group(min_page);

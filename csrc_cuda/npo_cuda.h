@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define NPO_CUDA_ABI_VERSION 9
+#define NPO_CUDA_ABI_VERSION 10
 
 /* Built with -fvisibility=hidden: only these entry points are exported. */
 #define NPO_EXPORT __attribute__((visibility("default")))
@@ -70,8 +70,8 @@ NPO_EXPORT int npo_cuda_gather(uint64_t src, uint64_t dst, uint64_t size, uint64
                                uint64_t rows, uint64_t stride, uint64_t min_page, int programs, void *stream,
                                char *msg, size_t msg_len);
 
-/* One staged transfer, enqueued whole by npo_cuda_staged_run (see staging.py for the
- * pipeline). Page addresses come from pair tables on the device ((5, m) int64 rows:
+/* One staged transfer, as npo_cuda_staged_submit plans and enqueues it whole (see staging.py for
+ * the pipeline). Page addresses come from pair tables on the device ((5, m) int64 rows:
  * src base, src block stride, dst base, dst block stride, bytes; uploaded once per KV
  * group and direction) and this transfer's block ids, uploaded here in one copy. Per
  * slice s: the ranges ranges[range_off[s] .. range_off[s+1]) (4 values each: table
@@ -94,12 +94,7 @@ typedef struct {
     const uint64_t *link_bounds; /* n_slices + 1 */
     void *const *events;         /* 1 + 2 * slots CUevents: entry, filled[slots], drained[slots] */
     int skip_link;               /* benchmarks: the device-local copies alone */
-    int inline_ids;              /* every gather (a store) or scatter (a load) takes its ids in its launch
-                                  * parameters when each range has <= NPO_INLINE_IDS blocks (no id upload
-                                  * at all; a load's ids then travel in no link batch either) */
 } npo_staged_job;
-
-NPO_EXPORT int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len);
 
 /* One KV group's part of a staged transfer that the library plans itself (npo_cuda_staged_submit). */
 typedef struct {
@@ -111,8 +106,8 @@ typedef struct {
     uint64_t blocks;
     uint64_t device_limit;      /* the group's device blocks (NPO_ERR_RANGE past it) */
 } npo_staged_group;
-/* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is as for
- * npo_cuda_staged_run, less what the plan fills in (n_ids, n_slices and every array); its
+/* A staged transfer to plan (staging.py's Stager.plan, in C) and enqueue. `job` is the transfer's,
+ * less what the plan fills in (n_ids, n_slices and every array); its
  * host_ids is pinned room for ids_capacity int64 ids (2 per block), which the plan fills. */
 typedef struct {
     npo_staged_job job;
@@ -148,14 +143,6 @@ NPO_EXPORT int npo_cuda_staged_submit(const npo_staged_request *req, uint64_t *l
 /* Timing-disabled CUevents for the pipeline (created in the current or primary context). */
 NPO_EXPORT int npo_cuda_events_create(size_t n, void **out, char *msg, size_t msg_len);
 NPO_EXPORT int npo_cuda_events_destroy(size_t n, void **events, char *msg, size_t msg_len);
-
-/* Whether a job's `end` event has completed, and (with `start`) the milliseconds between the two,
- * in one call: the engine's poll asks this of every job it reports. Returns 0 when done (*ms set
- * when start and ms are given), NPO_PENDING when `end` has not completed, NPO_DONE_NO_TIME when it
- * has but cuEventElapsedTime failed (msg says why; the time is best effort), else an error. */
-#define NPO_PENDING 1
-#define NPO_DONE_NO_TIME 2
-NPO_EXPORT int npo_cuda_event_poll(void *start, void *end, float *ms, char *msg, size_t msg_len);
 
 /* A non-blocking stream of the caller's own, created by the driver with `priority` (0: the
  * default; lower is higher): transfer streams must never be one of torch's pooled streams,

@@ -4,7 +4,7 @@
 // Why: on a GPU server's host the Python planner and the job it hands over cost 100-250 us
 // per transfer, most of the fixed cost that keeps a 20 MiB transfer at 60-70% of one
 // contiguous copy (docs/benchmarks.md); this is the same arithmetic in a few microseconds.
-// The Python planner stays the reference (NPU_OFFLOAD_STAGE_PLAN=python; the tests compare both).
+// The Python planner (Stager.plan) stays the reference: the tests compare the two plans.
 // The arithmetic the Ascend planner shares (host order, slices, positions, link runs) lives in
 // csrc_common/staged_plan_core.h; this file keeps the table form (ids, table ranges), the
 // request's checks, the per-thread scratch and the output.
@@ -22,7 +22,7 @@
 
 namespace {
 
-struct Scratch {  // per thread: the engine thread and the submit thread plan concurrently
+struct Scratch {  // per thread: plans on different threads (worker cores in one process) never share it
     std::vector<int64_t> dev, host;
     std::vector<uint64_t> pos, edges, range_off, ranges, link_src, link_dst, link_size, link_bounds;
     std::vector<spc_pair> sort_a, sort_b;

@@ -1,5 +1,5 @@
-// npo_cuda_staged_run: enqueue a whole staged transfer in one call (the slice pipeline of
-// vllm_npu_offload/staging.py): the block-id upload, the gather/scatter launches (on the
+// npo_staged_run_job: enqueue a whole planned staged transfer for npo_cuda_staged_submit (the slice
+// pipeline of vllm_npu_offload/staging.py): the block-id upload, the gather/scatter launches (on the
 // direction's aux stream, except the one on the critical path), the link copies on the job's
 // stream, and the slot events between them. Every driver call is checked; a failure names the call and
 // the slice. Done in C because each slice costs several driver calls, and from Python
@@ -17,7 +17,7 @@ namespace {
 
 int pipeline_ready(const npo_driver *drv, char *msg, size_t msg_len) {
     if (!drv->event_record || !drv->stream_wait_event)
-        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_run: the driver lacks cuEventRecord/"
+        return npo_failf(NPO_ERR_UNSUPPORTED, msg, msg_len, "npo_cuda_staged_submit: the driver lacks cuEventRecord/"
                          "cuStreamWaitEvent");
     return 0;
 }
@@ -40,13 +40,9 @@ struct Ctx {
 
 }  // namespace
 
-extern "C" int npo_cuda_staged_run(const npo_staged_job *job, char *msg, size_t msg_len) {
-    return npo_staged_run_job(job, nullptr, nullptr, msg, msg_len);
-}
-
 int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mark_on, char *msg, size_t msg_len) {
     const npo_driver *drv = npo_driver_get();
-    if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: null job");
+    if (!job) return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: null job");
     npo_gather_fns fns = {nullptr, nullptr, nullptr};
     int rc = npo_gather_ready(drv, job->stream, &fns, msg, msg_len);
     if (rc == 0) rc = pipeline_ready(drv, msg, msg_len);
@@ -54,12 +50,12 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
     if (!job->stream || !job->aux || !job->events || job->slots < 1 || !job->host_ids || !job->dev_ids ||
         !job->n_ids || !job->range_off || !job->ranges || !job->link_bounds)
         return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len,
-                         "npo_cuda_staged_run: bad job (null stream, events, ids or arrays; slots=%llu, n_ids=%llu)",
+                         "npo_cuda_staged_submit: bad job (null stream, events, ids or arrays; slots=%llu, n_ids=%llu)",
                          (unsigned long long)job->slots, (unsigned long long)job->n_ids);
     const uint64_t n_link = job->skip_link ? 0 : job->link_bounds[job->n_slices];
     for (uint64_t i = 0; i < n_link; ++i)
         if (!job->link_src[i] || !job->link_dst[i] || !job->link_size[i])
-            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: link descriptor %llu is invalid "
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: link descriptor %llu is invalid "
                              "(src=0x%llx dst=0x%llx size=%llu)", (unsigned long long)i,
                              (unsigned long long)job->link_src[i], (unsigned long long)job->link_dst[i],
                              (unsigned long long)job->link_size[i]);
@@ -89,29 +85,27 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
     const CUdeviceptr ids_dst = (CUdeviceptr)job->dev_ids, ids_src = (CUdeviceptr)(uintptr_t)job->host_ids;
     // A store's first gather takes its block ids inside its launch parameters (when they fit), so
     // it starts at once: waiting for the upload was the longest gap before the first link copy.
-    // The later gathers read the uploaded copy, made on aux meanwhile.
+    // The later gathers read the uploaded copy, made on aux meanwhile (every gather inline, with no
+    // upload at all, made the model's concurrent decode steps no faster on an H200: docs/benchmarks.md).
     bool inline_first = store && own == 0 && fns.table_inline;
     for (uint64_t g = job->range_off[0]; inline_first && g < job->range_off[1]; ++g)
         inline_first = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
-    // inline_ids: every gather of the store takes its ids that way (each range must fit), so
-    // nothing is uploaded and no gather reads the device copy of the ids.
-    bool inline_all = inline_first && job->inline_ids;
-    for (uint64_t g = job->range_off[1]; inline_all && n > 1 && g < job->range_off[n]; ++g)
-        inline_all = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
-    // A load's ids travel as one more descriptor of its first link batch: a copy of their own
-    // (another host->device operation) delayed the first link copy by ~4.5 us. Every scatter
-    // comes after that batch (aux waits for it, the last one follows it on the stream). Not when
-    // the link copies start before the model's stream is through (`model`): they are then uploaded
-    // on aux after the model's mark, and the load's last scatter (on the stream) waits for that
-    // upload too. Written at once, they crashed vLLM 0.23's serving once (an illegal address,
-    // 11th session), when their device buffer was allocated on the model's stream and could be
-    // memory a kernel of the step in flight still read. It is allocated on a stream of ours now
+    // A load's every scatter takes its ids in its launch parameters when each range fits, so the ids
+    // go to the device neither in a copy of their own nor in a link batch: nothing of the load is
+    // written to device memory before the model's mark, the first link copy starts at once, and the
+    // last scatter waits for the model's mark alone (on an H200 the library's call alone came
+    // 0.3-1.5 points nearer one contiguous copy on loads: docs/benchmarks.md).
+    // A load with a longer range sends its ids as one more descriptor of its first link batch: a copy
+    // of their own (another host->device operation) delayed the first link copy by ~4.5 us. Every
+    // scatter comes after that batch (aux waits for it, the last one follows it on the stream). Not
+    // when the link copies start before the model's stream is through (`model`): they are then
+    // uploaded on aux after the model's mark, and the load's last scatter (on the stream) waits for
+    // that upload too. Written at once, they crashed vLLM 0.23's serving once (an illegal address),
+    // when their device buffer was allocated on the model's stream and could be memory a kernel of
+    // the step in flight still read. It is allocated on a stream of ours now
     // (CudaStagedPipeline._device_ids), which rules that out; the ids still wait for the mark, since
     // the crash's mechanism was inferred, not observed (sending them in the batch gained 0-4 us).
-    // inline_ids on a load: every scatter takes its ids in its launch parameters (each range must
-    // fit), so the ids go to the device neither in a copy of their own nor in a link batch: the
-    // first link copy starts at once, and the last scatter waits for the model's mark alone.
-    bool load_inline = !store && link && n && job->inline_ids && fns.table_inline;
+    bool load_inline = !store && link && n && fns.table_inline;
     for (uint64_t g = job->range_off[0]; load_inline && g < job->range_off[n]; ++g)
         load_inline = job->ranges[4 * g + 3] <= NPO_INLINE_IDS;
     const bool ids_in_link = !store && link && n && !model && !load_inline;
@@ -121,7 +115,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
     };
     // A one-slice store with inline ids needs no upload at all; any other upload on aux is
     // followed by a gather there that the job stream waits for (or by the final wait below).
-    const bool need_upload = !ids_in_link && !load_inline && !(inline_first && (n == 1 || inline_all));
+    const bool need_upload = !ids_in_link && !load_inline && !(inline_first && n == 1);
     // A load with its ids inline orders aux in the loop, not here: each scatter on aux waits for its
     // slice's link batch (filled, recorded on the stream after it, so after all the stream waited for:
     // compute, earlier jobs), and aux waits for the model's mark once the first link batch is enqueued.
@@ -138,7 +132,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
         // waited behind it for the host-to-device copy engine, and every scatter with it (H200,
         // 2026-11-27: the library's call alone fell from 95-99% of one contiguous copy to 91-92% on two
         // shapes of three).
-        // A store's first gather gained nothing from it either (docs/benchmarks.md, 14th session).
+        // A store's first gather gained nothing from it either (docs/benchmarks.md).
         if (need_upload) rc = upload(aux);
         // entry again, now on aux: the ids are on the device (the load's last scatter waits for it)
         if (!rc && ids_after_model) rc = c.record(entry, aux);
@@ -149,7 +143,7 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
         const uint64_t m = k1 - k0;
         uint64_t *fs = (uint64_t *)malloc(3 * 8 * (m + 1));
         if (!fs)
-            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: malloc failed for the first "
+            return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: malloc failed for the first "
                              "slice's %llu link descriptors (out of host memory)", (unsigned long long)(m + 1));
         uint64_t *fd = fs + m + 1, *fz = fd + m + 1;
         memcpy(fs, job->link_src + k0, 8 * m);
@@ -185,11 +179,11 @@ int npo_staged_run_job(const npo_staged_job *job, void *scatter_after, void *mar
         for (uint64_t g = job->range_off[i]; g < job->range_off[i + 1]; ++g) {
             const uint64_t *r = job->ranges + 4 * g;
             if (r[2] + r[3] > job->n_ids)
-                return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_run: slice %llu range %llu covers "
+                return npo_failf(NPO_ERR_BAD_ARG, msg, msg_len, "npo_cuda_staged_submit: slice %llu range %llu covers "
                                  "blocks %llu..%llu of %llu", (unsigned long long)i, (unsigned long long)g,
                                  (unsigned long long)r[2], (unsigned long long)(r[2] + r[3]),
                                  (unsigned long long)job->n_ids);
-            rc = (mine && inline_first) || inline_all || load_inline
+            rc = (mine && inline_first) || load_inline
                      ? npo_table_inline_launch(drv, fns.table_inline, r[0], r[1], job->host_ids + r[2],
                                                job->host_ids + job->n_ids + r[2], r[3], job->min_page, job->programs,
                                                local, msg, msg_len)

@@ -5,7 +5,7 @@
 
 #include "npo_cuda.h"
 
-// npo_cuda_staged_run, with `scatter_after` (a load's only, may be NULL): an event on the model's
+// Enqueue a planned `job`, with `scatter_after` (a load's only, may be NULL): an event on the model's
 // stream that every scatter into the KV pages, and the upload of the block ids, wait for, while the
 // link copies into the staging slots start at once. With `mark_on` (the model's stream, NULL: the
 // caller recorded the event) it is recorded here, after the first link batch where none waits sooner.

@@ -2,7 +2,7 @@
 // driver's own non-blocking streams, not torch's pooled ones: torch hands out 32 pooled streams
 // per priority round-robin, and vLLM computes on a pooled stream, so a pooled transfer stream can
 // be the model's own stream and every transfer on it stalls the next forward for its whole
-// duration (measured: docs/benchmarks.md, fifth run). Non-blocking: work on the legacy default
+// duration (measured: docs/benchmarks.md). Non-blocking: work on the legacy default
 // stream (a synchronous cudaMemcpy somewhere) must not wait for a transfer either.
 #include "driver.h"
 #include "npo_cuda.h"

@@ -4,7 +4,7 @@
  * the per-slice descriptor bounds and the link runs) in C, and with submit enqueue it at once
  * (npu_offload_acl_staged_run). Why: the Python planner costs 30-50 us of the engine thread per
  * transfer, about 100 us on a GPU server's host; this is the same arithmetic in a few microseconds.
- * The Python planner stays the reference (NPU_OFFLOAD_STAGE_PLAN=python; the tests compare both).
+ * The Python planner (Stager.plan) stays the reference: the tests compare the two plans.
  * The arithmetic the CUDA planner shares (host order, slices, positions, link runs) lives in
  * csrc_common/staged_plan_core.h; this file keeps the page form (page descriptors, their slice
  * bounds), the request's checks, the per-thread scratch and the output.

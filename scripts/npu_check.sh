@@ -3,9 +3,8 @@
 # The NPU path was developed against torch-npu's ACL headers and an ACL emulation only;
 # this script is what proves it on hardware: H2D/D2H round trips, the device->device (D2D)
 # gather/scatter of staged copies (tests/native/test_npu_device.py::test_staged_d2d_gather_scatter),
-# exact pinning, the Ascend K/V layouts, the staged pipeline (one native call per transfer vs the
-# Python slice loop) and its speed through the worker core (scripts/bench_core.py, JSON kept in
-# npu_check_results/). Usage (from the repo root, CANN env sourced):
+# exact pinning, the Ascend K/V layouts, the staged pipeline (one native call per transfer) and its
+# speed through the worker core (scripts/bench_core.py, JSON kept in npu_check_results/). Usage (from the repo root, CANN env sourced):
 #   source /usr/local/Ascend/ascend-toolkit/set_env.sh   # or your CANN's set_env.sh
 #   bash scripts/npu_check.sh [python]
 # BENCH_SHAPES (comma list of benchmarks/core_bench.py shapes) and BENCH_REPS tune the benchmark.
@@ -35,17 +34,11 @@ for toggle in 1 0; do
   else
     echo "(scripts/bench_transfer.py not present: benchmark skipped)"
   fi
-  # Staged transfers: slices enqueued by one native call vs the Python loop (compare staged GB/s
-  # and "cpu N us", the engine thread's enqueue time per transfer).
-  for pipe in native python; do
-    echo "--- staged pipeline NPU_OFFLOAD_STAGE_PIPELINE=$pipe (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=$toggle) ---"
-    NPU_OFFLOAD_STAGE_PIPELINE=$pipe "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
-      --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}_${pipe}.json" || status=1
-  done
-  # ... and the native pipeline with the Python planner (the library's planner is the run above)
-  echo "--- staged planner NPU_OFFLOAD_STAGE_PLAN=python (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=$toggle) ---"
-  NPU_OFFLOAD_STAGE_PLAN=python "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
-    --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}_pyplan.json" || status=1
+  # Staged transfers, each planned and enqueued by one native call (staged GB/s, and "cpu N us": the
+  # engine thread's enqueue time per transfer).
+  echo "--- staged pipeline (VLLM_ASCEND_ENABLE_BATCH_MEMCPY=$toggle) ---"
+  "$PY" scripts/bench_core.py --device npu --shapes "$BENCH_SHAPES" \
+    --reps "$BENCH_REPS" --json "$RESULTS/bench_core_batch${toggle}.json" || status=1
 done
 unset NPU_OFFLOAD_NATIVE_DIR
 echo "=== CPU test suite (emulation) ==="

@@ -3,8 +3,8 @@
 Per direction, transfers execute in submission order. They take a small ring of that
 direction's streams in turn, each job after the previous one's end event: on one stream,
 jobs of many page copies queued behind a long forward fill its hardware queue and the
-engine thread blocks in the next enqueue (docs/benchmarks.md, sixth session: 2.7 s per
-no-reuse round with direct stores). The streams are created once (see ``Platform.new_stream``
+engine thread blocks in the next enqueue (docs/benchmarks.md: 2.7 s per no-reuse round with
+direct stores on one stream). The streams are created once (see ``Platform.new_stream``
 for why they are never torch's pooled ones). Every job (loads too)
 also waits for the compute stream, which closes both known races: a store reading KV
 that the model is still writing, and a load overwriting a block that attention still
@@ -21,20 +21,10 @@ A reported job's pooled buffers and events go back after the next submit's copie
 way (or at an idle poll): the poll that makes a completion visible does only what the caller needs.
 Bad input that a native planner checks (a block id out of range) raises ValueError at submit, with
 nothing enqueued, as the worker's own checks do.
-
-With ``NPU_OFFLOAD_SUBMIT_THREAD=1`` a direct store (one driver copy per page: ~0.44 us each
-on CUDA, 3.5 ms for an 8,000-page store) is enqueued by a thread of the engine's own: the
-engine thread records where the model's stream stands (the job waits for that point, as it
-waits for the whole stream otherwise) and returns. Loads stay on the engine thread: the submit
-thread may wait for the GIL up to Python's switch interval (5 ms), which a reload's TTFT would
-pay. Jobs keep their order: the submit thread takes them first in, first out, and a job
-enqueued at submit waits until every earlier one of its direction is on its stream. Events are
-then never reused: a job still with the submit thread may wait on an earlier job's end.
 """
 
 from __future__ import annotations
 
-import queue as queue_mod
 import threading
 import time
 from collections import deque
@@ -42,7 +32,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
-from . import env, stats
+from . import stats
 from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
@@ -52,9 +42,11 @@ from .transfer import Transfer
 
 _DIRECTIONS = tuple(Direction)
 _new_result = tuple.__new__
-ENV_STREAMS = "NPU_OFFLOAD_TRANSFER_STREAMS"
-ENV_SUBMIT_THREAD = "NPU_OFFLOAD_SUBMIT_THREAD"
-ENV_EVENT_TIMING = "NPU_OFFLOAD_EVENT_TIMING"
+# Streams per direction that transfers take in turn. One stream's hardware queue holds about one job
+# of many page copies, so a second job on it blocked the engine thread until the stream drained (2.7 s
+# per no-reuse round of direct stores on an H200); with four per direction that time fell to what
+# vLLM's native offload spends there (docs/benchmarks.md). Made once, when the engine starts.
+TRANSFER_STREAMS = 4
 
 
 class TransferResult(NamedTuple):
@@ -83,9 +75,6 @@ class _InFlight:
     transfer: Transfer
     error: str | None = None
     submitted_at: float = 0.0  # perf_counter() at submit
-    # set once the copies are on the stream; None: enqueued at submit. Until then ``end`` is not
-    # recorded (a driver reports a never-recorded event as complete), so nobody may query it.
-    enqueued: threading.Event | None = None
     # the transfer's bytes and descriptors, read when the job is queued, after its copies were
     # enqueued (off the poll that reports it; a staged transfer knows its link copies only then)
     nbytes: int = field(init=False)
@@ -94,52 +83,17 @@ class _InFlight:
     def __post_init__(self) -> None:
         self.nbytes, self.descriptors = self.transfer.total_bytes, len(self.transfer)
 
-    def on_stream(self) -> bool:
-        return self.enqueued is None or self.enqueued.is_set()
-
-    def wait_enqueued(self) -> None:
-        if self.enqueued is not None:
-            self.enqueued.wait()
-
-
-class _SubmitThread:
-    """One daemon thread that runs enqueue closures in the order given, bound to the device of
-    the thread that started it."""
-
-    def __init__(self, platform: Platform):
-        self._q: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
-        device = platform.device_index()
-        self._thread = threading.Thread(target=self._run, args=(platform, device), name="npu-offload-submit",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, platform: Platform, device: int) -> None:
-        bind_error = None
-        try:
-            platform.bind_thread(device)
-        except Exception as e:  # noqa: BLE001 - every job then fails with it, none hangs
-            bind_error = f"binding the submit thread to device {device}: {type(e).__name__}: {e}"
-        while True:
-            work = self._q.get()
-            if work is None:
-                return
-            work(bind_error)
-
-    def put(self, work) -> None:
-        self._q.put(work)
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10)
-
 
 class TransferEngine:
-    def __init__(self, platform: Platform, pool: DescriptorPool | None = None):
+    def __init__(self, platform: Platform, pool: DescriptorPool | None = None, streams: int = TRANSFER_STREAMS):
+        """``streams``: per direction, how many streams transfers take in turn (tests vary it)."""
         self.platform = platform
         self.pool = pool or DescriptorPool(platform)
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
-        self._ring = env.get(ENV_STREAMS)
+        if streams < 1:
+            raise ValueError(f"streams={streams}; a direction needs at least one")
+        self._ring = streams
         # made now, not at a direction's first submit: making a stream is a driver call that may wait
         # for the device, and submit runs while the model's step does
         self._streams = {d: [platform.new_stream() for _ in range(self._ring)] for d in Direction}
@@ -151,10 +105,7 @@ class TransferEngine:
         self._all_queues = tuple(self._queues[d] for d in _DIRECTIONS)
         self._retired: list[_InFlight] = []  # finished and reported, buffers and events not yet returned
         self._closed = False
-        self._threaded = bool(env.get(ENV_SUBMIT_THREAD)) and platform.submit_thread_ok
-        self._timing = bool(env.get(ENV_EVENT_TIMING))  # a job's seconds: the device's span, else the host's
-        self._query = platform.completion_query(self._timing)  # (start, end) -> None while pending, else seconds
-        self._submitter: _SubmitThread | None = None  # started on the first job it takes
+        self._query = platform.completion_query()  # (start, end) -> None while pending, else seconds
 
     # -- submission -------------------------------------------------------------------
     def submit(self, job_id: int, transfer: Transfer) -> None:
@@ -176,16 +127,13 @@ class TransferEngine:
             stream = ring[turn % len(ring)]
             self._turn[direction] = turn + 1
             events = self._events
-            start = events.pop() if events else self.platform.new_event(timing=self._timing)
-            end = events.pop() if events else self.platform.new_event(timing=self._timing)
+            start = events.pop() if events else self.platform.new_event()
+            end = events.pop() if events else self.platform.new_event()
             prev = queue[-1] if queue else None
             if transfer.orders_itself:  # one native call: stream order, events and copies (inline: a frame less)
                 after = None
-                if prev is not None:
-                    if prev.enqueued is not None:  # an earlier job still with the submit thread: its end is not recorded yet
-                        prev.enqueued.wait()
-                    if len(ring) > 1:  # after the previous job's end (on another stream of the ring)
-                        after = prev.end
+                if prev is not None and len(ring) > 1:  # after the previous job's end (on another stream of the ring)
+                    after = prev.end
                 error = None
                 try:
                     transfer.enqueue_ordered(stream, self.platform, start, end, after)
@@ -200,19 +148,6 @@ class TransferEngine:
                     self._retire()
                 return
             compute = self.platform.current_stream()
-            if self._threaded and transfer.enqueue_anywhere and not direction.is_load:
-                item = _InFlight(job_id, direction, start, end, transfer, None, t_submit, threading.Event())
-                ready = self._event()
-                ready.record(compute)  # the job reads / writes KV only after the model's work so far
-                queue.append(item)
-                self._job_ids.add(job_id)
-                if self._submitter is None:
-                    self._submitter = _SubmitThread(self.platform)
-                self._submitter.put(lambda bind_error: self._enqueue_later(item, stream, ready, prev, len(ring) > 1,
-                                                                           bind_error))
-                return
-            if prev is not None:
-                prev.wait_enqueued()  # an earlier job still with the submit thread: its end is not recorded yet
             stream.wait_stream(compute)
             if prev is not None and len(ring) > 1:  # earlier jobs of this direction first (on other streams)
                 stream.wait_event(prev.end)
@@ -221,7 +156,7 @@ class TransferEngine:
             with nullcontext() if transfer.names_streams else self.platform.stream_context(stream):
                 start.record(stream)
                 try:
-                    transfer.enqueue(stream, compute)
+                    transfer.enqueue(stream)
                 except ValueError:  # bad input the library checks (a block id out of range): nothing enqueued
                     self._events.extend((start, end))
                     raise
@@ -232,30 +167,6 @@ class TransferEngine:
             self._job_ids.add(job_id)
             if self._retired:
                 self._retire()
-
-    def _event(self) -> Any:
-        return self._events.pop() if self._events else self.platform.new_event(timing=self._timing)
-
-    def _enqueue_later(self, item: _InFlight, stream: Any, ready: Any, prev: _InFlight | None, chain: bool,
-                       bind_error: str | None) -> None:
-        """The submit thread's half of ``submit``: the same stream order, after ``ready`` (the model's
-        stream as it stood at submit)."""
-        try:
-            if bind_error is not None:
-                raise RuntimeError(bind_error)
-            stream.wait_event(ready)
-            if prev is not None and chain:  # enqueued before this one (same thread, or at submit)
-                stream.wait_event(prev.end)
-            with self.platform.stream_context(stream):
-                item.start.record(stream)
-                try:
-                    item.transfer.enqueue(stream, None)
-                finally:
-                    item.end.record(stream)
-        except Exception as e:  # noqa: BLE001 - becomes a failed result
-            item.error = f"{type(e).__name__}: {e}"
-        finally:
-            item.enqueued.set()
 
     def streams(self, direction: Direction) -> list[Any]:
         """The streams this direction's transfers take in turn (made when the engine starts)."""
@@ -291,7 +202,7 @@ class TransferEngine:
         if error is None and ev_err is not None:
             error = f"{type(ev_err).__name__}: {ev_err}"
         wall = time.perf_counter() - item.submitted_at
-        if seconds < 0:  # events without timing: from submit to this poll, an upper bound of the copies' span
+        if seconds < 0:  # no span from the events (``drain``): from submit to now, an upper bound of the copies'
             seconds = wall
         self._job_ids.discard(item.job_id)
         ok = error is None
@@ -310,8 +221,7 @@ class TransferEngine:
             TOTALS.fold()
         for item in retired:
             self.pool.release(item.transfer.buffers)
-            if not self._threaded:  # a later job still with the submit thread may wait on this one's end
-                self._events.extend((item.start, item.end))
+            self._events.extend((item.start, item.end))
 
     def poll(self, direction: Direction | None = None) -> list[TransferResult]:
         """Results of transfers that finished since the last call, each exactly once; only
@@ -328,8 +238,6 @@ class TransferEngine:
             for q in (self._queues[as_direction(direction)],) if direction is not None else self._all_queues:
                 while q:
                     item = q[0]
-                    if item.enqueued is not None and not item.enqueued.is_set():  # ``on_stream`` inline
-                        break
                     try:  # ``_seconds`` inline: a frame less on the poll that makes a completion visible
                         seconds = query(item.start, item.end)
                     except Exception as e:  # noqa: BLE001 - becomes a failed result
@@ -342,12 +250,9 @@ class TransferEngine:
             return out
 
     def _end_events(self, job_ids: set[int]) -> list[Any]:
-        """End events of the given jobs still in flight, once they are recorded."""
+        """End events of the given jobs still in flight."""
         with self._lock:
-            items = [it for q in self._queues.values() for it in q if it.job_id in job_ids]
-        for it in items:
-            it.wait_enqueued()
-        return [it.end for it in items]
+            return [it.end for q in self._queues.values() for it in q if it.job_id in job_ids]
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs (and, by ordering, those before them) have finished."""
@@ -370,7 +275,6 @@ class TransferEngine:
         with self._lock:
             items = {id(it): it for q in self._queues.values() for it in q}
         for it in items.values():
-            it.wait_enqueued()
             it.end.synchronize()
         with self._lock:
             for q in self._queues.values():
@@ -388,6 +292,3 @@ class TransferEngine:
         self.drain()
         with self._lock:
             self._closed = True
-            submitter, self._submitter = self._submitter, None
-        if submitter is not None:
-            submitter.stop()

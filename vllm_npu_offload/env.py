@@ -4,8 +4,8 @@ One parser, one list: ``get(NAME)`` returns the checked value (a bad value raise
 ``ValueError`` naming the variable, the value and what is allowed), and
 ``python -m vllm_npu_offload info`` prints the list with the values in effect. Values are read
 where the object that uses them is built (a worker core, a copy path), never per transfer.
-``user`` marks the ones a user sets (README lists those); the rest exist for benchmarks and
-diagnosis. Build-time flags (``NPU_OFFLOAD_BUILD_*``, ``VLLM_ASCEND_ENABLE_BATCH_MEMCPY`` ...)
+Each is for a user or an operator, and its meaning says when to set it: tuning constants live in
+the module that uses them, with the measurement that chose them. Build-time flags (``NPU_OFFLOAD_BUILD_*``, ``VLLM_ASCEND_ENABLE_BATCH_MEMCPY`` ...)
 are read by ``setup.py`` / ``csrc_*/build.py``, not here.
 """
 
@@ -25,7 +25,6 @@ class Knob:
     choices: tuple[str, ...] = ()
     lo: int | None = None
     hi: int | None = None
-    user: bool = False
 
     def raw(self) -> str:
         return os.environ.get(self.name, "").strip()
@@ -66,82 +65,35 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_COPY_PATH", "choice", None,
-         "force one direct copy path for both directions (unset: calibrated per direction)",
-         ("host", "dma", "dma_loop", "sm", "gather_native", "acl_batch", "acl_loop"), user=True),
+         "force one direct copy path for both directions (unset: calibrated per direction): to pin a path the "
+         "start-up measurement misjudges, or to compare paths",
+         ("host", "dma", "dma_loop", "sm", "gather_native", "acl_batch", "acl_loop")),
     Knob("NPU_OFFLOAD_STAGED", "flag", None,
          "1: every transfer staged, 0: every transfer direct (unset: by size, from the start-up measurement; "
-         "CPU-only machines stay direct)", user=True),
+         "CPU-only machines stay direct): to override the measured crossover"),
     Knob("NPU_OFFLOAD_STAGED_STORES", "flag", None,
-         "0: stores always direct on the copy engines (no device gather beside the model's steps); 1: stores "
-         "staged from the measured size; unset: direct on CUDA for pages of 32 KiB or more, else as 1. "
-         "Loads as NPU_OFFLOAD_STAGED says", user=True),
+         "0: stores always direct on the copy engines, 1: stores staged from the measured size (unset: direct "
+         "on CUDA for pages of 32 KiB or more, else as 1; loads as NPU_OFFLOAD_STAGED says): 0 keeps every "
+         "gather kernel off the model's device"),
     Knob("NPU_OFFLOAD_CALIBRATE", "flag", True,
-         "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics", user=True),
+         "0 skips the start-up measurements (copy path, staged threshold) and uses heuristics: a faster "
+         "start, or a device busy with other work while the worker starts"),
     Knob("NPU_OFFLOAD_CACHE_DIR", "path", None,
-         "folder of the calibration cache (unset: $XDG_CACHE_HOME or ~/.cache, /vllm_npu_offload)", user=True),
+         "folder of the calibration cache (unset: $XDG_CACHE_HOME or ~/.cache, /vllm_npu_offload): for a "
+         "read-only home, or one cache shared by identical machines"),
     Knob("NPU_OFFLOAD_NUMA_NODE", "int", None,
-         "NUMA node of the host KV buffer (unset: the device's node from sysfs)", lo=0, user=True),
+         "NUMA node of the host KV buffer (unset: the device's node from sysfs): where sysfs does not say "
+         "it, or the CPUs that serve the device sit elsewhere", lo=0),
     Knob("NPU_OFFLOAD_NATIVE_DIR", "path", None,
-         "folder holding libnpu_offload_cuda.so / libnpu_offload_acl.so (unset: the package's _native/)", user=True),
+         "folder holding libnpu_offload_cuda.so / libnpu_offload_acl.so (unset: the package's _native/): "
+         "libraries built apart from the install, e.g. for another toolkit"),
     Knob("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "flag", False,
-         "1: an unknown kv_connector_extra_config key is a warning, not an error (a newer vLLM's key)", user=True),
-    Knob("NPU_OFFLOAD_DEVICE", "choice", None, "force the device kind (unset: npu > cuda > cpu by availability)",
+         "1: an unknown kv_connector_extra_config key is a warning, not an error: a config written for a "
+         "newer release still starts"),
+    Knob("NPU_OFFLOAD_DEVICE", "choice", None,
+         "force the device kind (unset: npu > cuda > cpu by availability): a host with more than one kind, "
+         "or the CPU path on an accelerator host",
          ("npu", "cuda", "cpu")),
-    Knob("NPU_OFFLOAD_STAGE_GATHER", "choice", None,
-         "CUDA staged gather/scatter: the native kernel, Triton, or the copy engines (dma: one descriptor per page, "
-         "no SMs; diagnosis) (unset: native when compiled in, else triton)", ("native", "triton", "dma")),
-    Knob("NPU_OFFLOAD_STAGE_PIPELINE", "choice", "native",
-         "who enqueues a staged transfer's slices (CUDA and Ascend): one native call, or a Python loop",
-         ("native", "python")),
-    Knob("NPU_OFFLOAD_STAGE_PLAN", "choice", "native",
-         "who plans a staged transfer (host order, slices, CUDA's block ids or Ascend's page descriptors, link "
-         "runs): the native library, in the call that enqueues it (on CUDA that call also takes the engine's "
-         "stream order and events), or the Python planner (the reference)",
-         ("native", "python")),
-    Knob("NPU_OFFLOAD_STAGE_ORDER", "choice", "native",
-         "who orders a natively planned CUDA staged transfer after the model's stream and the previous job "
-         "and records its events: the library, in the same call (a load's link copies then start at once and "
-         "only its scatters wait for the model's stream), or the engine through torch (the whole load waits; "
-         "diagnosis, A/B)",
-         ("native", "engine")),
-    Knob("NPU_OFFLOAD_STAGE_STORE_AUX", "choice", "1",
-         "where a staged store's gathers run: 1 an auxiliary stream; 0 the store's own stream, in order with "
-         "its link copies; compute the model's stream, which then waits for the link (both diagnosis)",
-         ("1", "0", "compute")),
-    Knob("NPU_OFFLOAD_STAGE_STORE_INLINE_IDS", "flag", False,
-         "1: every gather of a CUDA staged store takes its block ids in its launch parameters (slices of at "
-         "most 64 blocks per range), so no id upload runs (diagnosis)"),
-    Knob("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", "flag", True,
-         "every scatter of a CUDA staged load takes its block ids in its launch parameters (ranges of at most "
-         "64 blocks; a load with a longer one uploads them), so the ids go to the device in no copy, nothing "
-         "of a load is written to device memory before the model's mark, and the first link copy starts at "
-         "once (H200: the library's call alone 0.3-1.5 points nearer one contiguous copy on loads; "
-         "docs/benchmarks.md, fifteenth session). 0: the ids uploaded on the aux stream after the mark"),
-    Knob("NPU_OFFLOAD_TRANSFER_STREAMS", "int", 4,
-         "streams per direction that transfers take in turn, each after the previous one (1: one stream, "
-         "whose queue can fill behind a long forward and block the engine thread)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_EVENT_TIMING", "flag", True,
-         "0: the transfer engine's start/end events are made without timing (CUDA, NPU), which a device "
-         "records and queries at less cost; a transfer's seconds are then the host's time from its submit to "
-         "the poll that reports it, not the device's span (A/B of the poll's cost: docs/benchmarks.md, "
-         "eleventh session)"),
-    Knob("NPU_OFFLOAD_NATIVE_POLL", "flag", False,
-         "1: the transfer engine's poll asks the native library whether a CUDA job's end event has completed "
-         "and for its device time, in one call (cuEventQuery + cuEventElapsedTime), instead of torch's "
-         "Event.query and elapsed_time (A/B of the poll's cost on a GPU; CUDA only)"),
-    Knob("NPU_OFFLOAD_SUBMIT_THREAD", "flag", False,
-         "1: direct stores are enqueued by a thread of the transfer engine, not vLLM's engine thread (a direct "
-         "store of 8,000 pages costs ~3.5 ms of driver calls on CUDA); the engine thread records where the "
-         "model's stream stands and returns; loads stay on it (CUDA only; on an H200 it took 265 ms of CPU per "
-         "no-reuse round off that thread, not yet measured in serving)"),
-    Knob("NPU_OFFLOAD_STAGE_PROGRAMS", "int", 16, "SMs of the CUDA staged gather/scatter", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_STAGE_STORE_PROGRAMS", "int", None,
-         "SMs of a CUDA staged store's gather (unset: NPU_OFFLOAD_STAGE_PROGRAMS)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_SM_PROGRAMS", "int", None,
-         "SMs of a direct SM copy (unset: 2 for the native kernel, 8 for Triton)", lo=1, hi=16),
-    Knob("NPU_OFFLOAD_SM_TILE_BYTES", "int", 32 * 1024, "bytes a Triton SM-copy program moves per iteration",
-         lo=256, hi=1 << 20),
-    Knob("NPU_OFFLOAD_ACL_MAX_BATCH", "int", 0, "descriptors per aclrtMemcpyBatchAsync call (0: all)", lo=0),
 )}
 
 

@@ -9,8 +9,6 @@ for every device.
 
 from __future__ import annotations
 
-import functools
-import operator
 import importlib.util
 import logging
 import queue
@@ -42,25 +40,9 @@ class Platform(ABC):
     @abstractmethod
     def new_stream(self) -> Any: ...
 
-    @property
-    def submit_thread_ok(self) -> bool:
-        """Whether TransferEngine may enqueue stores from a helper thread: streams that run apart
-        from the thread enqueueing (a device's queues), and events recorded by one thread that
-        another's stream waits can rely on."""
-        return False
-
-    def device_index(self) -> int:
-        """The calling thread's device (what a helper thread must bind to)."""
-        return 0
-
-    def bind_thread(self, index: int) -> None:
-        """Make device ``index`` (and its context) current in the calling thread, before it
-        enqueues anything: driver calls made through the native libraries need a current context."""
-
     @abstractmethod
-    def new_event(self, timing: bool = True) -> Any:
-        """An event with ``record(stream)``, ``query()``, ``synchronize()`` and, when ``timing``,
-        ``elapsed_time(end)`` (an event without timing is cheaper for a device to record and query)."""
+    def new_event(self) -> Any:
+        """An event with ``record(stream)``, ``query()``, ``synchronize()`` and ``elapsed_time(end)``."""
 
     @abstractmethod
     def raw_stream_handle(self, stream: Any) -> int:
@@ -120,38 +102,20 @@ class Platform(ABC):
         """SMs / AI cores of the device (0 when not applicable); caps SM copy grids."""
         return 0
 
-    def completion_query(self, timing: bool) -> Callable[[Any, Any], float | None]:
+    def completion_query(self) -> Callable[[Any, Any], float | None]:
         """``query(start, end)`` for the transfer engine's poll: None while event ``end`` is pending,
-        else the seconds between the two events (``timing``), or -1.0 for events without timing (the
-        engine then takes the host's time). Here through the events' own calls."""
-        return functools.partial(event_seconds, timing)
+        else the seconds between the two events. Here through the events' own calls."""
+        return event_seconds
 
 
-def event_seconds(timing: bool, start: Any, end: Any) -> float | None:
+def event_seconds(start: Any, end: Any) -> float | None:
     """``Platform.completion_query``'s query through the events' ``query`` and ``elapsed_time``."""
     if not end.query():
         return None
-    if not timing:
-        return -1.0
     try:
         return start.elapsed_time(end) * 1e-3
     except Exception:  # noqa: BLE001 - timing is best effort
         return 0.0
-
-
-def native_completion_query(lib: Any, handle: Callable[[Any], int], timing: bool) -> Callable[[Any, Any], float | None]:
-    """``Platform.completion_query``'s query through the native CUDA library, one call a job
-    (``lib.event_poller``'s, on the events' raw handles, ``handle``): torch's query and elapsed_time are a
-    Python and a C++ layer each, on the engine thread, ahead of the connector seeing the completion."""
-    poll = lib.event_poller()  # the engine polls under its lock: one thread at a time
-
-    def query(start: Any, end: Any) -> float | None:
-        ms = poll(handle(start) if timing else 0, handle(end))
-        if ms is None:
-            return None
-        return ms * 1e-3 if timing else -1.0
-
-    return query
 
 
 class _TorchAcceleratorPlatform(Platform):
@@ -166,17 +130,8 @@ class _TorchAcceleratorPlatform(Platform):
     def new_stream(self):
         return self._mod.Stream()
 
-    def device_index(self) -> int:
-        return int(self._mod.current_device())
-
-    def bind_thread(self, index: int) -> None:
-        self._mod.set_device(index)
-        # torch skips the set when the thread's default device is already ``index``; a runtime call
-        # then makes that device's primary context current in this thread
-        self._mod.current_stream().query()
-
-    def new_event(self, timing: bool = True):
-        return self._mod.Event(enable_timing=timing)
+    def new_event(self):
+        return self._mod.Event(enable_timing=True)
 
     def stream_context(self, stream):
         return self._mod.stream(stream)
@@ -200,10 +155,6 @@ class CudaPlatform(_TorchAcceleratorPlatform):
     def __init__(self):
         super().__init__(torch.cuda)
 
-    @property
-    def submit_thread_ok(self) -> bool:
-        return True
-
     def raw_stream_handle(self, stream) -> int:
         # vLLM 0.23 computes on the legacy default stream, whose handle torch gives as 0; the
         # native library names it CU_STREAM_LEGACY (1), as it refuses a null stream
@@ -211,25 +162,18 @@ class CudaPlatform(_TorchAcceleratorPlatform):
 
     raw_events = True
 
-    def completion_query(self, timing: bool):
-        if env.get("NPU_OFFLOAD_NATIVE_POLL"):
-            from ._native.cuda import load_library
-
-            # the events' handles as attributes (no frame): a job's events were recorded at its submit
-            return native_completion_query(load_library(), operator.attrgetter("cuda_event"), timing)
+    def completion_query(self):
         # torch's C++ calls themselves: torch.cuda.Event's query and elapsed_time are Python methods
         # that only call super(), one frame each on the poll that makes a completion visible (a
         # torch built without CUDA has the base class without them: the events' own calls then)
         base = getattr(torch._C, "_CudaEventBase", None)
         query, elapsed = getattr(base, "query", None), getattr(base, "elapsed_time", None)
         if query is None or elapsed is None:
-            return super().completion_query(timing)
+            return super().completion_query()
 
         def seconds(start: Any, end: Any) -> float | None:
             if not query(end):
                 return None
-            if not timing:
-                return -1.0
             try:
                 return elapsed(start, end) * 1e-3
             except Exception:  # noqa: BLE001 - timing is best effort
@@ -250,7 +194,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host),
         # and the device read once: a worker process computes on one device, and each torch call here
         # costs 0.5 us in a loop and about three times that when the model's step left the caches cold
-        # (scripts/dev/probe_cold_pieces.py, docs/benchmarks.md fifteenth session)
+        # (measured with scripts/dev/probe_cold_pieces.py: docs/benchmarks.md)
         dev = self._device
         if dev is None:
             dev = self._device = torch._C._cuda_getDevice()
@@ -276,7 +220,7 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         Never ``torch.cuda.Stream()``: torch hands out 32 pooled streams per priority round-robin,
         and vLLM computes on a pooled stream, so after enough draws in one process a "new" stream
         is the model's own stream and every transfer on it stalls the next forward for its whole
-        duration (docs/benchmarks.md, fifth run). Without the native library (no copy-engine
+        duration (docs/benchmarks.md). Without the native library (no copy-engine
         path either) a high-priority pooled stream is the fallback: vLLM draws from the normal pool.
         """
         from ._native.cuda import load_library
@@ -325,10 +269,6 @@ class NpuPlatform(_TorchAcceleratorPlatform):
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         super().__init__(torch.npu)
-
-    # submit_thread_ok stays False: torch_npu queues event records in its task queue, and whether a
-    # record queued by the engine thread reaches ACL before another thread's raw ACL wait on it is
-    # not established (no Ascend hardware here)
 
     def raw_stream_handle(self, stream) -> int:
         # ``npu_stream`` flushes torch_npu's task queue before returning the handle,
@@ -477,18 +417,13 @@ class CpuPlatform(Platform):
         self._compute = CpuStream(is_compute=True)
         self.threaded_streams = bool(threaded_streams)
 
-    @property
-    def submit_thread_ok(self) -> bool:
-        # inline streams copy at submission: a submit thread would only move memmoves under the GIL
-        return self.threaded_streams
-
     def current_stream(self) -> CpuStream:
         return self._compute
 
     def new_stream(self) -> CpuStream:
         return CpuStream(threaded=self.threaded_streams)
 
-    def new_event(self, timing: bool = True) -> CpuEvent:
+    def new_event(self) -> CpuEvent:
         return CpuEvent()
 
     def raw_stream_handle(self, stream) -> int:

@@ -13,6 +13,11 @@ gather of slice i+1 overlaps the DMA of slice i, so the link never waits for the
 The link copies run on the job's stream (ordered after compute and earlier jobs by the
 engine); the device-local copies run on one auxiliary stream per direction; events
 hand each slot back and forth. Staging memory is allocated once, per direction.
+
+Where the native library is built (CUDA with its gather kernel, Ascend), one call into it plans
+and enqueues a whole transfer (``run_native``). The Python planner (``plan``) and slice loop
+(``run``) serve the rest (CPU, CUDA with Triton's gather), and ``plan`` is the reference the
+native planners are tested against.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import env
 from .copy.base import CopyPath, DescriptorRange, Direction, SliceRanges, as_direction
 from .errors import OffloadConfigError
 from .host_layout import HostLayout
@@ -34,10 +38,6 @@ from .plan import CopyPlanner, DescriptorBuffers, DescriptorPool, Descriptors
 from .platform import Platform
 
 logger = logging.getLogger(__name__)
-ENV_PIPELINE = "NPU_OFFLOAD_STAGE_PIPELINE"  # python: the slice loop here, never a native pipeline
-ENV_PLAN = "NPU_OFFLOAD_STAGE_PLAN"  # python: Stager.plan, never the native planner
-ENV_ORDER = "NPU_OFFLOAD_STAGE_ORDER"  # engine: the engine orders natively planned transfers (torch calls)
-ENV_STORE_AUX = "NPU_OFFLOAD_STAGE_STORE_AUX"  # where store gathers run: 1 aux, 0 own stream, compute
 
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024  # both directions together: 4 slots x 32 MiB each way
 MAX_SLOTS = 4
@@ -172,24 +172,19 @@ class Stager:
         self.buffer = torch.empty(2 * g.area_bytes, dtype=torch.uint8, device=platform.device)
         self.base = {Direction.D2H: self.buffer.data_ptr(), Direction.H2D: self.buffer.data_ptr() + g.area_bytes}
         self._aux = {d: platform.new_stream() for d in Direction}
-        # Diagnosis: "0" runs a store's gathers on the job's stream (every gather and link copy in
-        # issue order; the slot events then order nothing), "compute" on the model's stream, so no
-        # kernel of ours runs on a second stream (the model then waits for the store's link copies).
-        self._store_gathers_on = env.get(ENV_STORE_AUX)
         self._filled = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
         self._drained = {d: [platform.new_event() for _ in range(g.slots)] for d in Direction}
-        # the whole pipeline in one native call, unless NPU_OFFLOAD_STAGE_PIPELINE=python keeps the loop
-        self._fused = None if env.get(ENV_PIPELINE) == "python" else local_path.fused_pipeline(link_path, g.slots)
+        # the whole pipeline in one native call, where the local and link paths have one (else the loop)
+        self._fused = local_path.fused_pipeline(link_path, g.slots)
+        # the reference plan's form: block ids + pair tables (the CUDA pipeline's), else page descriptors
         self.table_form = bool(getattr(self._fused, "table_form", False))
         # the native pipeline plans transfers itself (host order, slices, ids or page descriptors, link runs)
-        self.plans_natively = bool(getattr(self._fused, "plans_natively", False)) and env.get(ENV_PLAN) == "native"
+        self.plans_natively = self._fused is not None
         # ... and checks both sides' block ids there, raising ValueError before anything is enqueued
         self.checks_ids = self.plans_natively and bool(getattr(self._fused, "checks_ids", False))
-        # ... and takes the engine's stream order in the same call (not with the diagnosis switches
-        # that move a store's gathers onto another stream)
+        # ... and takes the engine's stream order in the same call, where events have driver handles
         self.orders_natively = (self.plans_natively and bool(getattr(self._fused, "orders_natively", False))
-                                and platform.raw_events and self._store_gathers_on == "1"
-                                and env.get(ENV_ORDER) == "native")
+                                and platform.raw_events)
         # the engine's ordered submit straight into the pipeline, no frame of the stager's between:
         # (transfer, stream, order) -> link copy count, where orders_natively (else None)
         self.submit_ordered = functools.partial(self._fused.submit_ordered, self) if self.orders_natively else None
@@ -374,10 +369,9 @@ class Stager:
         return lo, np.array([gb.span[1] - gb.span[0] for gb in groups], np.int64)[g]
 
     # -- execution ------------------------------------------------------------------------------
-    def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True,
-            compute: Any = None) -> None:
-        """Enqueue the whole pipeline; ``stream`` (the job's) ends after its last copy; ``compute``
-        (the model's stream at submit) hosts a store's gathers under NPU_OFFLOAD_STAGE_STORE_AUX=compute.
+    def run(self, plan: StagedPlan, direction: Direction, stream: Any, link: bool = True) -> None:
+        """Enqueue the whole pipeline of a page-form ``plan`` (the Python slice loop, where no native
+        pipeline is); ``stream`` (the job's) ends after its last copy.
 
         Device-local copies are issued under the aux stream's context (one upload of the
         transfer's page descriptors, then one launch per slice); link copies and events
@@ -385,10 +379,7 @@ class Stager:
         ``link=False`` enqueues only the gather/scatter of every slice (benchmarks).
         """
         direction = as_direction(direction)
-        aux = self._aux_for(direction, stream, compute)
-        if self._fused is not None:
-            self._fused.run(plan, direction, stream, aux, link=link)
-            return
+        aux = self._aux[direction]
         if not link:
             with self.platform.stream_context(stream):
                 prepared = self.local_path.prepare(plan.local)
@@ -430,13 +421,7 @@ class Stager:
                 stream.wait_event(drained[(plan.num_slices - 1) % slots])
 
     def aux_stream(self, direction: Direction) -> Any:
-        """The stream ``direction``'s gathers/scatters run on where the engine's order is native."""
-        return self._aux[direction]
-
-    def _aux_for(self, direction: Direction, stream: Any, compute: Any) -> Any:
-        """The stream a transfer's gathers/scatters run on (NPU_OFFLOAD_STAGE_STORE_AUX)."""
-        if direction is Direction.D2H and self._store_gathers_on != "1":
-            return stream if self._store_gathers_on == "0" or compute is None else compute
+        """The stream ``direction``'s gathers/scatters run on."""
         return self._aux[direction]
 
     def native_geometry(self, direction: Direction) -> dict[str, int]:
@@ -458,11 +443,11 @@ class Stager:
         """(MIN_SLICE_BYTES, RAMP, GROWTH) as they stand now (tests patch the module's values)."""
         return MIN_SLICE_BYTES, RAMP, GROWTH
 
-    def run_native(self, transfer, stream: Any, link: bool = True, compute: Any = None, order=None) -> int:
+    def run_native(self, transfer, stream: Any, link: bool = True, order=None) -> int:
         """Plan and enqueue a ``NativeStagedTransfer`` in one native call; its link copy count
         (``order``: the engine's raw stream order, where ``orders_natively``)."""
-        aux = self._aux_for(transfer.direction, stream, compute)
-        return self._fused.submit(self, transfer, stream, aux, link=link, order=order)
+        return self._fused.submit(self, transfer, stream, self._aux[as_direction(transfer.direction)], link=link,
+                                  order=order)
 
     def release(self) -> None:
         if self._fused is not None:

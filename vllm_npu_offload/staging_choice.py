@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 NEVER = 1 << 62  # "no transfer is large enough": stays direct
 # CUDA stores of pages from this size go direct on the copy engines by default: staged, their SM
 # gather left every later decode step ~0.15 ms longer on an H200, while direct batch DMA of 32 KiB
-# pages costs what vLLM's native offload does (docs/benchmarks.md, sixth session)
+# pages costs what vLLM's native offload does (docs/benchmarks.md)
 DIRECT_STORE_MIN_PAGE = 32 * 1024
 HEURISTIC_MIN_BLOCKS = 4  # without a measurement (NPU_OFFLOAD_CALIBRATE=0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -24,9 +24,6 @@ from .staging import StagedPlan, Stager
 
 class Transfer(ABC):
     direction: Direction
-    # True: ``enqueue`` may run on another thread than the one that planned it (it keeps no state of
-    # the stager's and never touches the model's stream): TransferEngine's submit thread may take it
-    enqueue_anywhere: bool = False
     # True: ``enqueue`` names every stream it uses (raw handles), so the engine need not make
     # ``stream`` the current one around it
     names_streams: bool = False
@@ -48,17 +45,15 @@ class Transfer(ABC):
         """Descriptors (device pages and link runs) the transfer copies."""
 
     @abstractmethod
-    def enqueue(self, stream: Any, compute: Any = None) -> None:
-        """Enqueue every copy; ``stream`` passes its end only after the last one (``compute``: the
-        model's stream, which the engine ordered ``stream`` after). Raises ``CopyError`` when a copy
-        cannot be submitted."""
+    def enqueue(self, stream: Any) -> None:
+        """Enqueue every copy; ``stream`` (which the engine ordered after the model's stream) passes
+        its end only after the last one. Raises ``CopyError`` when a copy cannot be submitted."""
 
 
 @dataclass
 class DirectTransfer(Transfer):
     """One descriptor per page and tensor, device <-> host."""
 
-    enqueue_anywhere = True
     direction: Direction
     descriptors: Descriptors
     backend: NPUDmaCopyBackend
@@ -74,7 +69,7 @@ class DirectTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.descriptors)
 
-    def enqueue(self, stream: Any, compute: Any = None) -> None:
+    def enqueue(self, stream: Any) -> None:
         d = self.descriptors
         self.backend.copy(d.src, d.dst, d.sizes, self.direction, stream, d.buffers)
 
@@ -98,9 +93,9 @@ class StagedTransfer(Transfer):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
+    def enqueue(self, stream: Any, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
-        self.stager.run(self.plan, self.direction, stream, link=link, compute=compute)
+        self.stager.run(self.plan, self.direction, stream, link=link)
 
 
 @dataclass
@@ -133,9 +128,9 @@ class NativeStagedTransfer(Transfer):
     def __len__(self) -> int:
         return self.pages + self.links
 
-    def enqueue(self, stream: Any, compute: Any = None, link: bool = True) -> None:
+    def enqueue(self, stream: Any, link: bool = True) -> None:
         """``link=False`` enqueues only the device-local gather/scatter (benchmarks)."""
-        self.links = self.stager.run_native(self, stream, link=link, compute=compute)
+        self.links = self.stager.run_native(self, stream, link=link)
 
     def enqueue_ordered(self, stream: Any, platform: Any, start: Any, end: Any, after: Any = None) -> None:
         """``enqueue`` with the engine's stream order in the same native call: a store's ``stream``

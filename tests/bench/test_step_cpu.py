@@ -1,6 +1,6 @@
 """The engine-step CPU benchmark (benchmarks/step_cpu.py) runs: two reps of one shape, staged on
 the ACL emulation and direct on the host path, with this checkout as its own baseline tree; the
-library's planner runs in the timed enqueue (plan-only), the Python planner with NPU_OFFLOAD_STAGE_PLAN=python."""
+library's planner runs in the timed enqueue (plan-only)."""
 
 from pathlib import Path
 
@@ -15,11 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
 
 
-@pytest.mark.parametrize("planner", ["native", "python"])
-def test_two_reps_of_one_shape_with_a_baseline(tmp_path, monkeypatch, planner):
+def test_two_reps_of_one_shape_with_a_baseline(tmp_path, monkeypatch):
     for var in ("NPU_OFFLOAD_NATIVE_DIR", "NPU_OFFLOAD_ACL_LIBRARY"):  # build_emulation sets them: restore after
         monkeypatch.setenv(var, "")
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", planner)
     plans, real_plan = [], acl.staged_plan
     monkeypatch.setattr(acl, "staged_plan", lambda req, out, lib: plans.append(req) or real_plan(req, out, lib))
     lines: list[str] = []
@@ -34,9 +32,8 @@ def test_two_reps_of_one_shape_with_a_baseline(tmp_path, monkeypatch, planner):
         pages = 16 * 48  # staged: one gather per page plus the link runs; direct: at most one per page
         assert r["descriptors"] > pages if r["mode"] == "staged" else 0 < r["descriptors"] <= pages
     assert rows[0]["slices"] >= 1 and "after/before" in "\n".join(lines)
-    assert report["stage_plan"] == planner
-    # native: this tree's every timed staged transfer (warm-up + reps, both directions) planned by the library
-    assert len(plans) >= 2 * (1 + 2) if planner == "native" else not plans
+    # this tree's every timed staged transfer (warm-up + reps, both directions) planned by the library
+    assert len(plans) >= 2 * (1 + 2)
     assert (tmp_path / "out.json").exists()
 
 

@@ -18,8 +18,8 @@ from vllm_npu_offload.transfer import DirectTransfer
 class Engine(TransferEngine):
     """The engine over one backend, taking descriptors as the tests plan them (direct transfers)."""
 
-    def __init__(self, platform, backend, pool=None):
-        super().__init__(platform, pool)
+    def __init__(self, platform, backend, pool=None, streams=None):
+        super().__init__(platform, pool) if streams is None else super().__init__(platform, pool, streams)
         self.backend = backend
 
     def submit(self, job_id, direction, descriptors):
@@ -76,25 +76,10 @@ def test_in_order_exactly_once_and_bytes(platform):
     assert pool.num_free >= 1, "descriptor buffers come back after completion"
 
 
-class _EventLog(CpuPlatform):
-    """A CPU platform that records the timing flag of every event it makes."""
-
-    def __init__(self):
-        super().__init__(threaded_streams=False)
-        self.timing = []
-
-    def new_event(self, timing=True):
-        self.timing.append(timing)
-        return super().new_event(timing)
-
-
-@pytest.mark.parametrize("flag", ["1", "0"])
-def test_event_timing_knob(monkeypatch, flag):
-    """NPU_OFFLOAD_EVENT_TIMING=0: the engine's events are made without timing, and a job's seconds
-    are the host's time from its submit to the poll that reports it (never more than the caller saw);
-    by default they are the events' span."""
-    monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", flag)
-    platform = _EventLog()
+def test_a_jobs_seconds_are_its_events_span():
+    """A job's seconds are the span between its start and end events (the copies' own time), not
+    the host's time from its submit to the poll that reports it."""
+    platform = CpuPlatform(threaded_streams=False)
     src = torch.ones((8, 16), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     eng = Engine(platform, NPUDmaCopyBackend(platform))
@@ -105,32 +90,17 @@ def test_event_timing_knob(monkeypatch, flag):
     (res,) = eng.poll()
     wall = time.perf_counter() - t0
     assert res.success and torch.equal(dst[:2], src[:2])
-    assert platform.timing[-2:] == [flag == "1"] * 2, platform.timing
-    assert 0 <= res.seconds <= wall
-    assert (res.seconds >= 0.02) == (flag == "0"), res.seconds  # submit -> poll, or the copies' own span
+    assert 0 <= res.seconds < 0.02 <= wall, res.seconds
 
 
-@pytest.mark.parametrize("knob", ["0", "1"])
-def test_cuda_completion_query_takes_the_library_only_when_asked(monkeypatch, knob):
-    """CudaPlatform's poll query: torch's Event.query + elapsed_time by default, the native
-    library's one call on the events' raw handles with NPU_OFFLOAD_NATIVE_POLL=1 (no GPU: a stub
-    library and stub events)."""
-    from vllm_npu_offload._native import cuda as native
+def test_cuda_completion_query_asks_the_events():
+    """CudaPlatform's poll query: None while the end event is pending, else the events' elapsed
+    time in seconds (no GPU: stub events)."""
     from vllm_npu_offload.platform import CudaPlatform
 
-    class Lib:
-        calls = []
-
-        def event_poller(self):
-            def poll(start, end):
-                self.calls.append((start, end))
-                return None if end == 0xE1 else 2.0
-
-            return poll
-
     class Ev:
-        def __init__(self, handle, done=True):
-            self.cuda_event, self.done = handle, done
+        def __init__(self, done=True):
+            self.done = done
 
         def query(self):
             return self.done
@@ -138,16 +108,9 @@ def test_cuda_completion_query_takes_the_library_only_when_asked(monkeypatch, kn
         def elapsed_time(self, end):
             return 3.0
 
-    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", knob)
-    monkeypatch.setattr(native, "load_library", Lib)
-    timed, untimed = CudaPlatform().completion_query(True), CudaPlatform().completion_query(False)
-    if knob == "1":
-        assert timed(Ev(0x51), Ev(0xE0)) == 2e-3 and untimed(Ev(0x51), Ev(0xE0)) == -1.0
-        assert timed(Ev(0x51), Ev(0xE1)) is None  # pending
-        assert Lib.calls == [(0x51, 0xE0), (0, 0xE0), (0x51, 0xE1)]  # no start handle without timing
-    else:
-        assert timed(Ev(0x51), Ev(0xE0)) == 3e-3 and untimed(Ev(0x51), Ev(0xE0)) == -1.0
-        assert timed(Ev(0x51), Ev(0xE1, done=False)) is None and Lib.calls == []
+    query = CudaPlatform().completion_query()
+    assert query(Ev(), Ev()) == 3e-3
+    assert query(Ev(), Ev(done=False)) is None
 
 
 def test_a_failing_completion_query_fails_its_job_not_the_poll(platform):
@@ -290,18 +253,17 @@ def test_duplicate_job_id_rejected():
 
 
 @pytest.mark.parametrize("ring", [1, 4])
-def test_jobs_take_a_fixed_ring_of_streams_in_turn_and_stay_in_order(ring, monkeypatch):
+def test_jobs_take_a_fixed_ring_of_streams_in_turn_and_stay_in_order(ring):
     """Jobs of one direction take that direction's streams in turn (made once, however many jobs:
-    NPU_OFFLOAD_TRANSFER_STREAMS per direction), each after the previous job: a job held on its
-    stream holds every later one of its direction, on whichever stream, and not the other's."""
-    monkeypatch.setenv("NPU_OFFLOAD_TRANSFER_STREAMS", str(ring))
+    ``streams`` per direction), each after the previous job: a job held on its stream holds every
+    later one of its direction, on whichever stream, and not the other's."""
     platform = CpuPlatform(threaded_streams=True)
     made = []
     new_stream = platform.new_stream
     platform.new_stream = lambda: made.append(new_stream()) or made[-1]
     src = torch.arange(64, dtype=torch.uint8).view(4, 16)
     dst = torch.zeros_like(src)
-    eng = Engine(platform, NPUDmaCopyBackend(platform))
+    eng = Engine(platform, NPUDmaCopyBackend(platform), streams=ring)
     pl = planner(src, dst, 16)
     gate = threading.Event()
     eng.stream(Direction.D2H).submit(gate.wait)  # the stream the first store takes
@@ -366,132 +328,6 @@ def test_end_event_orders_a_consumer_stream_after_the_copy():
     assert torch.equal(seen[0], host[2])  # the consumer saw the copied bytes, not zeros
     eng.drain()
     assert eng.end_event(7) is None and [r.job_id for r in eng.poll()] == [7]
-    eng.shutdown()
-
-
-# -- the submit thread (NPU_OFFLOAD_SUBMIT_THREAD=1) --------------------------------------
-
-
-class GatedPath(CopyPath):
-    """Host copies whose *enqueue* waits for a gate: the submit thread blocks inside ``copy``."""
-
-    name = "gated_enqueue"
-
-    def __init__(self, gate, log, fail=False):
-        self.gate, self.log, self.fail = gate, log, fail
-
-    def copy(self, src, dst, sizes, direction, stream, buffers=None):
-        self.log.append(("enqueue", threading.current_thread().name))
-        assert self.gate.wait(5), "gate never opened"
-        if self.fail:
-            raise RuntimeError("cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE")
-        HostCopyPath().copy(src, dst, sizes, direction, stream)
-
-
-def threaded_engine(monkeypatch, path):
-    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
-    name = f"gated_{id(path)}"
-    register_path(name, lambda p, pages: path)
-    platform = CpuPlatform(threaded_streams=True)
-    return platform, Engine(platform, NPUDmaCopyBackend(platform, choice=BackendChoice(name, name)))
-
-
-def test_submit_thread_returns_before_the_enqueue_and_reports_only_once_it_ran(monkeypatch):
-    gate, log = threading.Event(), []
-    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
-    dev = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
-    host = torch.zeros_like(dev)
-    t0 = time.perf_counter()
-    eng.submit(1, Direction.D2H, planner(dev, host, 16).plan([0, 2], [1, 3]))
-    assert time.perf_counter() - t0 < 1.0  # did not wait for the gated enqueue
-    time.sleep(0.1)
-    assert log == [("enqueue", "npu-offload-submit")]  # enqueued by the submit thread, not this one
-    assert eng.poll() == [] and eng.in_flight() == 1  # its end event is not recorded: never queried
-    gate.set()
-    eng.wait([1])
-    (res,) = eng.poll()
-    assert res.job_id == 1 and res.success and res.num_bytes == 32
-    assert torch.equal(host[1], dev[0]) and torch.equal(host[3], dev[2])
-    eng.shutdown()
-    assert not eng._submitter
-
-
-def test_submit_thread_failure_fails_the_job_and_never_hangs(monkeypatch):
-    gate, log = threading.Event(), []
-    gate.set()
-    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log, fail=True))
-    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)  # alive until copied
-    eng.submit(5, Direction.H2D, planner(dev, host, 16).plan([0], [0]))
-    eng.drain()
-    (res,) = eng.poll()
-    assert not res.success and res.num_bytes == 0 and "cuMemcpyBatchAsync failed" in res.error
-    eng.shutdown()
-
-
-def test_submit_thread_that_cannot_bind_its_device_fails_every_job(monkeypatch):
-    gate, log = threading.Event(), []
-    gate.set()
-    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
-
-    def refuse(index):
-        raise RuntimeError("CUDA error: invalid device ordinal")
-
-    platform.bind_thread = refuse
-    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)
-    for job in (1, 2):
-        eng.submit(job, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
-    eng.drain()
-    res = eng.poll()
-    assert [r.job_id for r in res] == [1, 2] and not any(r.success for r in res)
-    assert all("binding the submit thread to device 0: RuntimeError: CUDA error: invalid device ordinal" in r.error
-               for r in res)
-    assert log == []  # nothing was enqueued
-    eng.shutdown()
-
-
-def test_a_job_enqueued_at_submit_waits_for_earlier_ones_with_the_submit_thread(monkeypatch):
-    """A transfer that must be enqueued where it was planned (a staged one) follows a direct one
-    still with the submit thread: it is enqueued after it, in its direction's order."""
-    gate, log = threading.Event(), []
-    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
-    dev = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
-    host = torch.zeros_like(dev)
-    eng.submit(1, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
-
-    class HereOnly(DirectTransfer):
-        enqueue_anywhere = False
-
-        def enqueue(self, stream, compute=None):
-            log.append(("enqueue", threading.current_thread().name))
-            HostCopyPath().copy(self.descriptors.src, self.descriptors.dst, self.descriptors.sizes,
-                                self.direction, stream)
-
-    threading.Timer(0.2, gate.set).start()
-    TransferEngine.submit(eng, 2, HereOnly(Direction.D2H, planner(dev, host, 16).plan([1], [1]), eng.backend))
-    assert gate.is_set()  # the second submit waited for the first job's enqueue
-    assert [who for _, who in log] == ["npu-offload-submit", threading.current_thread().name]
-    eng.drain()
-    assert [r.job_id for r in eng.poll()] == [1, 2]
-    assert torch.equal(host[:2], dev[:2])
-    eng.shutdown()
-
-
-def test_submit_thread_only_where_streams_run_apart_and_only_for_direct_stores(monkeypatch):
-    """Inline CPU streams copy at submission: no thread there, whatever the variable says. Loads
-    stay on the calling thread (a GIL hand-over would add to a reload's TTFT)."""
-    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
-    assert not Engine(CpuPlatform(), None)._threaded
-    gate, log = threading.Event(), []
-    gate.set()
-    platform, eng = threaded_engine(monkeypatch, GatedPath(gate, log))
-    assert eng._threaded
-    dev, host = torch.ones(2, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)
-    eng.submit(1, Direction.H2D, planner(dev, host, 16).plan([0], [0]))
-    assert log == [("enqueue", threading.current_thread().name)] and eng._submitter is None
-    eng.submit(2, Direction.D2H, planner(dev, host, 16).plan([0], [0]))
-    eng.drain()
-    assert log[1] == ("enqueue", "npu-offload-submit")
-    assert [r.job_id for r in eng.poll()] == [1, 2]
     eng.shutdown()
 
 

@@ -12,10 +12,22 @@ from vllm_npu_offload.info import format_info
 PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 
 
+def test_only_what_users_and_operators_set():
+    """Run-time variables are for users and operators, at most ten; a tuning value or an A/B switch
+    is a constant (or a constructor argument) in the module that uses it."""
+    assert list(env.KNOBS) == [
+        "NPU_OFFLOAD_COPY_PATH", "NPU_OFFLOAD_STAGED", "NPU_OFFLOAD_STAGED_STORES", "NPU_OFFLOAD_CALIBRATE",
+        "NPU_OFFLOAD_CACHE_DIR", "NPU_OFFLOAD_NUMA_NODE", "NPU_OFFLOAD_NATIVE_DIR", "NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS",
+        "NPU_OFFLOAD_DEVICE"]
+    for k in env.KNOBS.values():  # what it does, then (after the last colon) why one would set it
+        assert "\n" not in k.meaning and ": " in k.meaning, k.name
+
+
 @pytest.mark.parametrize("name, raw, value", [
     ("NPU_OFFLOAD_STAGED", "1", True), ("NPU_OFFLOAD_STAGED", "0", False), ("NPU_OFFLOAD_STAGED", "", None),
-    ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_STAGE_PROGRAMS", "4", 4),
-    ("NPU_OFFLOAD_STAGE_PIPELINE", "", "native"), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
+    ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_NUMA_NODE", "4", 4),
+    ("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "", False), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
+    ("NPU_OFFLOAD_DEVICE", " cpu ", "cpu"),
 ])
 def test_values(monkeypatch, name, raw, value):
     monkeypatch.setenv(name, raw)
@@ -24,10 +36,10 @@ def test_values(monkeypatch, name, raw, value):
 
 @pytest.mark.parametrize("name, raw, allowed", [
     ("NPU_OFFLOAD_STAGED", "yes", "0 or 1"),
-    ("NPU_OFFLOAD_STAGE_PROGRAMS", "17", "an integer in 1..16"),
-    ("NPU_OFFLOAD_SM_TILE_BYTES", "big", "an integer in 256..1048576"),
-    ("NPU_OFFLOAD_STAGE_GATHER", "cuda", "native, triton"),
-    ("NPU_OFFLOAD_ACL_MAX_BATCH", "-1", "an integer >= 0"),
+    ("NPU_OFFLOAD_NUMA_NODE", "-1", "an integer >= 0"),
+    ("NPU_OFFLOAD_NUMA_NODE", "near", "an integer >= 0"),
+    ("NPU_OFFLOAD_COPY_PATH", "warp", "host, dma, dma_loop, sm, gather_native, acl_batch, acl_loop"),
+    ("NPU_OFFLOAD_DEVICE", "tpu", "npu, cuda, cpu"),
 ])
 def test_bad_values_name_variable_value_and_allowed(monkeypatch, name, raw, allowed):
     monkeypatch.setenv(name, raw)
@@ -49,8 +61,8 @@ def test_no_module_reads_its_own_variable():
 
 
 def test_info_lists_every_variable(monkeypatch):
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PROGRAMS", "99")
+    monkeypatch.setenv("NPU_OFFLOAD_NUMA_NODE", "-3")
     text = format_info()
     for name in env.KNOBS:
         assert name in text
-    assert "INVALID (NPU_OFFLOAD_STAGE_PROGRAMS='99'" in text  # a bad value shows, info does not fail
+    assert "INVALID (NPU_OFFLOAD_NUMA_NODE='-3'" in text  # a bad value shows, info does not fail

@@ -1,14 +1,19 @@
-"""The package's import graph has no cycle: every import, also one inside a function (a lazy
-import is still an upward dependency), between the package's own modules. Only imports under
-``if TYPE_CHECKING:`` are left out (they never run)."""
+"""The package's import graph has no cycle: every ``import`` and ``from ... import`` statement
+anywhere in a module counts, relative or absolute, resolved to the package's own modules: at module
+level, inside a function (a lazy import is still an upward dependency), and under
+``if TYPE_CHECKING:`` (the names it brings in tie the two modules together as surely as a run-time
+import does, and a cycle there is one refactoring away from an import-time cycle). Only the
+adapters (``integration``) and the demo import vLLM."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_npu_offload"
 NAME = "vllm_npu_offload"
+VLLM_IMPORTERS = ("integration", "demo")  # the adapters, and the demo that runs a vLLM engine
 
 
 def module_name(path: Path) -> str:
@@ -19,42 +24,36 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+def _statements(path: Path):
+    """(absolute module, imported names) of every import statement anywhere in ``path``: ``import
+    a.b`` gives ("a.b", ()), ``from .x import y, z`` ("<package>.x", ("y", "z"))."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield target, tuple(a.name for a in node.names)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Package modules ``path`` imports (``from .pkg import sub`` counts as ``pkg.sub``)."""
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    """Package modules ``path`` imports (``from .pkg import sub`` counts as ``pkg.sub`` when that is a
+    module, else as ``pkg``)."""
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
-            if isinstance(child, ast.Import):
-                out.update(a.name for a in child.names if a.name.startswith(NAME))
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (child.level - 1)]
-                    target = ".".join(base + ([child.module] if child.module else []))
-                else:
-                    target = child.module or ""
-                if not target.startswith(NAME):
-                    continue
-                for a in child.names:
-                    sub = f"{target}.{a.name}"
-                    out.add(sub if sub in modules else target)
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
-    out.discard(me)
+    for target, names in _statements(path):
+        if not names:
+            out.add(target)
+        for name in names:
+            sub = f"{target}.{name}"
+            out.add(sub if sub in modules else target)
+    out.discard(module_name(path))
     return {m for m in out if m in modules}
 
 
@@ -107,16 +106,32 @@ def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_lazy_imports_count(tmp_path, monkeypatch):
+def test_every_import_statement_counts(tmp_path, monkeypatch):
+    """Imports inside functions, classes and ``if TYPE_CHECKING:``, relative and absolute, module or
+    name: each is an edge to the package module it names."""
     pkg = tmp_path / NAME
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("X = 1\n")
     (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
     (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import c\n"
                                       "from ..a import f\n")
-    (pkg / "c.py").write_text("")
-    monkeypatch.setattr(__import__(__name__), "PKG", pkg)
+    (pkg / "c.py").write_text(f"class K:\n    def m(self):\n        import {NAME}.d\n")
+    (pkg / "d.py").write_text(f"from {NAME}.sub import X\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
     g = import_graph()
-    assert g[f"{NAME}.a"] == {f"{NAME}.sub.b"} and g[f"{NAME}.sub.b"] == {f"{NAME}.a"}
+    assert g[f"{NAME}.a"] == {f"{NAME}.sub.b"}
+    assert g[f"{NAME}.sub.b"] == {f"{NAME}.a", f"{NAME}.c"}
+    assert g[f"{NAME}.c"] == {f"{NAME}.d"} and g[f"{NAME}.d"] == {f"{NAME}.sub"}
     assert cycles(g) == [[f"{NAME}.a", f"{NAME}.sub.b"]]
+
+
+def test_only_the_adapters_import_vllm():
+    """No import of vLLM anywhere (functions included) outside ``integration`` and the demo: the core
+    runs on a machine without vLLM."""
+    bad = []
+    for p in PKG.rglob("*.py"):
+        if p.relative_to(PKG).parts[0] in VLLM_IMPORTERS:
+            continue
+        bad += [f"{p.relative_to(PKG)}: {t}" for t, _ in _statements(p) if t.split(".")[0] == "vllm"]
+    assert bad == []

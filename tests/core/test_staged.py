@@ -14,7 +14,6 @@ import torch
 from staged_round_trip import settle
 
 from vllm_npu_offload import staging, staging_choice
-from vllm_npu_offload._native.cuda import load_library
 from vllm_npu_offload.copy.base import Direction
 from vllm_npu_offload.errors import OffloadConfigError
 from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
@@ -174,30 +173,10 @@ def test_groups_sharing_chunks_store_only_their_pages(device, only_one):
     core.shutdown()
 
 
-STORE_VARIANTS = {"default": {}, "own_stream": {"NPU_OFFLOAD_STAGE_STORE_AUX": "0"},
-                  "on_compute": {"NPU_OFFLOAD_STAGE_STORE_AUX": "compute"},
-                  "inline_ids": {"NPU_OFFLOAD_STAGE_STORE_INLINE_IDS": "1"},
-                  "load_uploaded_ids": {"NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS": "0"},
-                  "dma_gather": {"NPU_OFFLOAD_STAGE_GATHER": "dma"}}
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", sorted(STORE_VARIANTS))
-def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
-    """Byte-exact through more slices than slots, also with the diagnosis switches: the store's
-    gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 / compute), every gather of a store
-    with its block ids in its launch parameters (CUDA native pipeline; no id upload), a load's ids uploaded
-    (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0; by default its scatters take them inline), or the gather and
-    scatter on the copy engines (CUDA, NPU_OFFLOAD_STAGE_GATHER=dma)."""
-    for k, v in STORE_VARIANTS[variant].items():
-        monkeypatch.setenv(k, v)
+def test_pipeline_reuses_slots_across_many_slices(device):
+    """Byte-exact through more slices than slots."""
     core, tensors, refs, rng = random_core(5, 1, staging_chunks=3, device=device)
-    assert core.stager._store_gathers_on == {"own_stream": "0", "on_compute": "compute"}.get(variant, "1")
-    if device == "cuda":
-        assert (core.stager.local_path.name == "dma_local") == (variant == "dma_gather")
-        if core.stager._fused is not None:
-            assert core.stager._fused.inline_store_ids == (variant == "inline_ids")
-            assert core.stager._fused.inline_load_ids == (variant != "load_uploaded_ids")
     g = core.stager.geometry
     assert g.slots == 3 and g.slot_blocks == 1
     dev_ids = rng.choice(DEV_BLOCKS, 20, replace=False).astype(np.int64)
@@ -218,9 +197,7 @@ def test_pipeline_reuses_slots_across_many_slices(device, variant, monkeypatch):
     core.shutdown()
 
 
-@pytest.mark.parametrize("store_aux", ["1", "0", "compute"])
-def test_many_staged_jobs_in_flight_threaded(store_aux, monkeypatch):
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)
+def test_many_staged_jobs_in_flight_threaded():
     core, tensors, refs, rng = random_core(11, 4, staging_chunks=1, threaded=True)
     originals = [t.clone() for t in tensors]
     jobs, plans = [], []
@@ -399,42 +376,6 @@ def test_cuda_default_stores_direct_from_32k_pages_byte_exact(page, direct, monk
     core.shutdown()
 
 
-@pytest.mark.gpu
-def test_cuda_submit_thread_stores_byte_exact(monkeypatch):
-    """NPU_OFFLOAD_SUBMIT_THREAD=1 on CUDA: direct stores are enqueued by the engine's submit thread
-    (bound to this thread's device), ordered after the model's stream as it stood at submit: the
-    store reads what a kernel on the current stream wrote just before it, byte-exact, and the load
-    back (on this thread) follows it."""
-    platform = _platform("cuda")
-    monkeypatch.setenv("NPU_OFFLOAD_SUBMIT_THREAD", "1")
-    monkeypatch.setenv("NPU_OFFLOAD_CALIBRATE", "0")
-    monkeypatch.delenv("NPU_OFFLOAD_STAGED", raising=False)
-    page = 32 << 10
-    rng = np.random.default_rng(5)
-    tensors = [torch.zeros((DEV_BLOCKS, page), dtype=torch.uint8, device="cuda") for _ in range(4)]
-    refs = [[GroupRef(i, page) for i in range(4)]]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 2, CHUNKS, platform)
-    assert core.engine._threaded
-    n = 24
-    dev_ids = rng.choice(DEV_BLOCKS, n, replace=False).astype(np.int64)
-    chunks = chunks_for(rng, n, 0, 2)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # the model's stream is busy; the writes below land after it
-    want = [torch.from_numpy(rng.integers(0, 256, (n, page), dtype=np.uint8)).cuda(non_blocking=True)
-            for _ in tensors]
-    for t, w in zip(tensors, want):
-        t[dev_ids] = w
-    core.submit(1, Direction.D2H, dev_ids, [n], [0], chunks)
-    settle(core, [1])
-    assert core.engine._submitter is not None
-    for t in tensors:
-        t[dev_ids] = 0
-    core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks)
-    settle(core, [2])
-    assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
-    core.shutdown()
-
-
 def _native_order_core(monkeypatch, n_tensors: int):
     """A CUDA worker core over ``n_tensors`` 4 KiB-page tensors whose staged transfers the library
     plans and orders; (core, tensors, refs, page, 12 blocks per transfer)."""
@@ -472,12 +413,8 @@ def test_cuda_native_order_waits_for_the_model_stream(monkeypatch):
     still-busy stream writes just before the submit, and two loads back to back (on the ring, the
     second after the first's end) land byte-exact after what the busy stream writes into their blocks
     before the submit, each reported once with its bytes."""
-    core, tensors, refs, page, n = _native_order_core(monkeypatch, 6)
-    platform, rng = core.platform, np.random.default_rng(8)
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_ORDER", "engine")
-    other = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in tensors], refs, 1, CHUNKS, platform)
-    assert other.stager.plans_natively and not other.stager.orders_natively  # the A/B switch
-    other.shutdown()
+    core, tensors, _, page, n = _native_order_core(monkeypatch, 6)
+    rng = np.random.default_rng(8)
     dev_ids = rng.choice(DEV_BLOCKS, 2 * n, replace=False).astype(np.int64)
     chunks = chunks_for(rng, 2 * n, 0, 1)
     torch.cuda.synchronize()
@@ -522,15 +459,9 @@ def test_cuda_first_transfers_do_not_wait_for_the_model_stream(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", ["1", "0"])
-@pytest.mark.parametrize("timing", ["1", "0"])
-def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatch, timing, native):
-    """The engine's poll, through the library (NPU_OFFLOAD_NATIVE_POLL=1: cuEventQuery +
-    cuEventElapsedTime, one call) or through torch: a load behind a busy stream is not reported
-    while it runs, then once, byte-exact, with the device time torch's events give for it (timing)
-    or the host's time (no timing)."""
-    monkeypatch.setenv("NPU_OFFLOAD_NATIVE_POLL", native)
-    monkeypatch.setenv("NPU_OFFLOAD_EVENT_TIMING", timing)
+def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatch):
+    """The engine's poll: a load behind a busy stream is not reported while it runs, then once,
+    byte-exact, with the device time torch's events give for it."""
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 10)
     torch.cuda.synchronize()
@@ -540,29 +471,24 @@ def test_cuda_poll_reports_a_load_behind_a_busy_stream_once_when_done(monkeypatc
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
     item = core.engine._queues[Direction.H2D][0]
     seen = (f"{(time.perf_counter() - t0) * 1e3:.1f} ms after the sleep's launch: model stream done "
-            f"{busy.query()}, torch end {item.end.query()}, torch start {item.start.query()}, library end "
-            f"{load_library().event_poll(0, core.platform.raw_event_handle(item.end))}")
+            f"{busy.query()}, torch end {item.end.query()}, torch start {item.start.query()}")
     assert core.poll() == [] and core.engine.in_flight() == 1, seen
     item.end.synchronize()
     (res,) = core.poll()
     assert res.job_id == 2 and res.success and res.num_bytes == n * len(tensors) * page, res
-    if timing == "1":
-        assert res.seconds == pytest.approx(item.start.elapsed_time(item.end) * 1e-3, rel=1e-6), res
+    assert res.seconds == pytest.approx(item.start.elapsed_time(item.end) * 1e-3, rel=1e-6), res
     assert res.seconds > 0 and core.poll() == []
     assert all(torch.equal(t[dev_ids], w) for t, w in zip(tensors, want))
     core.shutdown()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
+def test_cuda_load_scatters_follow_the_model_stream(monkeypatch):
     """A natively ordered load's link copies start at once, its scatters only after the model's
     stream: the model's step in flight writes the load's blocks last thing (a kernel after a long
-    sleep), and the load lands over that write, byte-exact; also with the scatters' block ids in
-    their launch parameters (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1, where no upload orders them)."""
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", inline)
+    sleep), and the load lands over that write, byte-exact, with the scatters' block ids in their
+    launch parameters (where no upload orders them)."""
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
-    assert core.stager._fused.inline_load_ids == (inline == "1")
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 11)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # the model's step ...
@@ -575,13 +501,11 @@ def test_cuda_load_scatters_follow_the_model_stream(monkeypatch, inline):
     core.shutdown()
 
 
-def _fresh_room_and_a_busy_block(monkeypatch, inline: str):
+def _fresh_room_and_a_busy_block(monkeypatch):
     """A natively ordered core with job 1 stored and the device zeroed, the pool holding one room
     whose device mirror is not made yet, and a block of that mirror's size which the model's
     stream, busy for ~25 ms, still reads: (core, tensors, n, dev_ids, chunks, want, room, block,
-    seen), ``seen`` the stream's copy of the block as it reads it. ``inline``: the load's ids in its
-    scatters' launch parameters ("1", the default) or uploaded to that mirror ("0")."""
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS", inline)
+    seen), ``seen`` the stream's copy of the block as it reads it."""
     core, tensors, _, page, n = _native_order_core(monkeypatch, 4)
     dev_ids, chunks, want = _stored_then_cleared(core, tensors, page, n, 9)
     while core.pool.num_free:  # the load's room is the one made below, its device mirror not yet made
@@ -595,14 +519,13 @@ def _fresh_room_and_a_busy_block(monkeypatch, inline: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch, inline):
+def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monkeypatch):
     """A natively ordered load starts its link copies at once but writes its block ids only after
     the model's stream is through, whatever memory their device mirror is: given a mirror that the
     busy model stream still reads (as one allocated on that stream could be: vLLM 0.23's serving
     crashed with an illegal address when the ids were written at once), what the stream reads from
     it is unchanged, and the load lands byte-exact."""
-    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch, inline)
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
     room.device_cols, room.device_addr = freed, freed.data_ptr()  # the mirror takes it (as if freed meanwhile)
     core.pool.release([room])
     core.submit(2, Direction.H2D, dev_ids, [n], [0], chunks, staged=True)
@@ -614,15 +537,14 @@ def test_cuda_native_load_ids_wait_for_memory_the_model_stream_still_reads(monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch, inline):
+def test_cuda_native_load_ids_never_take_memory_the_model_stream_freed(monkeypatch):
     """A room's device mirror of the block ids is made at its first use, on a stream of ours:
     torch's allocator hands a stream only blocks freed on that stream, so the mirror is never memory
     that the model's stream freed while a kernel of its step in flight still reads it (vLLM 0.23's
     async scheduling: its serving crashed with an illegal address when the mirror came from the
     model's stream and the ids were written at once): what the busy stream reads from its freed
     block is unchanged, and the load lands byte-exact."""
-    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch, inline)
+    core, tensors, n, dev_ids, chunks, want, room, freed, seen = _fresh_room_and_a_busy_block(monkeypatch)
     ptr = freed.data_ptr()
     del freed  # the model's stream frees the block it still reads
     again = torch.empty(3 * room.capacity, dtype=torch.int64, device="cuda")

@@ -4,8 +4,7 @@ own head's KV. Both connectors: tokens served from host equal offload off (TP 2)
 stored and loaded its share, each rank pinned exactly half of ``cpu_bytes_to_use``, and corrupted
 host pages on both ranks change the tokens. The ranks are read through vLLM's ``collective_rpc``
 with the GPU yardstick's own functions (``benchmarks/gpu_e2e/ranks.py``), which this also checks
-against a real engine. The same ran on two H200 with vLLM 0.23 (docs/benchmarks.md, eighteenth
-session)."""
+against a real engine. The same ran on two H200 with vLLM 0.23 (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

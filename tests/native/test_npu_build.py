@@ -174,10 +174,9 @@ def test_v2_failure_has_no_fail_index(lib_batch, lib_loop, emu):
     assert "descriptors 0..7" in str(e.value)
 
 
-def test_chunked_batches_offset_fail_index(lib_batch, lib_loop, emu, monkeypatch):
-    monkeypatch.setenv(acl_copy.ENV_MAX_BATCH, "3")
+def test_chunked_batches_offset_fail_index(lib_batch, lib_loop, emu):
     a, b, s, d, z = _descs(10)
-    path = _path("batch", lib_batch, lib_loop)
+    path = _path("batch", lib_batch, lib_loop, max_batch=3)
     path.copy(s, d, z, Direction.H2D, STREAM)
     assert np.array_equal(a, b) and emu.acl_emu_count(b"aclrtMemcpyBatchAsync") == 4
     emu.acl_emu_reset()

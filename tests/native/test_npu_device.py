@@ -178,20 +178,16 @@ def test_staged_d2d_gather_scatter(platform, name):
     assert not out[~mask].any()
 
 
-@pytest.mark.parametrize("pipeline,store_aux", [("native", "1"), ("python", "1"), ("native", "0"), ("python", "0"),
-                                                   ("native", "compute"), ("python", "compute")])
-def test_staged_pipeline_round_trip(platform, monkeypatch, pipeline, store_aux):
-    """A staged store then load through OffloadWorkerCore on the NPU, more slices than slots, the
-    slices enqueued by one native call (npu_offload_acl_staged_run, ACL slot events) or by the
-    Python loop (NPU_OFFLOAD_STAGE_PIPELINE=python): byte-exact both ways."""
+def test_staged_pipeline_round_trip(platform, monkeypatch):
+    """A staged store then load through OffloadWorkerCore on the NPU, more slices than slots, each
+    transfer planned and enqueued by one native call (npu_offload_acl_staged_submit, ACL slot
+    events): byte-exact both ways."""
     from vllm_npu_offload import staging
     from vllm_npu_offload.copy.npu_pipeline import AclStagedPipeline
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     monkeypatch.setenv("NPU_OFFLOAD_STAGED", "1")
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", pipeline)
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", store_aux)  # 0 / compute: the store's gathers on its own / the model's stream
     monkeypatch.setattr(staging, "MIN_SLOT_BYTES", 0)
     monkeypatch.setattr(staging, "MIN_SLICE_BYTES", 0)
     pages, nb, bpc, n = [64 << 10, 64 << 10, 16 << 10], 64, 2, 21
@@ -201,7 +197,7 @@ def test_staged_pipeline_round_trip(platform, monkeypatch, pipeline, store_aux):
                              [[GroupRef(i, p) for i, p in enumerate(pages)]], bpc, 32, platform,
                              staging_bytes=2 * 3 * bpc * sum(pages))  # 3 slots of one chunk per direction
     try:
-        assert isinstance(core.stager._fused, AclStagedPipeline) == (pipeline == "native")
+        assert isinstance(core.stager._fused, AclStagedPipeline) and core.stager.plans_natively
         ref = [t.cpu() for t in kv]
         ids = rng.choice(nb, n, replace=False).astype(np.int64)
         chunks = rng.choice(32, -(-(n + 1) // bpc), replace=False).astype(np.int64)  # from sub-block 1

@@ -1,13 +1,11 @@
-"""The Ascend staged pipeline in one native call (``npu_offload_acl_staged_run``, or
-``npu_offload_acl_staged_submit`` where the library plans the transfer too), against the ACL
-emulation: byte-exact round trips through the worker core for both build toggles and both planners,
-that one native call per transfer replaced the Python loop, the exact order of copies and slot
-events, ``link=False``, an injected copy failure in a middle slice, and ``NPU_OFFLOAD_STAGE_PIPELINE=python``."""
+"""The Ascend staged pipeline in one native call (``npu_offload_acl_staged_submit``, which plans a
+transfer and enqueues it with ``npu_offload_acl_staged_run``), against the ACL emulation: byte-exact
+round trips through the worker core for both build toggles, that one native call per transfer
+replaced the Python loop, the exact order of copies and slot events of a job run directly,
+``link=False``, and an injected copy failure in a middle slice."""
 
 # ruff: noqa: F811  (pytest fixtures imported from _npu_build_support are parameters by design)
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -27,39 +25,31 @@ from staged_round_trip import store_then_load_groups
 
 from vllm_npu_offload._native import acl
 from vllm_npu_offload.copy import acl_copy, npu_pipeline
-from vllm_npu_offload.copy.base import DescriptorRange, Direction
-from vllm_npu_offload.plan import Descriptors
-from vllm_npu_offload.staging import StagedPlan
+from vllm_npu_offload.copy.base import Direction
+from vllm_npu_offload.plan import address
 
 pytestmark = pytest.mark.skipif(INCLUDE is None, reason=SKIP_REASON)
 
 
 def _count_native_runs(monkeypatch) -> list:
-    """Every npu_offload_acl_staged_run or npu_offload_acl_staged_submit call: (store, slices, slots)."""
-    calls, real_run, real_submit = [], acl.staged_run, acl.staged_submit
-
-    def counting_run(job, lib):
-        calls.append((job.store, job.n_slices, job.slots))
-        return real_run(job, lib)
+    """Every npu_offload_acl_staged_submit call: (store, slices, slots)."""
+    calls, real_submit = [], acl.staged_submit
 
     def counting_submit(req, lib):
         slices, links = real_submit(req, lib)
         calls.append((req.job.store, slices, req.job.slots))
         return slices, links
 
-    monkeypatch.setattr(acl, "staged_run", counting_run)
     monkeypatch.setattr(acl, "staged_submit", counting_submit)
     return calls
 
 
-@pytest.mark.parametrize("planner", ["native", "python"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("toggle", ["1", "0"])
-def test_fused_round_trip(built, emu, monkeypatch, toggle, groups, planner):
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", planner)
+def test_fused_round_trip(built, emu, monkeypatch, toggle, groups):
     core, kv, refs, rng = staged_core(built, monkeypatch, toggle, groups, seed=int(toggle) + groups)
     assert isinstance(core.stager._fused, npu_pipeline.AclStagedPipeline) and not core.stager.table_form
-    assert core.stager.plans_natively == (planner == "native")
+    assert core.stager.plans_natively
     live = emu.acl_emu_count(b"events_live")
     assert live >= 2 * (1 + 2 * SLOTS)  # entry, filled[], drained[] per direction, in the library
 
@@ -91,37 +81,13 @@ def test_fused_round_trip(built, emu, monkeypatch, toggle, groups, planner):
     assert emu.acl_emu_count(b"events_live") == live - 2 * (1 + 2 * SLOTS)
 
 
-def test_python_pipeline_env_gives_identical_bytes(built, emu, monkeypatch):
-    """The same transfers through the Python loop, planned by Python (NPU_OFFLOAD_STAGE_PLAN=python) or the
-    library, and with a store's gathers on its own stream or the model's (NPU_OFFLOAD_STAGE_STORE_AUX=0 /
-    compute): the same bytes in every host page a group owns (a link run also carries the staging bytes
-    between a group's pages: those are nobody's)."""
-    hosts = {}
-    for mode, plan, aux in itertools.product(("native", "python"), ("native", "python"), ("1", "0", "compute")):
-        monkeypatch.setenv("NPU_OFFLOAD_STAGE_PIPELINE", mode)
-        monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", plan)
-        monkeypatch.setenv("NPU_OFFLOAD_STAGE_STORE_AUX", aux)
-        core, kv, refs, rng = staged_core(built, monkeypatch, "1", 2, seed=11)
-        assert (core.stager._fused is None) == (mode == "python")
-        assert core.stager.plans_natively == (mode == plan == "native")
-        emu.acl_emu_reset()
-        parts = store_then_load_groups(core, kv, refs, rng, [9, 6])
-        assert (emu.acl_emu_count(b"aclrtRecordEvent") > 0) == (mode == "native")
-        hosts[mode, plan, aux] = [core.host_view(r.tensor_idx)[host].clone() for g, _, host in parts for r in refs[g]]
-        core.shutdown()
-    first = hosts["native", "native", "1"]
-    assert all(torch.equal(a, b) for other in hosts.values() for a, b in zip(first, other))
-
-
-@pytest.mark.parametrize("planner", ["native", "python"])
 @pytest.mark.parametrize("toggle", ["1", "0"])
 @pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
-def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle, direction, planner):
+def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle, direction):
     """Slice 1 fails (a store's gather, a load's link copy): the job's result says so, naming
     the call and the slice, and the next transfers run normally."""
-    monkeypatch.setenv("NPU_OFFLOAD_STAGE_PLAN", planner)
     core, kv, refs, rng = staged_core(built, monkeypatch, toggle, 1, seed=5)
-    real_run, real_submit = npu_pipeline.AclStagedPipeline.run, npu_pipeline.AclStagedPipeline.submit
+    real_submit = npu_pipeline.AclStagedPipeline.submit
     armed = {"on": False}
 
     def arm(d, local_bounds, link_bounds) -> None:
@@ -130,16 +96,11 @@ def test_failure_in_a_middle_slice_fails_the_job(built, emu, monkeypatch, toggle
             first = local_bounds[1] + link_bounds[1]  # slice 0 is through, slice 1's first side starts
             emu.acl_emu_set_fail_at(int(first) + (direction is Direction.D2H))  # a load: its 1-run link copy
 
-    def failing_run(self, plan, d, *a, **k):
-        arm(d, npu_pipeline.slice_indices(plan.local_ranges)[1], plan.link_bounds)
-        return real_run(self, plan, d, *a, **k)
-
     def failing_submit(self, stager, transfer, *a, **k):
         plan = self.plan_only(stager, transfer)
         arm(transfer.direction, plan["local_bounds"], plan["link_bounds"])
         return real_submit(self, stager, transfer, *a, **k)
 
-    monkeypatch.setattr(npu_pipeline.AclStagedPipeline, "run", failing_run)
     monkeypatch.setattr(npu_pipeline.AclStagedPipeline, "submit", failing_submit)
     n, chunks = 15, np.arange(8, dtype=np.int64)
     ids = rng.choice(40, n, replace=False).astype(np.int64)
@@ -166,21 +127,29 @@ S, A = 0x100, 0x200  # raw job / aux stream handles (the emulation only logs the
 PAGE, K, N_SLICES, N_SLOTS = 256, 3, 3, 2  # 2 tensors x 3 blocks of 256 bytes, one block per slice
 
 
-def _small_plan(direction: Direction, dev: torch.Tensor, stg: torch.Tensor, host: torch.Tensor) -> StagedPlan:
-    """Local table row = tensor t, column = block b (descriptor t*K + b); slice i = column i;
-    a record is both tensors' pages; slot i % 2; one link descriptor per slice."""
-    t, b = np.divmod(np.arange(2 * K), K)
+def _small_job(pipe, direction: Direction, dev: torch.Tensor, stg: torch.Tensor, host: torch.Tensor,
+               link: bool = True, bad_link: int | None = None):
+    """(the job, the arrays it points into) of one small transfer, run directly: slice i copies block i
+    of both tensors (tensor t, block b at t*K + b; descriptors slice after slice) to slot i % 2 (a record
+    is both tensors' pages), then one link descriptor (host record i). ``bad_link``: that link
+    descriptor's size is 0."""
+    b, t = np.divmod(np.arange(2 * K), 2)
     dev_a = dev.data_ptr() + (t * K + b) * PAGE
     stg_a = stg.data_ptr() + (b % N_SLOTS) * 2 * PAGE + t * PAGE
     i = np.arange(N_SLICES)
     stg_r, host_r = stg.data_ptr() + (i % N_SLOTS) * 2 * PAGE, host.data_ptr() + i * 2 * PAGE
     store = direction is Direction.D2H
-    local = Descriptors(*(np.asarray(x, np.int64) for x in ((dev_a, stg_a) if store else (stg_a, dev_a))),
-                        np.full(2 * K, PAGE, np.int64), 2 * K * PAGE, None)
-    link = Descriptors(*(np.asarray(x, np.int64) for x in ((stg_r, host_r) if store else (host_r, stg_r))),
-                       np.full(N_SLICES, 2 * PAGE, np.int64), N_SLICES * 2 * PAGE, None)
-    return StagedPlan(local, [[DescriptorRange(s, 1, 2, K)] for s in range(N_SLICES)], link,
-                      np.arange(N_SLICES + 1, dtype=np.int64))
+    link_size = np.full(N_SLICES, 2 * PAGE, np.int64)
+    if bad_link is not None:
+        link_size[bad_link] = 0
+    arrays = [*(np.asarray(x, np.int64) for x in ((dev_a, stg_a) if store else (stg_a, dev_a))),
+              np.full(2 * K, PAGE, np.int64), np.arange(0, 2 * K + 1, 2, dtype=np.int64),
+              *(np.asarray(x, np.int64) for x in ((stg_r, host_r) if store else (host_r, stg_r))),
+              link_size, np.arange(N_SLICES + 1, dtype=np.int64)]
+    job = acl.StagedJob(int(store), int(link), int(pipe.local.batch), 0, pipe.local.max_batch, S,
+                        A if link else None, pipe.events[direction], N_SLOTS, N_SLICES,
+                        *(address(a) for a in arrays))
+    return job, arrays
 
 
 def _expected(store: bool, batch: bool, link: bool = True) -> list[tuple]:
@@ -246,7 +215,8 @@ def test_op_order_and_bytes_of_a_small_transfer(emu, lib_batch, lib_loop, kind, 
     stg = torch.zeros(N_SLOTS * 2 * PAGE, dtype=torch.uint8)
     dev0, host0 = dev.clone(), host.clone()
     emu.acl_emu_reset()
-    pipe.run(_small_plan(direction, dev, stg, host), direction, S, A)
+    job, _arrays = _small_job(pipe, direction, dev, stg, host)
+    acl.staged_run(job, pipe.lib)
     got = _parsed(emu.acl_emu_log(), pipe.events[direction])
     assert got == _expected(direction is Direction.D2H, kind != "loop")
     # The bytes: host record i = (tensor 0 block i, tensor 1 block i), and back.
@@ -264,7 +234,8 @@ def test_link_false_runs_only_the_gathers_on_the_job_stream(emu, lib_batch, lib_
     host = torch.zeros(N_SLICES * 2 * PAGE, dtype=torch.uint8)
     stg = torch.zeros(N_SLOTS * 2 * PAGE, dtype=torch.uint8)
     emu.acl_emu_reset()
-    pipe.run(_small_plan(Direction.D2H, dev, stg, host), Direction.D2H, S, A, link=False)
+    job, _arrays = _small_job(pipe, Direction.D2H, dev, stg, host, link=False)
+    acl.staged_run(job, pipe.lib)
     assert _parsed(emu.acl_emu_log(), []) == _expected(True, kind != "loop", link=False)
     assert not host.any()  # nothing crossed the link
     # slot 0 holds slice 2 (it was reused), slot 1 slice 1: (tensor t, block b) at slot b % 2, page t
@@ -275,8 +246,6 @@ def test_link_false_runs_only_the_gathers_on_the_job_stream(emu, lib_batch, lib_
 
 
 def test_no_fused_pipeline_unless_local_and_link_share_the_library(emu, lib_batch, lib_loop):
-    """(NPU_OFFLOAD_STAGE_PIPELINE=python is the Stager's choice, for every platform:
-    test_python_pipeline_env_gives_identical_bytes.)"""
     local, link = _paths("batch", lib_batch, lib_loop)
     assert link.fused_pipeline(local, 2) is None  # the host-side path is not the local side
     other = acl_copy.AclCopyPath(None, batch=False, lib=lib_loop)
@@ -288,11 +257,10 @@ def test_bad_jobs_fail_whole_before_any_call(emu, lib_batch, lib_loop):
     pipe = local.fused_pipeline(link, N_SLOTS)
     dev = torch.zeros(2 * K * PAGE, dtype=torch.uint8)
     stg, host = torch.zeros(N_SLOTS * 2 * PAGE, dtype=torch.uint8), torch.zeros(N_SLICES * 2 * PAGE, dtype=torch.uint8)
-    plan = _small_plan(Direction.D2H, dev, stg, host)
-    plan.link.sizes[2] = 0
+    job, _arrays = _small_job(pipe, Direction.D2H, dev, stg, host, bad_link=2)
     emu.acl_emu_reset()
     with pytest.raises(acl.AclCopyError, match="descriptor 2 is invalid"):
-        pipe.run(plan, Direction.D2H, S, A)
+        acl.staged_run(job, pipe.lib)
     assert emu.acl_emu_log() == b""
     pipe.close()
 

@@ -108,15 +108,16 @@ def lib_loop(built, emu):
     return acl.load_library(built[0]["0"])
 
 
-def acl_path(kind: str, lib_batch, lib_loop, device_local: bool = False):
-    """An AclCopyPath: kind "batch" (failIndex form), "batch_v2" or "loop"."""
+def acl_path(kind: str, lib_batch, lib_loop, device_local: bool = False, max_batch: int = 0):
+    """An AclCopyPath: kind "batch" (failIndex form), "batch_v2" or "loop"; ``max_batch``: descriptors
+    per batch call (0: all)."""
     from vllm_npu_offload._native import acl
     from vllm_npu_offload.copy import acl_copy
 
     if kind == "loop":
         return acl_copy.AclCopyPath(None, batch=False, lib=lib_loop, device_local=device_local)
     acl.set_batch_form({"batch": 1, "batch_v2": 2}[kind], lib_batch)
-    return acl_copy.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local)
+    return acl_copy.AclCopyPath(None, batch=True, lib=lib_batch, device_local=device_local, max_batch=max_batch)
 
 
 def fake_npu_platform():

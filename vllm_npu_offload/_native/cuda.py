@@ -19,11 +19,9 @@ from ..errors import CopyError
 from . import library_path
 
 LIB_BASENAME = "npu_offload_cuda"
-ABI_VERSION = 9
+ABI_VERSION = 10
 MODE_NAMES = {0: "loop", 1: "batch_v1 (CUDA 12.8 ABI)", 2: "batch_v2 (CUDA 13 ABI)"}
 NPO_ERR_RANGE = -4  # a block id out of range: bad input, raised as ValueError
-NPO_PENDING = 1  # npo_cuda_event_poll: the end event has not completed
-NPO_DONE_NO_TIME = 2  # ... it has, but its device time could not be read (timing is best effort)
 _MSG_LEN = 512
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -42,7 +40,6 @@ class NativeCudaLib:
         u64 = ctypes.c_uint64
         lib.npo_cuda_gather.argtypes = [u64] * 8 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_gather_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        lib.npo_cuda_staged_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.npo_cuda_staged_submit.argtypes = [ctypes.c_void_p, _u64p, ctypes.c_char_p, ctypes.c_size_t]
         events_args = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
@@ -50,14 +47,10 @@ class NativeCudaLib:
         lib.npo_cuda_stream_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                                ctypes.c_size_t]
         lib.npo_cuda_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-        lib.npo_cuda_event_poll.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float),
-                                            ctypes.c_char_p, ctypes.c_size_t]
         for fn in ("npo_cuda_batch_copy", "npo_cuda_loop_copy", "npo_cuda_runtime_mode", "npo_cuda_built_mode",
                    "npo_cuda_abi_version", "npo_cuda_gather", "npo_cuda_gather_built", "npo_cuda_gather_load",
-                   "npo_cuda_staged_run",
                    "npo_cuda_staged_plan", "npo_cuda_staged_submit", "npo_cuda_events_create",
-                   "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy",
-                   "npo_cuda_event_poll"):
+                   "npo_cuda_events_destroy", "npo_cuda_stream_create", "npo_cuda_stream_destroy"):
             getattr(lib, fn).restype = ctypes.c_int
         abi = lib.npo_cuda_abi_version()
         if abi != ABI_VERSION:
@@ -142,11 +135,6 @@ class NativeCudaLib:
         so at a transfer's first launch it held that submit until the model's step ended."""
         self._call(self._lib.npo_cuda_gather_load, call="npo_cuda_gather_load")
 
-    def staged_run(self, job, rows: int) -> None:
-        """Enqueue a whole staged transfer (``cuda_pipeline.StagedJob``)."""
-        self._call(self._lib.npo_cuda_staged_run, ctypes.byref(job), call="npo_cuda_staged_run",
-                   what=f"{rows} page descriptors")
-
     def staged_plan(self, request, out) -> None:
         """Plan a staged transfer (``cuda_pipeline.StagedRequest``) into ``out`` without enqueueing it."""
         self._call(self._lib.npo_cuda_staged_plan, ctypes.byref(request), ctypes.byref(out),
@@ -183,36 +171,6 @@ class NativeCudaLib:
 
     def staged_failed(self, rc: int, msg) -> None:
         self._fail(rc, msg, "npo_cuda_staged_submit")
-
-    def event_poll(self, start: int, end: int) -> float | None:
-        """Milliseconds from raw CUevent ``start`` to ``end`` once ``end`` has completed (0.0 when
-        ``start`` is 0, or when the time cannot be read: best effort, as through torch), None while it
-        has not; CopyError when the query fails (a failed copy before the event). One library call
-        where torch takes two (query, elapsed_time). The thread's own ``event_poller``."""
-        poll = getattr(self._tls, "poll", None)
-        if poll is None:
-            poll = self._tls.poll = self.event_poller()
-        return poll(start, end)
-
-    def event_poller(self):
-        """``event_poll`` for one thread at a time (its result and message buffers its own, made once):
-        the poll that reports a transfer calls it, after the job's end, on the engine thread."""
-        fn, ms = self._lib.npo_cuda_event_poll, ctypes.c_float()
-        ms_ref, msg = ctypes.byref(ms), self._msg()
-        fail = self._fail
-
-        def poll(start: int, end: int) -> float | None:
-            ms.value = 0.0
-            rc = fn(start or None, end or None, ms_ref, msg, _MSG_LEN)
-            if rc == 0:
-                return ms.value
-            if rc == NPO_PENDING:
-                return None
-            if rc == NPO_DONE_NO_TIME:
-                return 0.0
-            fail(rc, msg, "npo_cuda_event_poll")
-
-        return poll
 
     def create_events(self, n: int):
         """``n`` timing-disabled CUevents, as a ctypes array of handles."""

@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from .._native.acl import D2D, OK, AclError, _raise, load_library
-from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import CopyPath, Direction, check_descriptors
 
-ENV_MAX_BATCH = "NPU_OFFLOAD_ACL_MAX_BATCH"  # descriptors per aclrtMemcpyBatchAsync call; unset = all
+# Descriptors per aclrtMemcpyBatchAsync call; 0: all of a batch in one call, the fewest runtime calls
+# on the engine thread (a positive count splits a batch, which only tests need).
+MAX_BATCH = 0
 
 
 def _as_int64(a: np.ndarray, name: str) -> np.ndarray:
@@ -33,13 +34,16 @@ class AclCopyPath(CopyPath):
     """
 
     def __init__(self, platform: Platform | None, batch: bool, lib: ctypes.CDLL | None = None,
-                 device_local: bool = False):
+                 device_local: bool = False, max_batch: int = MAX_BATCH):
+        """``max_batch``: descriptors per batch call (0: all; tests split batches with it)."""
         self.platform = platform
         self.batch = batch
         self.device_local = device_local
         self.name = ("acl_batch" if batch else "acl_loop") + ("_local" if device_local else "")
         self.lib = lib or load_library()
-        self.max_batch = env.get(ENV_MAX_BATCH)
+        if max_batch < 0:
+            raise ValueError(f"max_batch={max_batch}; allowed: 0 (all) or a positive count")
+        self.max_batch = max_batch
 
     def stream_handle(self, stream: Any) -> int:
         """An int is taken as a raw aclrtStream (tests); anything else goes through the platform."""

@@ -12,16 +12,12 @@ from .base import CopyPath, Direction, check_descriptors
 
 
 class CudaDmaCopyPath(CopyPath):
-    """Copy-engine path: one cuMemcpyBatchAsync per chunk, or a cuMemcpyAsync loop. ``local``:
-    a staged transfer's device <-> staging copies (``NPU_OFFLOAD_STAGE_GATHER=dma``), whose
-    sources are device memory in both directions."""
+    """Copy-engine path: one cuMemcpyBatchAsync per chunk, or a cuMemcpyAsync loop."""
 
-    def __init__(self, platform: Platform, batch: bool = True, lib: NativeCudaLib | None = None,
-                 local: bool = False):
+    def __init__(self, platform: Platform, batch: bool = True, lib: NativeCudaLib | None = None):
         self.platform = platform
         self.batch = batch
-        self.local = local
-        self.name = "dma_local" if local else "dma" if batch else "dma_loop"
+        self.name = "dma" if batch else "dma_loop"
         self.lib = lib or load_library()
 
     def copy(self, src, dst, sizes, direction: Direction, stream: Any, buffers=None) -> None:
@@ -29,4 +25,4 @@ class CudaDmaCopyPath(CopyPath):
         # ANY is only safe when the source is stable pinned host memory: loads over the link (a
         # load's scatter reads staging that its link copy is still filling: stream order)
         self.lib.copy(src, dst, sizes, self.platform.raw_stream_handle(stream), self.batch,
-                      src_order_any=Direction(direction).is_load and not self.local)
+                      src_order_any=Direction(direction).is_load)

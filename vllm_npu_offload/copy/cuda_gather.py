@@ -26,18 +26,14 @@ class NativeGatherPath(CopyPath):
     name = "gather_native"
 
     def __init__(self, platform: Platform, page_sizes: list[int] | None = None, programs: int = MAX_PROGRAMS,
-                 lib: NativeCudaLib | None = None, store_programs: int | None = None):
-        """``store_programs``: SMs of a store's gather when it differs from a load's scatter (stores
-        run beside the model's steps and only need to keep ahead of the link)."""
-        store_programs = programs if store_programs is None else store_programs
-        for val in (programs, store_programs):
-            if not 1 <= val <= MAX_PROGRAMS:
-                raise ValueError(f"programs={val}; allowed: 1..{MAX_PROGRAMS} (SMs the gather may occupy)")
+                 lib: NativeCudaLib | None = None):
+        if not 1 <= programs <= MAX_PROGRAMS:
+            raise ValueError(f"programs={programs}; allowed: 1..{MAX_PROGRAMS} (SMs the gather may occupy)")
         self.lib = lib or load_library()
         if not self.lib.built_gather:
             raise ImportError(f"{self.lib.path} was built without the gather kernel (needs nvcc at build time)")
         self.platform = platform
-        self.programs = {Direction.H2D: programs, Direction.D2H: store_programs}
+        self.programs = dict.fromkeys(Direction, programs)  # per direction, as the staged pipeline takes them
         self.min_page = min(page_sizes) if page_sizes else 16
 
     def prepare(self, descriptors):

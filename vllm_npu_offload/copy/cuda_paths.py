@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from .. import calibration, env
+from .. import calibration
 from ..platform import Platform
 from . import sm_triton
 from .base import BackendChoice, Direction, PlatformPaths
@@ -53,11 +53,10 @@ NATIVE_DIRECT_PROGRAMS = 2
 
 def _gather_native(platform: Platform, pages):
     """The native kernel as a direct SM path (pinned host memory through unified addressing), on
-    NATIVE_DIRECT_PROGRAMS SMs unless ``NPU_OFFLOAD_SM_PROGRAMS`` says otherwise."""
+    NATIVE_DIRECT_PROGRAMS SMs."""
     from .cuda_gather import NativeGatherPath
 
-    programs = env.get("NPU_OFFLOAD_SM_PROGRAMS") or NATIVE_DIRECT_PROGRAMS
-    return NativeGatherPath(platform, pages, programs=programs)
+    return NativeGatherPath(platform, pages, programs=NATIVE_DIRECT_PROGRAMS)
 
 
 
@@ -155,7 +154,7 @@ def choose_cuda(platform: Platform, page_sizes: list[int], measure: tuple[Direct
     picks = {Direction.H2D: fallback.load, Direction.D2H: fallback.store}
     for d in measure:
         key = (f"v{CALIBRATION_VERSION}|{platform.device_name()}|{d.name}|{','.join(map(str, pages))}"
-               f"|sm{env.get('NPU_OFFLOAD_SM_PROGRAMS') or sm_triton.DEFAULT_PROGRAMS}|{'+'.join(names)}")
+               f"|sm{sm_triton.DEFAULT_PROGRAMS}|{'+'.join(names)}")
         try:
             picks[d] = calibration.cached(key, lambda: calibrate(platform, pages, d, names))["choice"]
         except Exception as e:  # noqa: BLE001 - never fail startup over a measurement
@@ -165,34 +164,30 @@ def choose_cuda(platform: Platform, page_sizes: list[int], measure: tuple[Direct
 
 
 
+# SMs of a staged gather/scatter (both directions): a short device-local burst, which must finish
+# while the slice before it is on the link. On 2 SMs it fell behind (llama-8b loads 86% -> 81% of one
+# contiguous copy on an H200, small pages 54% -> 40%), and 4, 8 or 16 SMs cost a concurrent prefill
+# the same (+0.23..+0.26%), so the most a copy takes (docs/benchmarks.md).
+STAGE_PROGRAMS = 16
+
+
 def staged_cuda(platform: Platform, page_sizes: list[int]):
     """Gather/scatter as a short burst on at most 16 SMs (device <-> device), link on the copy engines.
 
-    The gather is the library's native kernel when it was built with nvcc, else Triton;
-    ``NPU_OFFLOAD_STAGE_GATHER=native|triton`` picks one (benchmarks compare them), ``dma`` the copy
-    engines instead of SMs (one descriptor per page, device to device; diagnosis).
+    The gather is the library's native kernel when it was built with nvcc, else Triton.
     """
     why = dma_available()
     if why is not None:
         raise RuntimeError(f"the copy-engine library is unavailable: {why}")
-    programs = env.get("NPU_OFFLOAD_STAGE_PROGRAMS")
-    store_programs = env.get("NPU_OFFLOAD_STAGE_STORE_PROGRAMS")
-    kind = env.get("NPU_OFFLOAD_STAGE_GATHER")
-    if kind is None:
-        kind = "native" if native_gather_built() else "triton"
-    if kind == "dma":
-        from .cuda_dma import CudaDmaCopyPath
-
-        return CudaDmaCopyPath(platform, batch=True, local=True), _dma(platform, [], True)
-    if kind == "native":
+    if native_gather_built():
         from .cuda_gather import NativeGatherPath
 
-        local = NativeGatherPath(platform, page_sizes, programs=programs, store_programs=store_programs)
+        local = NativeGatherPath(platform, page_sizes, programs=STAGE_PROGRAMS)
     else:
         if not sm_triton.HAS_TRITON:
             raise ImportError("staged copies on CUDA need the native gather kernel (build csrc_cuda with nvcc) "
                               "or triton")
-        local = sm_triton.SmCopyPath(platform, page_sizes, programs=programs, tile_bytes=64 * 1024)
+        local = sm_triton.SmCopyPath(platform, page_sizes, programs=STAGE_PROGRAMS, tile_bytes=64 * 1024)
         local.name = "sm_local"
     return local, _dma(platform, [], True)
 

@@ -1,10 +1,9 @@
-"""The staged slice pipeline enqueued by one call into ``libnpu_offload_cuda.so``.
+"""The staged slice pipeline planned and enqueued by one call into ``libnpu_offload_cuda.so``.
 
-Same schedule as ``Stager.run`` (staging.py), but the descriptor upload, every
+Same schedule as ``Stager.run`` (staging.py), but the plan, the block-id upload, every
 gather/scatter launch, link copy and slot event of a transfer go to the driver from C:
 from Python each of those calls costs tens of microseconds, and on transfers of a few
-MiB the device would spend that time waiting. ``NPU_OFFLOAD_STAGE_PIPELINE=python``
-keeps the Python loop (for comparison in benchmarks).
+MiB the device would spend that time waiting.
 """
 
 from __future__ import annotations
@@ -17,22 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import env
-from ..errors import CopyError
 from ..plan import address
 from ..platform import Platform
 from .base import Direction, as_direction
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 _addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
-# 1: every gather of a store takes its block ids in its launch parameters, none uploaded (diagnosis)
-ENV_INLINE_STORE_IDS = "NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"
-# 1: every scatter of a load takes them so: no upload, no ids in the first link batch
-ENV_INLINE_LOAD_IDS = "NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"
 
 
 class StagedJob(ctypes.Structure):
-    """Mirror of ``npo_staged_job`` in csrc_cuda/npo_cuda.h."""
+    """Mirror of ``npo_staged_job`` in csrc_cuda/npo_cuda.h (a request's streams, ids and events)."""
 
     _fields_ = [
         ("store", ctypes.c_int), ("programs", ctypes.c_int), ("stream", ctypes.c_void_p), ("aux", ctypes.c_void_p),
@@ -40,7 +33,6 @@ class StagedJob(ctypes.Structure):
         ("min_page", ctypes.c_uint64), ("n_slices", ctypes.c_uint64), ("slots", ctypes.c_uint64),
         ("range_off", _u64p), ("ranges", _u64p), ("link_src", _u64p), ("link_dst", _u64p), ("link_size", _u64p),
         ("link_bounds", _u64p), ("events", ctypes.POINTER(ctypes.c_void_p)), ("skip_link", ctypes.c_int),
-        ("inline_ids", ctypes.c_int),
     ]
 
 
@@ -96,12 +88,11 @@ def _ptr(a: np.ndarray):
 
 
 class CudaStagedPipeline:
-    """Runs staged plans in table form for one stager: slot events per direction (created once)
-    and each group planner's pair table on the device (uploaded at first use)."""
+    """Plans and runs staged transfers in table form for one stager: slot events per direction
+    (created once) and each group planner's pair table on the device (uploaded at the start)."""
 
-    table_form = True  # Stager.plan hands over block ids + pair tables, not page descriptors
-    plans_natively = True  # or, unless NPU_OFFLOAD_STAGE_PLAN=python, the library plans them itself
-    orders_natively = True  # ... and takes the engine's stream order and events in the same call
+    table_form = True  # the plan is block ids + pair tables (Stager.plan's reference plan too), no page descriptors
+    orders_natively = True  # the library takes the engine's stream order and events in the same call
     checks_ids = True  # ... and checks the block ids of both sides (NPO_ERR_RANGE: ValueError)
 
     def __init__(self, lib, platform: Platform, slots: int, programs: "dict[Direction, int]", min_page: int):
@@ -111,8 +102,6 @@ class CudaStagedPipeline:
         # scatters wait for it after the entry has been recorded again)
         self.events = {d: lib.create_events(2 + 2 * slots) for d in Direction}
         lib.gather_load()  # at the worker's start: loading the kernel at a first launch waited out a model step
-        self.inline_store_ids = bool(env.get(ENV_INLINE_STORE_IDS))
-        self.inline_load_ids = bool(env.get(ENV_INLINE_LOAD_IDS))
         self._tables: dict[int, tuple[Any, torch.Tensor, int]] = {}
         self._lanes: dict[Direction, _Lane] = {}
         self._raw: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, its raw handle)
@@ -138,11 +127,6 @@ class CudaStagedPipeline:
             hit = self._tables[id(planner)] = (planner, table, table.data_ptr())
         return hit[2]
 
-    def _inline_ids(self, d: Direction) -> int:
-        """The job's inline_ids: a store's gathers or a load's scatters with their ids in their launch
-        parameters (NPU_OFFLOAD_STAGE_STORE_INLINE_IDS / NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS)."""
-        return int(self.inline_store_ids if d is Direction.D2H else self.inline_load_ids)
-
     def _device_ids(self, bufs, stream: Any) -> int:
         """The device address the pinned buffer ``bufs``'s block ids are uploaded to: the set's
         device mirror, allocated at its first use and reused with the set. Allocated on ``stream``
@@ -157,27 +141,6 @@ class CudaStagedPipeline:
             addr = bufs.device_addr = bufs.device_cols.data_ptr()
         return addr
 
-    def run(self, plan, direction: Direction, stream: Any, aux: Any, link: bool = True) -> None:
-        """Enqueue ``plan``; ``link=False`` runs only the gather/scatter (benchmarks)."""
-        if plan.table_ranges is None or plan.ids is None:
-            raise CopyError("staged run: the plan is not in table form", "npo_cuda_staged_run")
-        rows = [(self._table(r.planner), len(r.planner.pairs), r.block0, r.blocks)
-                for per in plan.table_ranges for r in per]
-        rng = np.array(rows, np.uint64).reshape(-1, 4)
-        off = np.zeros(plan.num_slices + 1, np.uint64)
-        np.cumsum([len(per) for per in plan.table_ranges], out=off[1:])
-        bounds = np.ascontiguousarray(plan.link_bounds, np.uint64)
-        lk = [np.ascontiguousarray(a, np.int64) for a in (plan.link.src, plan.link.dst, plan.link.sizes)]
-        ids = plan.ids
-        job = StagedJob(
-            int(Direction(direction) is Direction.D2H), self.programs[Direction(direction)],
-            self.platform.raw_stream_handle(stream),
-            self.platform.raw_stream_handle(aux), ids.packed.data_ptr(), self._device_ids(ids, aux),
-            plan.n_ids, self.min_page, plan.num_slices, self.slots, _ptr(off), _ptr(rng), *(_ptr(a) for a in lk),
-            _ptr(bounds), self.events[direction], int(not link),
-            self._inline_ids(Direction(direction)))
-        self.lib.staged_run(job, rows=plan.pages)
-
     # -- native planning (npo_cuda_staged_submit) ------------------------------------------------
     def _lane(self, stager, d: Direction) -> "_Lane":
         """``d``'s reused request, its fields fixed for the stager's life written once."""
@@ -191,7 +154,6 @@ class CudaStagedPipeline:
             j.events = self.events[d]
             for k in ("slot_blocks", "record_bytes", "pages_end", "staging_base", "host_base", "host_blocks"):
                 setattr(req, k, geo[k])
-            j.inline_ids = self._inline_ids(d)
             req.compute_mark = self._marks[d]
             lane = self._lanes[d] = _Lane(req, d is Direction.D2H, constants=sys.modules[stager.slice_constants.__module__])
             lane.call, lane.links, lane.msg = self.lib.staged_submitter(req)

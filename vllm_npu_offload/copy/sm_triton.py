@@ -3,8 +3,8 @@
 Why: the copy engines collapse to ~5-15 GB/s on the small (2-32 KiB) scattered pages
 of KV offload, while a few SMs dereferencing pinned host memory through unified
 addressing reach the link's ~50 GB/s. The kernel is a persistent grid of a few
-programs (``NPU_OFFLOAD_SM_PROGRAMS``, default 8, at most 16 so model kernels keep
-the rest of the GPU); each iteration moves a tile of several descriptors at once so
+programs (``DEFAULT_PROGRAMS``, at most 16 so model kernels keep the rest of the
+GPU); each iteration moves a tile of several descriptors at once so
 many bytes are in flight. Descriptors whose src and dst are 16-byte aligned move as
 16-byte vectors, their remainder (and any unaligned descriptor) byte by byte.
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
-from .. import env
 from ..errors import CopyError
 from ..platform import Platform
 from .base import CopyPath, DescriptorRange, Direction, check_descriptors
@@ -29,9 +27,14 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = tl = None
     HAS_TRITON = False
 
+# A direct Triton copy's programs (SMs). The kernel, not the SM count, limits it: 8 and 16 SMs moved
+# about the same GB/s on an H200 (docs/benchmarks.md), and every SM it holds is one a concurrent
+# model kernel lacks for the whole PCIe time, so the smaller count.
 DEFAULT_PROGRAMS = 8
 MAX_PROGRAMS = 16
-DEFAULT_TILE_BYTES = 32 * 1024  # bytes one program moves per iteration (all its descriptors)
+# Bytes one program moves per iteration (all its descriptors): other tile sizes changed little on an
+# H200, and bigger ones spill registers (docs/benchmarks.md).
+DEFAULT_TILE_BYTES = 32 * 1024
 MAX_CHUNK_BYTES = 16 * 1024  # per descriptor per iteration
 
 
@@ -97,10 +100,10 @@ class SmCopyPath(CopyPath):
         if not HAS_TRITON:
             raise ImportError("the SM copy path needs triton (pip install triton)")
         self.platform = platform
-        self.programs = programs or env.get("NPU_OFFLOAD_SM_PROGRAMS") or DEFAULT_PROGRAMS
+        self.programs = programs or DEFAULT_PROGRAMS
         if not 1 <= self.programs <= 1024:
             raise ValueError(f"programs={self.programs}; allowed: 1..1024")
-        self.tile_bytes = tile_bytes or env.get("NPU_OFFLOAD_SM_TILE_BYTES")
+        self.tile_bytes = tile_bytes or DEFAULT_TILE_BYTES
         self.num_warps = num_warps
         self.page = max(page_sizes) if page_sizes else 16 * 1024
 

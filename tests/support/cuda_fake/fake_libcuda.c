@@ -142,30 +142,6 @@ static CUresult f_wait_event(CUstream s, CUevent e, unsigned f) {
     return CUDA_SUCCESS;
 }
 
-/* cuEventQuery / cuEventElapsedTime: tests set fake_event_pending (the next queries say not ready) and
-   fake_elapsed_ms; an end event of 0xBAD (or any, with fake_event_fail) fails its query with
-   CUDA_ERROR_LAUNCH_FAILED (a failed copy; its elapsed time too),
-   a start event of 0xBAD its elapsed time; a pending event's elapsed time is not ready. */
-int fake_event_pending = 0, fake_event_fail = 0;
-float fake_elapsed_ms = 0.25f;
-long long fake_queries = 0;
-static CUresult f_event_query(CUevent e) {
-    fake_queries++;
-    if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    if ((uintptr_t)e == 0xBAD || fake_event_fail) return CUDA_ERROR_LAUNCH_FAILED;
-    return fake_event_pending ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
-}
-long long fake_elapsed_calls = 0;
-static CUresult f_event_elapsed(float *ms, CUevent a, CUevent b) {
-    fake_elapsed_calls++;
-    if (!ms || !a || !b) return CUDA_ERROR_INVALID_HANDLE;
-    if ((uintptr_t)b == 0xBAD || fake_event_fail) return CUDA_ERROR_LAUNCH_FAILED; /* the sticky error */
-    if ((uintptr_t)a == 0xBAD) return CUDA_ERROR_INVALID_HANDLE; /* a start never recorded */
-    if (fake_event_pending) return CUDA_ERROR_NOT_READY; /* as the driver: either event not done */
-    *ms = fake_elapsed_ms;
-    return CUDA_SUCCESS;
-}
-
 long long fake_streams = 0;
 int fake_last_stream_flags = -1, fake_last_stream_priority = 99;
 static CUresult f_stream_create(CUstream *s, unsigned flags, int prio) {
@@ -190,8 +166,6 @@ static void *lookup(const char *name, int ver) {
     if (!strcmp(name, "cuEventDestroy")) return (void *)f_event_destroy;
     if (!strcmp(name, "cuEventRecord")) return (void *)f_event_record;
     if (!strcmp(name, "cuStreamWaitEvent")) return (void *)f_wait_event;
-    if (!strcmp(name, "cuEventQuery")) return (void *)f_event_query;
-    if (!strcmp(name, "cuEventElapsedTime")) return (void *)f_event_elapsed;
     if (!strcmp(name, "cuStreamCreateWithPriority")) return (void *)f_stream_create;
     if (!strcmp(name, "cuStreamDestroy")) return (void *)f_stream_destroy;
     if (!strcmp(name, "cuMemcpyBatchAsync") && version() >= 12080 && ver >= 12080)

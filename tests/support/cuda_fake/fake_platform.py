@@ -50,7 +50,7 @@ class FakeCudaOrdered(FakeCuda):
 
     raw_events = True
 
-    def new_event(self, timing=True):
+    def new_event(self):
         return RawEvent()
 
     def raw_event_handle(self, event) -> int:

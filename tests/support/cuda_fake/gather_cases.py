@@ -101,11 +101,8 @@ def case_ranges():
 
 def case_staged():
     """The worker core's staged store and load through the native gather and the batch DMA,
-    enqueued by the native pipeline (one call per transfer; planned natively or in Python) and
-    by the Python loop."""
-    for mode, planner in (("native", "native"), ("native", "python"), ("python", "native")):
-        os.environ["NPU_OFFLOAD_STAGE_PIPELINE"], os.environ["NPU_OFFLOAD_STAGE_PLAN"] = mode, planner
-        staged_round_trip(mode, planner)
+    planned and enqueued by the native pipeline (one call per transfer)."""
+    staged_round_trip()
     print("staged ok")
 
 
@@ -115,7 +112,7 @@ def case_staged_groups():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(5)
     pages = [1024, 1024, 2048, 512]
@@ -152,7 +149,7 @@ def case_staged_wide_first():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [64, 64, 128, 32]
     staging.MIN_SLOT_BYTES = 0
     rng = np.random.default_rng(3)
@@ -181,7 +178,7 @@ def case_staged_one_slice():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = 0
     pages = [256, 512]
     rng = np.random.default_rng(9)
@@ -210,7 +207,7 @@ def _inline_core(seed):
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     pages = [256, 512, 128]
     rng = np.random.default_rng(seed)
@@ -227,7 +224,7 @@ def case_staged_large_pages():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [65536] * 4
     rng = np.random.default_rng(17)
     kv = [torch.from_numpy(rng.integers(0, 256, (6, q), dtype=np.uint8)).clone() for q in pages]
@@ -253,48 +250,13 @@ def case_staged_large_pages():
     print("staged_large_pages ok")
 
 
-def case_staged_inline_all():
-    """NPU_OFFLOAD_STAGE_STORE_INLINE_IDS=1: a store of several slices launches every gather with
-    its ids inline and uploads nothing; the bytes are the same, and the load back is byte-exact."""
-    os.environ.update(NPU_OFFLOAD_STAGE_STORE_INLINE_IDS="1")
-    core, kv, rng = _inline_core(13)
-    assert core.stager._fused.inline_store_ids
-    ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
-    slices = len(core.stager.slice_sizes(20, Direction.D2H))
-    assert slices > 3, slices  # more slices than slots
-    copies0, inline0 = counter("fake_memcpy_calls", ctypes.c_longlong), counter("fake_inline_launches", ctypes.c_longlong)
-    tables0 = counter("fake_table_launches", ctypes.c_longlong)
-    core.submit(1, Direction.D2H, ids, [20], [0], chunks)
-    core.wait([1])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    assert counter("fake_inline_launches", ctypes.c_longlong) - inline0 == slices  # every gather inline
-    assert counter("fake_table_launches", ctypes.c_longlong) == tables0
-    assert counter("fake_memcpy_calls", ctypes.c_longlong) == copies0  # no id upload
-    for i, t in enumerate(kv):
-        assert torch.equal(core.host_view(i)[core._host_blocks(chunks, 0, 20)], t[ids]), i
-    original = [t.clone() for t in kv]
-    for t in kv:
-        t.zero_()
-    back = rng.permutation(48)[:20].astype(np.int64)
-    core.submit(2, Direction.H2D, back, [20], [0], chunks)  # loads are unchanged: ids uploaded
-    core.wait([2])
-    assert [(r.success, r.error) for r in core.poll()] == [(True, None)]
-    for t, o in zip(kv, original):
-        assert torch.equal(t[back], o[ids])
-    core.shutdown()
-    del os.environ["NPU_OFFLOAD_STAGE_STORE_INLINE_IDS"]
-    print("staged_inline_all ok")
-
-
 def case_staged_load_inline():
-    """NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1: a load of several slices launches every scatter with its
-    ids inline, and the ids go to the device in no copy (neither an upload nor a descriptor of the
-    first link batch); the bytes land exact. With the engine's order the last scatter waits for the
-    model's mark itself (no upload for it to wait for)."""
-    os.environ.update(NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="1")
+    """A load of several slices launches every scatter with its ids inline, and the ids go to the
+    device in no copy (neither an upload nor a descriptor of the first link batch); the bytes land
+    exact. With the engine's order the last scatter waits for the model's mark itself (no upload for
+    it to wait for)."""
     core, kv, rng = _inline_core(17)
     fused = core.stager._fused
-    assert fused.inline_load_ids and not fused.inline_store_ids
     ids, chunks = rng.choice(48, 20, replace=False).astype(np.int64), rng.choice(40, 20, replace=False).astype(np.int64)
     core.submit(1, Direction.D2H, ids, [20], [0], chunks)
     core.wait([1])
@@ -374,14 +336,13 @@ def case_staged_load_inline():
         staging.MIN_SLICE_BYTES = 0
     core.shutdown()
     _load_inline_past_64_blocks()
-    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]
     print("staged_load_inline ok")
 
 
 def _load_inline_past_64_blocks():
-    """The same switch at a real model's shape (32 layers, K and V apart: 64 tensors of 2 KiB pages) and
-    a load with a slice of more than 64 blocks, which launch parameters cannot hold: that load takes
-    its ids the usual way (in the first link batch, no order given) and lands byte-exact."""
+    """Loads at a real model's shape (32 layers, K and V apart: 64 tensors of 2 KiB pages), one with a
+    slice of more than 64 blocks, which launch parameters cannot hold: that load takes its ids in the
+    first link batch (no order given) and lands byte-exact."""
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
@@ -391,7 +352,7 @@ def _load_inline_past_64_blocks():
     record = tensors * page
     core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, page) for i in
                              range(tensors)]], 1, 140, FakeCuda(), staging_bytes=2 * 4 * 80 * record)
-    assert core.stager._fused.inline_load_ids and core.stager.geometry.slot_blocks == 80
+    assert core.stager.geometry.slot_blocks == 80
     sizes = core.stager.slice_sizes(n, Direction.H2D)
     assert max(sizes) > 64, sizes
     ids, chunks = rng.choice(blocks, n, replace=False).astype(np.int64), rng.choice(140, n, replace=False).astype(np.int64)
@@ -416,30 +377,6 @@ def _load_inline_past_64_blocks():
     core.shutdown()
 
 
-def case_staged_dma_local():
-    """NPU_OFFLOAD_STAGE_GATHER=dma: the gather and scatter by batch DMA (device to device, in
-    stream order), no kernel launched; the worker core's round trip is byte-exact."""
-    from vllm_npu_offload import staging
-    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-    from vllm_npu_offload.offload_worker import OffloadWorkerCore
-
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_GATHER="dma")
-    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
-    rng = np.random.default_rng(17)
-    pages = [2048, 1152, 4096]
-    kv = [torch.from_numpy(rng.integers(0, 256, (40, q), dtype=np.uint8)).clone() for q in pages]
-    core = OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv], [[GroupRef(i, q) for i, q in
-                             enumerate(pages)]], 2, 24, FakeCuda(), staging_bytes=2 * 3 * 2 * sum(pages))
-    assert (core.stager.local_path.name, core.stager.link_path.name) == ("dma_local", "dma")
-    assert core.stager._fused is None and not core.stager.table_form
-    launches0 = counter("fake_launches", ctypes.c_longlong)
-    store_then_load(core, kv, rng)
-    assert counter("fake_launches", ctypes.c_longlong) == launches0  # no kernel
-    core.shutdown()
-    del os.environ["NPU_OFFLOAD_STAGE_GATHER"]
-    print("staged_dma_local ok")
-
-
 def case_staged_fail():
     """A link copy failing inside the native pipeline fails its job (reported by poll, no hang)."""
     from vllm_npu_offload import staging
@@ -459,7 +396,7 @@ def case_staged_fail():
     print("staged_fail ok")
 
 
-def staged_round_trip(mode, planner="native"):
+def staged_round_trip():
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
@@ -476,22 +413,19 @@ def staged_round_trip(mode, planner="native"):
     core = OffloadWorkerCore(dev, [[GroupRef(i, q) for i, q in enumerate(pages)]], bpc, 24, p,
                              staging_bytes=2 * 3 * bpc * record)
     assert (core.stager.local_path.name, core.stager.link_path.name) == ("gather_native", "dma")
-    assert (core.stager._fused is not None) == (mode == "native") == core.stager.table_form
-    assert core.stager.plans_natively == (mode == "native" and planner == "native")
+    assert core.stager._fused is not None and core.stager.table_form and core.stager.plans_natively
     tables0 = counter("fake_table_launches", ctypes.c_longlong)
     records0 = counter("fake_records", ctypes.c_longlong)
     launches0 = counter("fake_launches", ctypes.c_longlong)
     inline0 = counter("fake_inline_launches", ctypes.c_longlong)
     store_then_load(core, kv, rng)
-    # native stores: the first gather takes its block ids in the launch parameters
-    assert (counter("fake_inline_launches", ctypes.c_longlong) > inline0) == (mode == "native")
+    # stores: the first gather takes its block ids in the launch parameters
+    assert counter("fake_inline_launches", ctypes.c_longlong) > inline0
     assert counter("fake_launches", ctypes.c_longlong) - launches0 >= 4  # one per slice, both directions
-    native_records = counter("fake_records", ctypes.c_longlong) - records0
-    assert (native_records > 0) == (mode == "native"), native_records  # the Python loop uses torch events
-    tables = counter("fake_table_launches", ctypes.c_longlong) - tables0
-    assert (tables > 0) == (mode == "native"), tables  # native: the table kernel, no page descriptors
+    assert counter("fake_records", ctypes.c_longlong) > records0  # the library's slot events
+    assert counter("fake_table_launches", ctypes.c_longlong) > tables0  # the table kernel, no page descriptors
     core.shutdown()
-    assert mode == "python" or counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
+    assert counter("fake_events", ctypes.c_longlong) == 0  # the pipeline's events freed
 
 
 def _python_plan(core, direction, parts, n):
@@ -516,7 +450,7 @@ def case_native_plan():
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     rng = np.random.default_rng(21)
     checked = 0
     for groups_kind in ("one", "two", "sub"):
@@ -595,24 +529,25 @@ def case_staged_ordered():
     from vllm_npu_offload import staging
     from vllm_npu_offload.errors import CopyError
 
-    # the uploaded ids' order (NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=0, and any load whose scatter ranges exceed
-    # the launch parameters; staged_load_inline checks the default, ids inline)
-    os.environ.update(NPU_OFFLOAD_STAGE_PIPELINE="native", NPU_OFFLOAD_STAGE_PLAN="native",
-                      NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(4)
-    core = _fresh_core()
-    del os.environ["NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS"]  # read when the core's pipeline is made
-    fused, stream = core.stager._fused, 0x51  # FakeCuda's every stream
-    # every planner's pair table is on the device before the first transfer: uploaded at a submit,
-    # the copy waited for the model's stream (a whole step, on a GPU)
-    tables = {id(p) for p in core._staged.values() if p is not None}
-    assert len(tables) == 2 and set(fused._tables) == tables, (tables, fused._tables)
-    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
+    stream = 0x51  # FakeCuda's every stream
     compute, after, start, end = 0xC0, 0xAF, 0x57, 0xE0
-    for direction in Direction:
-        parts = core._split("src" if direction is Direction.D2H else "dst", dev, [6], [0], chunks)
-        transfer = core._native_staged(direction, parts, 6)
+    # a store of 6 blocks; a load of 100 blocks whose first slice has more than the 64 its scatters can
+    # take in their launch parameters: its ids are uploaded (staged_load_inline checks loads with their
+    # ids inline)
+    for direction, core, n in ((Direction.D2H, _fresh_core(), 6), (Direction.H2D, _fresh_core(blocks=200), 100)):
+        fused = core.stager._fused
+        # every planner's pair table is on the device before the first transfer: uploaded at a submit,
+        # the copy waited for the model's stream (a whole step, on a GPU)
+        tables = {id(p) for p in core._staged.values() if p is not None}
+        assert len(tables) == 2 and set(fused._tables) == tables, (tables, fused._tables)
+        if direction is Direction.H2D:
+            assert max(core.stager.slice_sizes(n, direction)) > 64, core.stager.slice_sizes(n, direction)
+        dev = rng.choice(core.device_tensors[0].num_blocks, n, replace=False).astype(np.int64)
+        chunks = np.arange(3, 3 + n, dtype=np.int64)
+        parts = core._split("src" if direction is Direction.D2H else "dst", dev, [n], [0], chunks)
+        transfer = core._native_staged(direction, parts, n)
         mark = fused.model_mark(direction)
         n0 = counter("fake_log_n", ctypes.c_longlong)
         core.stager.run_native(transfer, object(), order=(compute, after, start, end))
@@ -654,8 +589,8 @@ def case_staged_ordered():
             staging.GROWTH = 4
         assert _event_ops_since(n0) == [("record", end, stream)]
         core.pool.release(transfer.buffers)
-    assert set(fused._tables) == tables, "a transfer uploaded a table"
-    core.shutdown()
+        assert set(fused._tables) == tables, "a transfer uploaded a table"
+        core.shutdown()
     print("staged_ordered ok")
 
 
@@ -666,8 +601,7 @@ def case_staged_ids_checked():
     events go back, and the next transfer is byte-exact."""
     from vllm_npu_offload import staging
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     for platform in (FakeCuda(), FakeCudaOrdered()):
         _staged_ids_checked(platform)
@@ -733,7 +667,7 @@ def _staged_ids_checked(platform):
 # (one KV group, a block per host chunk, planned and ordered by the library). Each frame there costs the
 # engine thread 1-5 us on a GPU server's host after the model's step left the caches cold; two frames and
 # a loop more cost 3-10 us per transfer on an H200 host where the fake-driver rig saw 0.5 us
-# (docs/benchmarks.md, sixteenth session). Lower it when a change removes frames; never raise it without
+# (docs/benchmarks.md). Lower it when a change removes frames; never raise it without
 # a measurement on the device.
 SUBMIT_FRAMES_BEFORE_NATIVE = 8
 
@@ -793,14 +727,13 @@ def _package_frames(fn):
 def case_submit_frames():
     """The common transfer reaches the library within SUBMIT_FRAMES_BEFORE_NATIVE Python calls in both
     directions, once warm as a serving engine is (counted by sys.setprofile on the fake driver: a count,
-    not a timing, so it holds on any host; a7370d9 made 12), the poll that reports it within POLL_FRAMES
+    not a timing, so it holds on any host), the poll that reports it within POLL_FRAMES
     of the package's, and the counted transfers arrive whole. SUBMIT_FRAMES_LIST=1 lists the calls."""
     from vllm_npu_offload import staging
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
+    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
     rng = np.random.default_rng(12)
     kv = [torch.from_numpy(rng.integers(0, 256, (40, 256), dtype=np.uint8)).clone() for _ in range(8)]
@@ -839,78 +772,6 @@ def case_submit_frames():
     print("submit_frames ok")
 
 
-def case_event_poll():
-    """One library call answers the engine's poll (NPU_OFFLOAD_NATIVE_POLL=1): pending while the end
-    event is not ready (the job stays in flight), else the device time between the events; a failed
-    event raises CopyError naming cuEventQuery. Through the worker core, a job's seconds are the
-    driver's elapsed time (timing) or the host's (no timing)."""
-    from vllm_npu_offload import staging
-    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
-    from vllm_npu_offload.offload_worker import OffloadWorkerCore
-    from vllm_npu_offload.platform import native_completion_query
-
-    lib = load_library()
-    pending = ctypes.c_int.in_dll(fake, "fake_event_pending")
-    elapsed = ctypes.c_float.in_dll(fake, "fake_elapsed_ms")
-    assert lib.event_poll(0x57, 0xE0) == 0.25 and lib.event_poll(0, 0xE0) == 0.0
-    assert lib.event_poll(0xBAD, 0xE0) == 0.0  # done, its time unreadable: best effort, as through torch
-    pending.value = 1
-    assert lib.event_poll(0x57, 0xE0) is None
-    pending.value = 0
-    # done: one driver call (the elapsed time, which answers "not ready" itself), no query
-    queries, calls = counter("fake_queries", ctypes.c_longlong), counter("fake_elapsed_calls", ctypes.c_longlong)
-    assert lib.event_poll(0x57, 0xE0) == 0.25
-    assert counter("fake_queries", ctypes.c_longlong) == queries
-    assert counter("fake_elapsed_calls", ctypes.c_longlong) == calls + 1
-    for end, needle in ((0xBAD, "cuEventQuery"), (0, "null end event")):
-        try:
-            lib.event_poll(0x57, end)
-            raise AssertionError(f"end {end:#x} accepted")
-        except CopyError as e:
-            assert needle in str(e) and e.call == "npo_cuda_event_poll", e
-
-    class NativePoll(FakeCudaOrdered):
-        def completion_query(self, timing):
-            return native_completion_query(lib, self.raw_event_handle, timing)
-
-    os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0", NPU_OFFLOAD_STAGE_PIPELINE="native",
-                      NPU_OFFLOAD_STAGE_PLAN="native", NPU_OFFLOAD_STAGE_ORDER="native")
-    staging.MIN_SLOT_BYTES = staging.MIN_SLICE_BYTES = 0
-    rng = np.random.default_rng(8)
-    kv = [torch.from_numpy(rng.integers(0, 256, (32, 512), dtype=np.uint8)).clone()]
-    dev, chunks = rng.choice(32, 6, replace=False).astype(np.int64), np.arange(3, 9, dtype=np.int64)
-    for timing in ("1", "0"):
-        os.environ["NPU_OFFLOAD_EVENT_TIMING"] = timing
-        core = OffloadWorkerCore([DeviceKVTensor.from_block_view(kv[0])], [[GroupRef(0, 512)]], 1, 24, NativePoll(),
-                                 staging_bytes=2 * 3 * 4 * 512)
-        want = kv[0][dev].clone()
-        elapsed.value = 1.5
-        pending.value = 1
-        asked = counter("fake_queries", ctypes.c_longlong) + counter("fake_elapsed_calls", ctypes.c_longlong)
-        core.submit(1, Direction.D2H, dev, [6], [0], chunks, staged=True)
-        assert core.poll() == [] and core.engine.in_flight() == 1  # pending: not reported
-        # asked through the library (timed events: the elapsed time, else the query)
-        assert counter("fake_queries", ctypes.c_longlong) + counter("fake_elapsed_calls", ctypes.c_longlong) > asked
-        pending.value = 0
-        (res,) = core.poll()
-        assert res.success and res.job_id == 1, res
-        assert (res.seconds == 1.5e-3) == (timing == "1") and res.seconds > 0, res
-        fail = ctypes.c_int.in_dll(fake, "fake_event_fail")
-        fail.value = 1  # the device reports an error at the job's end: the job fails, the poll does not raise
-        core.submit(3, Direction.D2H, dev, [6], [0], chunks, staged=True)
-        (res,) = core.poll()
-        fail.value = 0
-        assert not res.success and res.num_bytes == 0 and "cuEventQuery" in res.error, res
-        kv[0][dev] = 0
-        core.submit(2, Direction.H2D, dev, [6], [0], chunks, staged=True)
-        core.engine.drain()
-        (res,) = core.poll()
-        assert res.success and torch.equal(kv[0][dev], want), res
-        core.shutdown()
-    os.environ.pop("NPU_OFFLOAD_EVENT_TIMING")
-    print("event_poll ok")
-
-
 def case_errors():
     p = FakeCuda()
     lib = load_library()
@@ -941,17 +802,20 @@ def case_errors():
     print("errors ok")
 
 
-def _fresh_core():
-    """A staged CUDA worker core over two tensors of 512 and 256-byte pages in one KV group (FakeCuda)."""
+def _fresh_core(blocks: int = 32):
+    """A staged CUDA worker core over two tensors of 512 and 256-byte pages in one KV group (FakeCuda):
+    32 device blocks, 24 host chunks and staging slots of 3 blocks, or with ``blocks`` device blocks
+    that many host chunks, and slots of 80 blocks."""
     from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
     from vllm_npu_offload.offload_worker import OffloadWorkerCore
 
     os.environ.update(NPU_OFFLOAD_STAGED="1", NPU_OFFLOAD_CALIBRATE="0")
     pages = [512, 256]
-    kv = [torch.zeros((32, q), dtype=torch.uint8) for q in pages]
+    kv = [torch.zeros((blocks, q), dtype=torch.uint8) for q in pages]
+    chunks, slot_blocks = (24, 3) if blocks == 32 else (blocks, 80)
     return OffloadWorkerCore([DeviceKVTensor.from_block_view(t) for t in kv],
-                             [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, 24, FakeCuda(),
-                             staging_bytes=2 * 3 * 4 * sum(pages))
+                             [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, chunks, FakeCuda(),
+                             staging_bytes=2 * 4 * slot_blocks * sum(pages))
 
 
 def case_kernel_at_start():
@@ -1009,7 +873,6 @@ def case_not_built():
         NativeGatherPath(FakeCuda(), [64])
     except ImportError as e:
         assert "without the gather kernel" in str(e)
-    os.environ.pop("NPU_OFFLOAD_STAGE_GATHER", None)
     try:
         local, link = cuda_paths.staged_cuda(FakeCuda(), [4096])
         assert local.name == "sm_local", local.name  # triton installed: the fallback gather
