@@ -361,15 +361,14 @@ class OffloadWorkerCore:
             # staging decision's (the split and checks as ``plan``'s; the library checks both sides'
             # ids). This runs on the engine thread before any copy starts, after the model's step left
             # the host's caches cold, where each frame and lookup costs several times what it does in a
-            # loop (docs/benchmarks.md, fifteenth session).
+            # loop (measured on the H200's host).
             if direction.__class__ is not Direction:
                 direction = Direction(direction)
             n = group_sizes[0] if len(group_sizes) == 1 else 0
             if n > 0 and (staged or n >= self.staged_min_blocks[direction]) and len(block_indices) == 1:
                 # the ids as given (a block per host chunk) or expanded to host blocks, when the counts
                 # match (else ``plan`` names it). ``_split``'s frame and ``_native_staged``'s cost the H200
-                # host 3-10 us more here, on every transfer's critical path (docs/benchmarks.md, sixteenth
-                # and twentieth sessions)
+                # host 3-10 us more here, on every transfer's critical path
                 dev = np.ascontiguousarray(device_block_ids, dtype=np.int64)
                 host = np.ascontiguousarray(chunk_ids, dtype=np.int64)
                 bpc = self.blocks_per_chunk

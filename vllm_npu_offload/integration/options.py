@@ -178,7 +178,7 @@ class LayerwiseOptions:
 
 
 # ``auto``'s defaults: a bare 2k reload was 1.29x slower layer by layer (its piecewise step costs
-# more than 5 ms of copies hide), an 8k one 0.85x (docs/benchmarks.md, fourth session); a bare 32k
+# more than 5 ms of copies hide), an 8k one 0.85x (H200, docs/layerwise.md); a bare 32k
 # reload (64 tokens left to compute) 1.13x slower, while 8k and 32k histories with 1,024 new tokens
 # were 0.85x / 0.93x of the asynchronous path (H200; docs/layerwise.md): without a forward to hide
 # under, the copies are the step. 512 lies between the two measured cases.
