@@ -32,27 +32,9 @@ from .multiturn.cli import TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN
 from .multiturn.driver import DriverConfig, run_load
 from .multiturn.generate import Conversation, generate
 from .multiturn.launcher import tiny_server_setup, vllm_server
+from .multiturn.procs import listening_pid, tree_pids
 
 PROBE = "the quick brown fox " * 60  # ~240 tokens: several offloaded blocks
-
-
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every descendant (from /proc's parent links)."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
 
 
 def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
@@ -127,7 +109,7 @@ def main(argv=None) -> int:
     stop = threading.Event()
     with vllm_server(model, args, offload=True, cpu_bytes=a.host_mib << 20, block_size=32, env=env,
                      kv_extra=extra, label="soak", log_path=work / "soak.log") as url:
-        pid = _listening_pid(url)
+        pid = listening_pid(url)
         first_probe = probe(url)
 
         def sampler():
@@ -182,31 +164,6 @@ def main(argv=None) -> int:
                                             "minutes": a.minutes, "clients": a.clients}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(checks.values()) else 1
-
-
-def _listening_pid(url: str) -> int:
-    """The pid of the process listening on ``url``'s port (the API server; the engine is its child)."""
-    port = int(url.rsplit(":", 1)[1])
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            for line in open(table).read().splitlines()[1:]:
-                f = line.split()
-                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":
-                    inodes.add(f[9])
-        except OSError:
-            continue
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            for fd in os.listdir(f"/proc/{d}/fd"):
-                link = os.readlink(f"/proc/{d}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(d)
-        except OSError:
-            continue
-    raise RuntimeError(f"no process listens on port {port}")
 
 
 if __name__ == "__main__":

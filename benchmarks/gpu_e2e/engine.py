@@ -36,7 +36,7 @@ def layerwise_extra() -> dict:
     return dict(LAYERWISE_EXTRA)
 
 
-KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null")
+KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -62,13 +62,16 @@ CACHE_ENV = {
 
 
 def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
-                       connector: tuple[str, str] | None = None) -> dict | None:
+                       connector: tuple[str, str] | None = None, disk_dir: str | None = None,
+                       disk_bytes: int = 0) -> dict | None:
     """off: None; native: vLLM's CPUOffloadingSpec; ours: NPUOffloadingSpec; layerwise: ours with
     ``LAYERWISE_EXTRA`` in ``NPUOffloadingConnector`` (the only connector that reads it); simple: our
     NPUSimpleCPUOffloadConnector; vsimple: vLLM's own SimpleCPUOffloadConnector; null: vLLM's spec
     without copies (null_spec.py, no-reuse runs only). ``block_size`` is the offloaded block size
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
-    native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector)."""
+    native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector).
+    ours-disk: ours with its disk tier in ``disk_dir`` (budget ``disk_bytes``); native-fs: vLLM's
+    TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget)."""
     if kind == "off":
         return None
     if kind == "simple":
@@ -78,11 +81,15 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
         return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
     extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size}
-    if kind in ("ours", "layerwise"):
+    if kind in ("ours", "layerwise", "ours-disk"):
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
+        if kind == "ours-disk":
+            extra.update(disk_path=disk_dir, disk_bytes_to_use=disk_bytes)
         if kind == "layerwise":
             extra.update(layerwise_extra())
             connector = connector or NPU_CONNECTOR
+    elif kind == "native-fs":
+        extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{"type": "fs", "root_dir": disk_dir}])
     elif kind == "null":
         extra.update(spec_name="NullCopySpec", spec_module_path=NULL_MODULE)
     elif kind != "native":

@@ -24,12 +24,15 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from benchmarks.multiturn.procs import io_bytes
 
 from .engine import CACHE_ENV, ENV, kv_transfer_config
 from .kv_layouts import LAYOUTS
@@ -40,7 +43,12 @@ CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_ut
 CLIENT_DIR = ROOT / "vllm_multi_turn"  # where prepare puts them (in the device's code copy)
 SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {name: sha256}}
 GiB = 1 << 30
-OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null")
+OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs")
+DISK_KINDS = ("ours-disk", "native-fs")
+# Disk tiers' folders (a disk-backed path: /dev/shm is memory) and ours' budget; native-fs has none, so
+# its folder is emptied before every pass (each pass has new texts: nothing in it could hit again)
+DISK_ROOT = Path(os.environ.get("GPU_E2E_DISK_ROOT", "/var/tmp/npu_offload_disk"))
+DISK_BYTES = int(os.environ.get("GPU_E2E_DISK_BYTES", str(24 << 30)))
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
 # "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call)
 VARIANTS: dict[str, dict[str, str]] = {
@@ -95,6 +103,7 @@ class Load:
     prefix_max: int = 3000
     user_tokens: tuple[int, int] = (120, 160)
     answer_tokens: tuple[int, int] = (80, 120)
+    capacity: bool = False  # conversations far beyond device KV: running requests need not fit either
 
     def final_context(self, prefix: int) -> int:
         per_turn = (sum(self.user_tokens) + sum(self.answer_tokens)) / 2
@@ -111,6 +120,8 @@ class Load:
         return int(self.conversations * self.final_context(self.prefix_avg) * 1.3) + self.clients * 512
 
     def check(self) -> None:
+        if self.capacity:
+            return
         if self.active_tokens <= self.device_tokens:
             raise PlanError(f"load {self.clients}: the {self.active} active conversations ({self.active_tokens} "
                             f"tokens) fit the device KV ({self.device_tokens} tokens): nothing to offload")
@@ -123,6 +134,13 @@ LOADS: dict[int, Load] = {
     8: Load(clients=8, active=24, conversations=24, user_turns=4, device_tokens=32768, host_tokens=98304),
     32: Load(clients=32, active=64, conversations=64, user_turns=4, device_tokens=98304, host_tokens=196608),
 }
+
+
+# Agent-like conversations that outgrow host KV (the disk tiers' case): a 1.5k-token shared prompt,
+# 2.5k-token histories, 40 conversations of ~5k tokens (8B shape: ~25 GiB) against 4 GiB of device KV
+# and 8 GiB of host KV.
+CAPACITY = Load(clients=32, active=40, conversations=40, user_turns=4, device_tokens=32768, host_tokens=65536,
+                common_prefix=1500, prefix_avg=2500, prefix_max=5000, capacity=True)
 
 
 def load_for(clients: int) -> Load:
@@ -142,9 +160,9 @@ def load_for(clients: int) -> Load:
 
 def parse_loads(text: str) -> list[Load]:
     try:
-        out = [load_for(int(x)) for x in text.split(",") if x.strip()]
+        out = [CAPACITY if x.strip() == "cap" else load_for(int(x)) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise PlanError(f"--loads {text!r}: expected client counts like 8,32 ({e})") from None
+        raise PlanError(f"--loads {text!r}: expected client counts like 8,32 or cap ({e})") from None
     if not out:
         raise PlanError(f"--loads {text!r}: no load")
     return out
@@ -162,10 +180,16 @@ class ServerPlan:
     env: tuple[tuple[str, str], ...] = ()  # run-time variables of a variant ("ours/dstore")
     tp: int = 1  # tensor_parallel_size: device_kv_bytes and gpu_bytes are per GPU, cpu_bytes all ranks
 
+    @property
+    def disk_dir(self) -> Path | None:
+        return DISK_ROOT / self.label.replace(":", "-").replace("/", "-") if self.kind in DISK_KINDS else None
+
     def kv_config(self, offload_block: int = 64) -> dict | None:
         if self.kind in ("off", "upper"):
             return None
-        return kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector)
+        disk = self.disk_dir
+        return kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector,
+                                  str(disk) if disk else None, DISK_BYTES)
 
 
 def parse_server(name: str, layout: str) -> tuple[str, str, str]:
@@ -183,7 +207,7 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     if LAYOUTS[lay].shape != LAYOUTS[layout].shape:
         raise PlanError(f"server {name!r}: layout {lay} serves {LAYOUTS[lay].shape}, this run serves "
                         f"{LAYOUTS[layout].shape} ({layout}); one model per run")
-    if lay != layout and kind not in ("native", "ours", "layerwise", "null"):
+    if lay != layout and kind not in ("native", "ours", "layerwise", "null", "ours-disk", "native-fs"):
         raise PlanError(f"server {name!r}: only native/ours/layerwise/null take another layout's connector")
     if kind == "layerwise" and not LAYOUTS[lay].layerwise:
         raise PlanError(f"server {name!r}: layer-wise loads need one KV-cache group; {lay} has "
@@ -484,6 +508,10 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                            env={**env, **dict(p.env)}, startup_timeout_s=timeout_s,
                            log_path=log_of(p), label=p.label)
 
+    for p in plans:
+        if p.disk_dir is not None:  # a fresh tier: records of an earlier call's texts say nothing
+            shutil.rmtree(p.disk_dir, ignore_errors=True)
+            p.disk_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # all start waves end by this: the passes need at least one run's time after it
     deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 120))
@@ -516,6 +544,9 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
             wl.parent.mkdir(parents=True, exist_ok=True)
             wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
             order = live if r % 2 == 0 else live[::-1]
+            for label in live:
+                if plan_by[label].kind == "native-fs" and r > 0:
+                    _empty(plan_by[label].disk_dir)
             for label in order:
                 est = 1.25 * max(walls) if walls else 90.0
                 if not budget.allows(est + 45):
@@ -524,13 +555,16 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                 t1 = time.perf_counter()
                 run = run_one(label, urls[label], model, served, wl, load, a, work / "client" / f"{tag}-{label}-{r}",
                               seed=r, timeout=max(30.0, budget.left() - 40))
-                run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1)
+                run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1,
+                           disk_bytes_now=_du(plan_by[label].disk_dir))
                 res["runs"].append(run)
                 walls.append(run["wall_s"])
                 s = run.get("summary", {})
                 print(f"[serve] {tag} pass {r} {label}: {s.get('requests_per_s', 0):.2f} req/s, later-turn TTFT "
                       f"p50 {_f(s.get('ttft_later_ms', {}).get('p50'))} ms, TPOT p50 {_f(s.get('tpot_ms', {}).get('p50'))}"
                       f" ms, host-hit tok {run.get('metrics', {}).get('external_hits', 0):.0f}, "
+                      f"io r/w {run['io']['read_bytes'] / 1e9:.1f}/{run['io']['write_bytes'] / 1e9:.1f} GB, "
+                      f"TTFT p99 {_f(s.get('ttft_later_ms', {}).get('p99'))} ms, {s.get('requests', 0)} requests, "
                       f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}", flush=True)
                 if write:
                     write(res)
@@ -539,6 +573,11 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         stop_servers(cms, list(urls))
         res["stop_wall_s"] = time.perf_counter() - t2
     return res
+
+
+def _empty(d: Path) -> None:
+    for child in d.iterdir():
+        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
 
 
 def server_compile_key(p: ServerPlan) -> tuple:
@@ -593,6 +632,27 @@ def hash_seed(layout: str, clients: int, r: int, seed: int) -> int:
     return int(hashlib.sha256(f"{layout}/{clients}/{r}/{seed}".encode()).hexdigest()[:8], 16)
 
 
+def _server_pids(url: str) -> list[int]:
+    from benchmarks.multiturn.procs import listening_pid, tree_pids
+
+    try:
+        return tree_pids(listening_pid(url))
+    except (RuntimeError, OSError, ValueError):
+        return []
+
+
+def _du(d: Path | None) -> int:
+    if d is None or not d.is_dir():
+        return 0
+    total = 0
+    for f in d.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
 def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load, a, run_dir: Path, seed: int,
             timeout: float) -> dict:
     """One client run against one server: its stats, summary and /metrics delta."""
@@ -602,6 +662,8 @@ def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load,
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     before = scrape(url)
+    pids = _server_pids(url)
+    io0 = io_bytes(pids)
     out: dict = {}
     try:
         p = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
@@ -615,6 +677,8 @@ def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load,
         out["error"] = f"client timed out after {timeout:.0f}s"
         (run_dir / "client.log").write_text(str(e.stdout or "") + str(e.stderr or ""))
     after = scrape(url)
+    io1 = io_bytes(pids)
+    out["io"] = {k: io1[k] - io0[k] for k in io0}  # the server's processes' storage reads and writes
     out["metrics"] = metrics_delta(before, after)
     rows = json.loads(stats.read_text()) if stats.exists() else []
     out["summary"] = summarize(rows)
