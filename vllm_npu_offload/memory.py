@@ -20,6 +20,8 @@ from .platform import Platform
 
 logger = logging.getLogger(__name__)
 
+PAGE_BYTES = 4096
+
 
 
 def round_up(x: int, m: int) -> int:
@@ -37,7 +39,11 @@ class HostKVBuffer:
         # torch.empty -> posix_memalign of exactly nbytes, not touched yet: bind it to the
         # device's node first, then zero it so pages are resident (and on that node) and a
         # read of a never-written block is deterministic.
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        # Page-aligned start: a host chunk (a multiple of 4 KiB) can then go to and from a lower tier's
+        # files with O_DIRECT, straight from this memory (4 KiB more, at most, than asked for).
+        self._raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+        skip = -self._raw.data_ptr() % PAGE_BYTES
+        self.tensor = self._raw[skip:skip + nbytes]
         self.numa = numa.place(self.tensor.data_ptr(), nbytes, platform.kind)
         self.tensor.zero_()
         self.pinned = bool(pin and platform.pin_memory_available and platform.pin(self.tensor))

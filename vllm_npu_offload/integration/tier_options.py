@@ -2,7 +2,9 @@
 
 - ``disk_path``: a directory for KV records (created owner-only if missing); the tier is off without it.
 - ``disk_bytes_to_use``: the records' byte budget, all tensor-parallel ranks together (required).
-- ``disk_admit``: ``reuse`` (default: a key is written once a request hits it again) or ``all``.
+- ``disk_admit``: ``all`` (default: every key stored to host is written) or ``reuse`` (a key is
+  written once a request hits it again while it is still in host: less written, but a conversation
+  whose next turn comes after its KV left host is never on disk).
 - ``disk_read_timeout_s``: a read not done by then is a miss for its request (default 5).
 - ``disk_prefill_tokens_per_s``: the accelerator's prefill rate for the cost rule; 0 (default)
   decides by the disk's queue against half the read deadline.
@@ -23,14 +25,14 @@ logger = logging.getLogger(__name__)
 
 DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_prefill_tokens_per_s",
              "disk_rescan_s")
-ADMIT_POLICIES = ("reuse", "all")
+ADMIT_POLICIES = ("all", "reuse")
 
 
 @dataclass(frozen=True)
 class DiskOptions:
     path: str
     budget_bytes: int
-    admit: str = "reuse"
+    admit: str = "all"
     read_timeout_s: float = 5.0
     prefill_tokens_per_s: float = 0.0
     rescan_s: float = 10.0
@@ -64,7 +66,7 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
             f"kv_connector_extra_config['disk_bytes_to_use']={budget!r}: with 'disk_path' set, give the disk "
             "tier's byte budget for all ranks together as a positive integer (e.g. 107374182400 for 100 GiB)"
         )
-    admit = extra.get("disk_admit", "reuse")
+    admit = extra.get("disk_admit", "all")
     if admit not in ADMIT_POLICIES:
         raise OffloadConfigError(f"kv_connector_extra_config['disk_admit']={admit!r} must be one of {ADMIT_POLICIES}")
     return DiskOptions(

@@ -9,9 +9,10 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   evicting as any store would), orders the read on every rank and answers "not yet" (the request
   waits, the step does not); once every rank has read and verified its record, the chunk is
   completed and the next lookup is a host hit. A failed or late read is a miss.
-- Admission (``disk_admit``): with ``reuse`` a key goes to disk the first time it is hit again
-  (loaded from host, or found in the device's prefix cache while still in host), so keys that no
-  request reuses never cost a write; ``all`` writes every stored key. The chunk stays pinned
+- Admission (``disk_admit``): ``all`` writes every key stored to host (a conversation's next turn
+  often comes after its KV has left host: only a write at store time has it on disk then);
+  ``reuse`` writes a key the first time it is hit again while still in host (loaded from host, or
+  found in the device's prefix cache), so keys no request reuses never cost a write. The chunk stays pinned
   (``prepare_load``) until the write has ended on every rank.
 """
 

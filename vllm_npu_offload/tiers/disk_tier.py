@@ -47,7 +47,7 @@ class DiskTierConfig:
     read_timeout_s: float = 5.0
     prefill_tokens_per_s: float = 0.0  # 0: decide by the read queue and the deadline
     rescan_s: float = 10.0  # 0: scan once at start-up
-    admit: str = "reuse"  # "reuse": write a key once it is hit again; "all": every stored key
+    admit: str = "all"  # "all": every stored key; "reuse": a key once it is hit again while in host
     max_write_backlog_bytes: int = 1 << 30
 
 
