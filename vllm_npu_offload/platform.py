@@ -194,7 +194,6 @@ class CudaPlatform(_TorchAcceleratorPlatform):
         # no Stream object per call (torch.cuda.current_stream() costs ~5-8 us on a GPU server's host),
         # and the device read once: a worker process computes on one device, and each torch call here
         # costs 0.5 us in a loop and about three times that when the model's step left the caches cold
-        # (measured with scripts/dev/probe_cold_pieces.py: docs/benchmarks.md)
         dev = self._device
         if dev is None:
             dev = self._device = torch._C._cuda_getDevice()

@@ -113,7 +113,7 @@ class CudaStagedPipeline:
         """Upload every planner's pair table now, at the worker's start: the upload is a pageable
         copy on the current stream, which waits for the model's stream, so made at a transfer's
         first use it stalled that submit until the step in flight ended (~200 ms behind a 200 ms
-        kernel: scripts/dev/probe_submit_sync.py)."""
+        kernel, measured on an H200)."""
         for planner in planners:
             if planner is not None:
                 self._table(planner)
