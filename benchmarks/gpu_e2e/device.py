@@ -56,7 +56,7 @@ def _close(procs) -> None:
 
 
 def grow_host(nbytes: int, chunk: int = 1 << 30) -> str:
-    """Touch ``nbytes`` of host memory a GiB at a time, then free it. Some lent machines (the H200 x2)
+    """Touch ``nbytes`` of host memory a GiB at a time, then free it. Some GPU machines (the H200 x2)
     start with ~31 GiB of MemTotal and add memory as it is used (KINDS.md): the serving plan and our
     start-up check read what the kernel reports, so the memory is grown first."""
     import numpy as np

@@ -43,7 +43,7 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # NVLink multicast stays off (the lent machines' rule: it can take a shared host's GPUs out of
+    # NVLink multicast stays off (the GPU machines' rule: it can take a shared host's GPUs out of
     # service): the image sets the first three; set here too, so no engine or server runs without
     # them, and vLLM's symmetric-memory all-reduce (which asks for multicast) is not tried at all.
     "NCCL_NVLS_ENABLE": "0",
@@ -51,7 +51,7 @@ ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
 }
-# Compile caches of the default mode (torch.compile, Triton, Inductor) under /tmp: the lent machine
+# Compile caches of the default mode (torch.compile, Triton, Inductor) under /tmp: the GPU machine
 # keeps /tmp while it stays warm, so a later call reuses what an earlier one compiled.
 CACHE_ROOT = "/tmp/gpu_e2e/cache"
 CACHE_ENV = {

@@ -1,8 +1,7 @@
 """SM clock, power and temperature while one engine runs a round (benchmark only).
 
 Why: after staged stores, ours' steady decode steps kept the same kernels and busy time as
-offload off's but left the device idle ~0.16 ms longer per step (docs/benchmarks.md, fifth
-session). Memory-bound decode kernels hardly feel a lower SM clock, while the gaps between them
+offload off's but left the device idle ~0.16 ms longer per step (H200, 2026-11-25). Memory-bound decode kernels hardly feel a lower SM clock, while the gaps between them
 (launch and scheduling work on the device) do; no run had recorded the clocks. ``ClockSampler``
 runs ``nvidia-smi -lms`` beside the round and stamps each sample with the host's own clock, so
 the round's last part (its decode steps) can be read on its own.

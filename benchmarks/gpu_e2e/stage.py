@@ -1,4 +1,4 @@
-"""Stage vLLM 0.23.0 (CUDA) for a lent GPU machine that has no registry, and install it there.
+"""Stage vLLM 0.23.0 (CUDA) for a GPU machine that has no registry, and install it there.
 
 Host side (needs registry access; stdlib + pip + xz only):
   prepare: download the vLLM 0.23.0 wheel and the wheels in ``deps.txt`` (cached), strip the

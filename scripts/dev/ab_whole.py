@@ -5,13 +5,13 @@ variant of the critical path and of whole / spin / floor % of one contiguous cop
 
 A variant is ``LABEL=TREE`` or ``LABEL=TREE:VAR=VAL,VAR=VAL``: a checkout (its own library is
 built into it first) and the environment its probe runs with. E.g., on the device, with this
-session's code in the repository root and an older tree carried as ``.gpu/base``:
+the code in the repository root and an older tree carried as ``.gpu/base``:
 
     python3 scripts/dev/ab_whole.py --out $OUT/ab base=.gpu/base new=. \\
         inl=.:NPU_OFFLOAD_STAGE_LOAD_INLINE_IDS=1
 
-Machines of one kind differ by up to 1.8x in the engine's Python (docs/benchmarks.md, fourteenth
-session), so only variants measured in one call compare. Writes ``summary.json`` and the probe's
+Machines of one kind differ by up to 1.8x in the engine's Python, so only variants
+measured in one run compare. Writes ``summary.json`` and the probe's
 own tables and JSON under ``--out`` (tar them: the device returns few files), prints the table.
 """
 
@@ -56,7 +56,7 @@ def parse_cpus(text: str | None) -> set[int] | None:
     """``--cpus`` ("4" or "4,5" or "4-7") -> the CPUs every probe runs on (None: the parent's). On the
     2 x H200 host of 2026-11-27 unpinned rounds were bimodal: the Python before the native call took
     13-15 us in some rounds and 27-31 us in others, for both trees alike (docs/benchmarks.md,
-    eighteenth session), which hides a 1-2 us change."""
+   ), which hides a 1-2 us change."""
     if not text:
         return None
     cpus: set[int] = set()

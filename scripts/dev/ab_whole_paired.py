@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whole staged transfers of two package trees, interleaved transfer by transfer in one process
-(issue #22). ``ab_whole.py`` runs one probe process per tree and round; on the lent GPU hosts the
-Python slowed by up to 2.6x for whole probes at a time (docs/benchmarks.md, nineteenth session), so
+(issue #22). ``ab_whole.py`` runs one probe process per tree and round; on the GPU hosts the
+Python slowed by up to 2.6x for whole probes at a time (docs/benchmarks.md), so
 a 1-2 us change drowned. Here both trees' worker cores live in one process over the same device KV,
 and every rep runs one transfer through each (the order alternating), then one contiguous copy of the
 same bytes (by default between a device tensor and the very host bytes the transfers moved): each
@@ -105,7 +105,7 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
     tensor and, by default, the very host bytes the rep's transfers moved (``pool``: the same
     registered host memory), or a pinned buffer of torch's own (``pinned``, calls 14-15 and the
     probes: its pages can be backed otherwise than the pool's, which moved the copy by up to 19%
-    between shapes on one host, docs/benchmarks.md twentieth session). ``auto``: each core picks
+    between shapes on one host, docs/benchmarks.md). ``auto``: each core picks
     staged or direct as it does under a connector (its calibrated size threshold, stores of large
     pages direct); else every transfer is staged."""
     shape = shape_named(shape_name)
@@ -162,7 +162,7 @@ def run_shape(sides: dict[str, Side], shape_name: str, reps: int, warmup: int, s
 def require_libraries(sides: dict[str, ModuleType], device_type: str) -> None:
     """Each side's own copy library must load on CUDA: without it a side falls back to direct copies and
     the pair compares that fallback with the other's library (a ``--no-build`` run whose base tree had
-    been replaced did, twenty-first session)."""
+    been replaced did)."""
     if device_type != "cuda":
         return
     for label, pkg in sides.items():

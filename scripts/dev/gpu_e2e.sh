@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real vLLM 0.23.0 on a lent GPU, in vLLM's default mode (torch.compile + CUDA graphs): smoke,
+# Real vLLM 0.23.0 on a GPU machine, in vLLM's default mode (torch.compile + CUDA graphs): smoke,
 # correctness, reload TTFT, miss cost and serving with vLLM's own multi-turn client, per KV layout,
 # offload off / vLLM's native CPU offload / ours. docs/gpu_e2e.md has the exact device calls.
 #

@@ -23,7 +23,7 @@ microseconds over ``--reps``, consecutive host chunks, the core's default stagin
   copy, then the stream's query; ``floor_spin``: the native call, then the end's query) and
   ``spin%`` = ref_spin / spin, ``fspin%`` = ref_spin / floor_spin. A blocking sync lets the thread
   sleep (the poll after it took 16-28 us on an H200 host, its pieces timed in a loop 4-5 us:
-  docs/benchmarks.md, eleventh session); vLLM's engine thread is busy between steps.
+  docs/benchmarks.md); vLLM's engine thread is busy between steps.
 
 ``--cpu-time`` adds a pass per shape and direction that reads the thread's CPU clock beside the wall
 clock around plan, submit and the reporting poll. ``--detail`` also times the whole front end in a
@@ -116,8 +116,8 @@ def split_one(rig: CoreRig, direction: Direction, reps: int, lib) -> dict[str, f
                 continue
             nat = sum(native_s)
             pre = native_at[0] - t0 if native_at else float("nan")
-            # plan: 0, inside pre_native (``core.submit`` plans the common transfer inline since the fifteenth
-            # session; earlier trees' probes timed ``core.plan`` apart, the sum is the same critical path)
+            # plan: 0, inside pre_native (``core.submit`` plans the common transfer inline; earlier
+            # trees' probes timed ``core.plan`` apart, the sum is the same critical path)
             for k, v in (("plan", 0.0), ("submit_py", t2 - t0 - nat), ("pre_native", pre), ("native", nat),
                          ("wait", t3 - t2),
                          ("finish", t4 - t3), ("whole", t4 - t0), ("span", res[0].seconds)):

