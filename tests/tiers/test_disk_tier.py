@@ -4,6 +4,7 @@ path, a full and a read-only filesystem, a read past its deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -234,22 +235,21 @@ def test_index_sizing_at_a_real_shape():
     assert index.over_budget() == [(0).to_bytes(8, "big")]
 
 
-def _mount_tmpfs(path: Path, opts: str) -> bool:
+@contextlib.contextmanager
+def tmpfs(path: Path, opts: str):
+    """A tmpfs mounted at ``path`` for the test (root only; else the test skips)."""
     path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode == 0
-
-
-def _umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def test_full_disk_drops_stores_and_keeps_serving(tmp_path):
-    mnt = tmp_path / "small"
-    if not _mount_tmpfs(mnt, "size=1m,mode=0700"):
-        pytest.skip("needs root to mount a 1 MiB tmpfs")
-    try:
+    with tmpfs(tmp_path / "small", "size=1m,mode=0700") as mnt:
         rig = Rig(mnt, world=1)
         try:
             _written(rig, b"first")  # 260 KiB of the 1 MiB
@@ -267,15 +267,10 @@ def test_full_disk_drops_stores_and_keeps_serving(tmp_path):
             assert rig.wait()[0].ok
         finally:
             rig.close()
-    finally:
-        _umount(mnt)
 
 
 def test_read_only_path_serves_reads_and_drops_stores(tmp_path):
-    mnt = tmp_path / "ro"
-    if not _mount_tmpfs(mnt, "size=4m,mode=0700"):
-        pytest.skip("needs root to mount a tmpfs")
-    try:
+    with tmpfs(tmp_path / "ro", "size=4m,mode=0700") as mnt:
         rig = Rig(mnt, world=1)
         want = rig.fill(0, seed=1)[0]
         rig.tier.start_write(b"kept", 0)
@@ -290,8 +285,6 @@ def test_read_only_path_serves_reads_and_drops_stores(tmp_path):
             assert rig.wait()[0].ok and np.array_equal(rig.chunk(0, 2), want)
         finally:
             rig.close()
-    finally:
-        _umount(mnt)
 
 
 def test_a_read_past_its_deadline_is_a_miss_and_its_chunk_waits(root, monkeypatch):

@@ -112,6 +112,17 @@ class TierStats:
     keys_now: int = 0
     by_failure: dict[str, int] = field(default_factory=dict)
 
+    def count_done(self, op: "Op", nbytes: int, seconds: float) -> None:
+        """One key read (a hit) or written, on every rank."""
+        if op is Op.READ:
+            self.hits += 1
+            self.read_bytes += nbytes
+            self.read_seconds += seconds
+        else:
+            self.stores += 1
+            self.write_bytes += nbytes
+            self.write_seconds += seconds
+
     def count_failure(self, failure: Failure | None) -> None:
         name = failure.value if failure is not None else "unknown"
         self.by_failure[name] = self.by_failure.get(name, 0) + 1

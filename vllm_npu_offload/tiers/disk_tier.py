@@ -231,9 +231,7 @@ class DiskTier:
     def _finish_read(self, p: _Pending) -> None:
         s = self.stats
         if p.ok:
-            s.hits += 1
-            s.read_bytes += p.nbytes
-            s.read_seconds += p.seconds
+            s.count_done(Op.READ, p.nbytes, p.seconds)
             return
         s.read_failures += 1
         for f in p.failures:
@@ -248,9 +246,7 @@ class DiskTier:
     def _finish_write(self, p: _Pending) -> None:
         s = self.stats
         if p.ok:
-            s.stores += 1
-            s.write_bytes += p.nbytes
-            s.write_seconds += p.seconds
+            s.count_done(Op.WRITE, p.nbytes, p.seconds)
             if self.index is not None:
                 self.index.add(p.key)
                 for key in self.index.over_budget(protected=self._reads):
@@ -328,11 +324,11 @@ class DiskTier:
         return True
 
     def start_write(self, key: bytes, chunk: int) -> bool:
-        if not self._send(Op.WRITE, key, chunk):
-            return False
-        self._writes[key] = self._seq
-        self._write_backlog += self.index.key_bytes
-        return True
+        sent = self._send(Op.WRITE, key, chunk)
+        if sent:
+            self._writes[key] = self._seq
+            self._write_backlog += self.index.key_bytes
+        return sent
 
     def drop_store(self, failure: Failure = Failure.BUSY) -> None:
         self.stats.dropped_stores += 1
