@@ -99,7 +99,7 @@ def render(cs: list[dict]) -> str:
     lines, total = [], {1: 0, 2: 0, 3: 0}
     for n, c in enumerate(cs, 1):
         total[c["priority"]] += c["est_s"]
-        lines.append(f"  call {n} (priority {c['priority']}, ~{c['est_s'] / 60:.1f} min): {c['what']}\n"
+        lines.append(f"  step {n} (priority {c['priority']}, ~{c['est_s'] / 60:.1f} min): {c['what']}\n"
                      f"    carry {c['carry']}\n    command: {c['command']}")
     cum = 0
     sums = []

@@ -824,7 +824,7 @@ def test_device_call_plan():
     assert sum(c["est_s"] for c in cs if c["priority"] == 1) <= 31 * 60  # 30 minutes of GPU time run priority 1
     assert {c["priority"] for c in cs} == {1, 2, 3} and len(plan.calls(3, ".gpu", 1)) < len(cs)
     text = plan.render(cs)
-    assert "call 1 (priority 1" in text and "priority <= 1: ~" in text
+    assert "step 1 (priority 1" in text and "priority <= 1: ~" in text
     from benchmarks.gpu_e2e.device import build_parser
 
     doc = (ROOT / "docs" / "gpu_e2e.md").read_text()
