@@ -94,7 +94,8 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         if self._disk is not None and not compat.TIERS_SUPPORTED:
             raise OffloadConfigError(f"kv_connector_extra_config['disk_path']: the disk tier needs vLLM >= 0.23 "
                                      f"(installed: {compat.VLLM_VERSION})")
-        self._disk_writable = check_disk_path(self._disk) if self._disk is not None else False
+        if self._disk is not None:
+            check_disk_path(self._disk)  # each rank's tier server finds out for itself whether it may write
         self._facts = compat.engine_facts(args, kwargs) if self._disk is not None else None
         self._tier_manager = None
         self._tier_server = None

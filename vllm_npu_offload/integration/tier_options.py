@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import OffloadConfigError
+from .options import _positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
         return None
     if not isinstance(path, str) or not path.strip():
         raise OffloadConfigError(f"kv_connector_extra_config['disk_path']={path!r} must be a directory path")
-    budget = extra.get("disk_bytes_to_use")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+    budget = _positive_int(extra, "disk_bytes_to_use")  # its error names the key
+    if budget is None:
         raise OffloadConfigError(
             f"kv_connector_extra_config['disk_bytes_to_use']={budget!r}: with 'disk_path' set, give the disk "
             "tier's byte budget for all ranks together as a positive integer (e.g. 107374182400 for 100 GiB)"

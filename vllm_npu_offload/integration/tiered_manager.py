@@ -98,7 +98,11 @@ class TieredManager:
 
     # -- completions ---------------------------------------------------------------------
     def _settle(self) -> None:
-        for c in self.tier.poll():
+        self._apply(self.tier.poll())
+
+    def _apply(self, completions) -> None:
+        """A finished read completes (or drops) its host chunk; a finished write unpins it."""
+        for c in completions:
             if c.op is Op.READ:
                 self.host.complete_store([c.key], self._ctx, c.ok)
             else:
@@ -166,11 +170,7 @@ class TieredManager:
 
     def reset_cache(self) -> None:
         # Chunks pinned by tier I/O must not be handed out again while a thread still uses them.
-        for c in self.tier.drain(RESET_DRAIN_S):
-            if c.op is Op.READ:
-                self.host.complete_store([c.key], self._ctx, c.ok)
-            else:
-                self.host.complete_load([c.key], self._ctx)
+        self._apply(self.tier.drain(RESET_DRAIN_S))
         if self.tier.in_flight():
             logger.warning("disk tier: %d orders still in flight after %.0f s at reset", self.tier.in_flight(),
                            RESET_DRAIN_S)
