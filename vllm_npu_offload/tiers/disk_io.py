@@ -216,7 +216,7 @@ def probe_rates(files: RecordFiles, nbytes: int = 64 << 20) -> tuple[float, floa
     if not files.direct:  # make the read come from the device, not the page cache
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd) if hasattr(os, "fsync") else None
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
