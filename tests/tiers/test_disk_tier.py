@@ -308,6 +308,35 @@ def test_a_read_past_its_deadline_is_a_miss_and_its_chunk_waits(root, monkeypatc
         rig.close()
 
 
+def test_reads_go_before_queued_writes(root, monkeypatch):
+    """A burst of stores never makes a waiting request's read queue behind it; writes hold at most
+    half the I/O threads."""
+    rig = Rig(root, world=1)
+    try:
+        _written(rig, b"wanted")
+        real = RecordFiles.write_from
+        writing, most = [0], [0]
+
+        def slow(self, *a, **k):
+            writing[0] += 1
+            most[0] = max(most[0], writing[0])
+            time.sleep(0.05)
+            writing[0] -= 1
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(RecordFiles, "write_from", slow)
+        for i in range(12):
+            assert rig.tier.start_write(f"w{i}".encode(), 1 + i % (CHUNKS - 1))
+        time.sleep(0.01)  # the writes are queued on the rank first
+        assert rig.tier.start_read(b"wanted", 0)
+        done = rig.wait()
+        assert [c.op for c in done].count(Op.WRITE) == 12 and all(c.ok for c in done)
+        assert [c.op for c in done].index(Op.READ) < 3, f"the read waited for the writes: {[c.op for c in done]}"
+        assert most[0] == 2, f"{most[0]} writes ran at once on 4 I/O threads"
+    finally:
+        rig.close()
+
+
 def test_out_of_range_chunk_is_refused(root):
     rig = Rig(root, world=1)
     try:

@@ -30,11 +30,14 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 RESET_DRAIN_S = 30.0
+LOG_EVERY_S = 30.0  # the tier's counters in the server log, when they moved
 # vLLM's metrics (vLLM >= 0.28 publishes what a manager's get_stats reports): (name, TierStats field, help)
 DISK_COUNTERS = (
     ("vllm:kv_offload_disk_hits", "hits", "Offloaded chunks read from the disk tier into host memory"),
     ("vllm:kv_offload_disk_cost_misses", "misses_cost",
      "Chunks on the disk tier recomputed because reading them would not have been faster"),
+    ("vllm:kv_offload_disk_no_chunk_misses", "misses_no_chunk",
+     "Chunks on the disk tier recomputed because no host chunk was free of pins to read them into"),
     ("vllm:kv_offload_disk_read_bytes", "read_bytes", "Bytes read from the disk tier"),
     ("vllm:kv_offload_disk_read_seconds", "read_seconds", "Seconds the disk tier's reads took (sum)"),
     ("vllm:kv_offload_disk_write_bytes", "write_bytes", "Bytes written to the disk tier"),
@@ -67,6 +70,7 @@ class TieredManager:
         self._ctx = compat.make_req_context("npu-offload-disk-tier")
         self._hit, self._miss, self._defer = compat.LOOKUP_HIT, compat.LOOKUP_MISS, compat.LOOKUP_DEFER
         self._reported: dict[str, float] = {}
+        self._logged = ("", time.monotonic())
         _LIVE.add(self)
 
     def settle(self, timeout_s: float = 0.0) -> None:
@@ -99,6 +103,12 @@ class TieredManager:
     # -- completions ---------------------------------------------------------------------
     def _settle(self) -> None:
         self._apply(self.tier.poll())
+        line, at = self._logged
+        if time.monotonic() - at >= LOG_EVERY_S:
+            now = self.tier.stats.line()
+            if now != line:
+                logger.info("disk tier: %s", now)
+            self._logged = (now, time.monotonic())
 
     def _apply(self, completions) -> None:
         """A finished read completes (or drops) its host chunk; a finished write unpins it."""
@@ -122,6 +132,7 @@ class TieredManager:
             return result
         out = self.host.prepare_store([key], self._ctx)
         if out is None or list(out.keys_to_store) != [key]:
+            self.tier.stats.misses_no_chunk += 1
             return result  # no host chunk free of pins right now: recompute
         chunk = int(out.store_spec.block_ids[0])
         if not self.tier.start_read(key, chunk):

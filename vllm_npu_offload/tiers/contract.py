@@ -98,6 +98,7 @@ class TierStats:
 
     hits: int = 0  # keys promoted to host
     misses_cost: int = 0  # on the tier, recomputed because the read would not have been faster
+    misses_no_chunk: int = 0  # on the tier, recomputed because every host chunk was pinned
     read_bytes: int = 0
     read_seconds: float = 0.0
     write_bytes: int = 0
@@ -122,6 +123,16 @@ class TierStats:
             self.stores += 1
             self.write_bytes += nbytes
             self.write_seconds += seconds
+
+    def line(self) -> str:
+        """One log line of the counters so far (what vLLM releases without per-tier metrics show)."""
+        gb = 1e9
+        rate = self.read_bytes / self.read_seconds / gb if self.read_seconds else 0.0
+        return (f"hits {self.hits} ({self.read_bytes / gb:.2f} GB, {rate:.2f} GB/s per read), "
+                f"recomputed: {self.misses_cost} by cost, {self.misses_no_chunk} no host chunk, "
+                f"{self.timeouts} late, {self.read_failures} failed ({self.checksum_failures} checksum); "
+                f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores}, "
+                f"evictions {self.evictions}, on disk {self.used_bytes_now / gb:.2f} GB")
 
     def count_failure(self, failure: Failure | None) -> None:
         name = failure.value if failure is not None else "unknown"

@@ -5,6 +5,10 @@ scheduler has pinned that chunk in its host-tier manager for the order's whole l
 chunk cannot be evicted or rewritten, a read's chunk is loadable only after the read is done), so
 the I/O threads never race a device transfer. The model's step and the engine's thread never wait
 for any of it.
+
+Reads go first: a read has a request waiting (deferred) for it, a write is only an investment in a
+later hit. Queued reads are taken before queued writes, and writes hold at most half the threads,
+so a read that arrives behind a burst of stores finds a thread free.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from pathlib import Path
 
 from .channel import listen
@@ -39,16 +43,24 @@ class DiskTierServer:
         self.address = address
         self.chunk_bytes = identity.chunk_bytes
         self.num_chunks = host.nbytes // self.chunk_bytes
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"npu-kv-disk-r{rank}")
+        self._cv = threading.Condition()
+        self._reads: deque = deque()  # (conn, order)
+        self._writes: deque = deque()
+        self._writing = 0
+        self._max_writers = max(1, io_threads // 2)
         self._headers: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(io_threads):
             self._headers.put(page_buffer())
+        self._io = [threading.Thread(target=self._io_loop, name=f"npu-kv-disk-r{rank}-{i}", daemon=True)
+                    for i in range(io_threads)]
         self._send_lock = threading.Lock()
         self._closed = False
         self.writable, self.read_rate, self.write_rate = self._prepare(probe_bytes)
         self._listener = listen(address)
         self._thread = threading.Thread(target=self._serve, name=f"npu-kv-disk-accept-r{rank}", daemon=True)
         self._thread.start()
+        for t in self._io:
+            t.start()
         logger.info(
             "disk tier (rank %d): %s, record %d bytes, %s I/O, read %.2f GB/s, write %.2f GB/s%s",
             rank, self.files.dir, self.chunk_bytes, "direct" if self.files.direct else "buffered",
@@ -82,19 +94,42 @@ class DiskTierServer:
                 conn.send(self.hello())
                 while not self._closed:
                     order = conn.recv()
-                    self._pool.submit(self._run, conn, order)
+                    with self._cv:
+                        (self._reads if order.op is Op.READ else self._writes).append((conn, order))
+                        self._cv.notify()
             except (EOFError, OSError):
                 pass  # the scheduler went away; wait for the next one
             finally:
                 conn.close()
 
-    def _run(self, conn, order: Order) -> None:
-        done = self.execute(order)
-        try:
-            with self._send_lock:
-                conn.send(done)
-        except OSError:
-            pass
+    def _next(self):
+        """The next order for an I/O thread: a read if any, else a write if a write slot is free."""
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                if self._reads:
+                    return self._reads.popleft()
+                if self._writes and self._writing < self._max_writers:
+                    self._writing += 1
+                    return self._writes.popleft()
+                self._cv.wait()
+
+    def _io_loop(self) -> None:
+        while (item := self._next()) is not None:
+            conn, order = item
+            try:
+                done = self.execute(order)
+            finally:
+                if order.op is Op.WRITE:
+                    with self._cv:
+                        self._writing -= 1
+                        self._cv.notify()
+            try:
+                with self._send_lock:
+                    conn.send(done)
+            except OSError:
+                pass
 
     def execute(self, order: Order) -> Done:
         """Carry out one order now (on the calling thread); never raises."""
@@ -132,7 +167,10 @@ class DiskTierServer:
             os.unlink(self.address)
         except OSError:
             pass
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._cv:
+            self._cv.notify_all()
+        for t in self._io:
+            t.join()
 
 
 __all__ = ["DiskTierServer"]
