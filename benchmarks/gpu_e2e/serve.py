@@ -31,6 +31,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.multiturn.procs import io_bytes
 
@@ -50,6 +51,11 @@ DISK_KINDS = ("ours-disk", "native-fs")
 DISK_ROOT = Path(os.environ.get("GPU_E2E_DISK_ROOT", "/var/tmp/npu_offload_disk"))
 DISK_BYTES = int(os.environ.get("GPU_E2E_DISK_BYTES", str(24 << 30)))
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
+# "ours-disk/VARIANT": the disk tier with other kv_connector_extra_config values, beside the default
+DISK_VARIANTS: dict[str, dict] = {
+    "q0.5": {"disk_read_queue_s": 0.5}, "q2.5": {"disk_read_queue_s": 2.5},  # the cost rule's queue
+    "reuse": {"disk_admit": "reuse"},
+}
 # "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call)
 VARIANTS: dict[str, dict[str, str]] = {
     "dstore": {"NPU_OFFLOAD_STAGED_STORES": "0"},  # stores direct on the copy engines, no SM gather
@@ -179,6 +185,7 @@ class ServerPlan:
     gpu_bytes: int  # planned GPU memory: weights + KV + overhead (per GPU with tensor parallelism)
     env: tuple[tuple[str, str], ...] = ()  # run-time variables of a variant ("ours/dstore")
     tp: int = 1  # tensor_parallel_size: device_kv_bytes and gpu_bytes are per GPU, cpu_bytes all ranks
+    extra: tuple[tuple[str, Any], ...] = ()  # kv_connector_extra_config of a variant ("ours-disk/q2.5")
 
     @property
     def disk_dir(self) -> Path | None:
@@ -188,8 +195,11 @@ class ServerPlan:
         if self.kind in ("off", "upper"):
             return None
         disk = self.disk_dir
-        return kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector,
-                                  str(disk) if disk else None, DISK_BYTES)
+        out = kv_transfer_config(self.kind, self.cpu_bytes, offload_block, LAYOUTS[self.layout].connector,
+                                 str(disk) if disk else None, DISK_BYTES)
+        if self.extra:
+            out["kv_connector_extra_config"].update(dict(self.extra))
+        return out
 
 
 def parse_server(name: str, layout: str) -> tuple[str, str, str]:
@@ -198,8 +208,9 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     lay, _, kind = name.rpartition(":")
     lay = lay or layout
     kind, _, variant = kind.partition("/")
-    if variant and (kind != "ours" or variant not in VARIANTS):
-        raise PlanError(f"server {name!r}: variants are ours/{{{','.join(VARIANTS)}}}")
+    if variant and not ((kind == "ours" and variant in VARIANTS) or (kind == "ours-disk" and variant in DISK_VARIANTS)):
+        raise PlanError(f"server {name!r}: variants are ours/{{{','.join(VARIANTS)}}} and "
+                        f"ours-disk/{{{','.join(DISK_VARIANTS)}}}")
     if kind not in SERVER_KINDS:
         raise PlanError(f"server {name!r}: kind must be one of {SERVER_KINDS} (optionally LAYOUT:KIND)")
     if lay not in LAYOUTS:
@@ -236,8 +247,10 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
+        env = VARIANTS.get(variant, {}) if kind == "ours" else {}
+        extra = DISK_VARIANTS.get(variant, {}) if kind == "ours-disk" else {}
         plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
-                                tuple(VARIANTS.get(variant, {}).items()), tp))
+                                tuple(env.items()), tp, tuple(extra.items())))
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
@@ -288,6 +301,9 @@ def server_log_info(text: str) -> dict:
         if m:
             out[key] = conv(m[-1])
     out["hma_off"] = "Turning off hybrid kv cache manager" in text
+    tier = re.findall(r"disk tier: (hits \d+ .*)", text)
+    if tier:
+        out["disk_tier"] = tier[-1].strip()  # the counters over every pass, as last logged
     return out
 
 
@@ -406,6 +422,11 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         if base in PROM:
             key = PROM[base]
+        elif base == "vllm:prompt_tokens_by_source":  # computed / device prefix cache / from a connector
+            src = re.search(r'source="([^"]+)"', labels)
+            if src is None:
+                continue
+            key = f"prompt_{src.group(1)}"
         elif base in PROM_LABELLED:
             t = re.search(r'transfer_type="([^"]+)"', labels)
             direction = DIRECTION.get(t.group(1)) if t else None

@@ -32,3 +32,19 @@ def test_capacity_load_plans_five_servers_on_one_h200():
     dirs = {p.label: p.disk_dir for p in plans}
     assert dirs["ours"] is None and dirs["ours-disk"].name == "ours-disk" and dirs["native-fs"].name == "native-fs"
     assert plans[-1].kv_config()["kv_connector_extra_config"]["disk_path"] == str(dirs["ours-disk"])
+
+
+def test_disk_variants_change_only_their_keys():
+    (load,) = serve.parse_loads("cap")
+    plans = serve.plan_servers("uniform", ["ours-disk", "ours-disk/q2.5", "ours-disk/reuse"], load, H200, HOST)
+    x = {p.label: p.kv_config()["kv_connector_extra_config"] for p in plans}
+    assert "disk_read_queue_s" not in x["ours-disk"] and x["ours-disk/q2.5"]["disk_read_queue_s"] == 2.5
+    assert x["ours-disk/reuse"]["disk_admit"] == "reuse"
+    assert x["ours-disk/q2.5"]["disk_path"].endswith("ours-disk-q2.5")  # each its own folder
+    for bad in ("ours-disk/q9", "native-fs/q2.5", "ours/q2.5"):
+        try:
+            serve.plan_servers("uniform", [bad], load, H200, HOST)
+        except serve.PlanError as e:
+            assert "ours-disk/{" in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")

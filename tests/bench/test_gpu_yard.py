@@ -388,10 +388,15 @@ def test_parse_metrics_023_and_032_names():
         'vllm:kv_offload_total_time_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 0.25',
         'vllm:kv_offload_size_bucket{engine="0",le="1e6",transfer_type="CPU_to_GPU"} 3.0',
         'vllm:kv_offload_store_bytes_total{engine="1"} 100.0',  # 0.32's name, another engine
-        'vllm:num_preemptions_total{engine="0"} 2.0', "garbage line", ""])
+        'vllm:num_preemptions_total{engine="0"} 2.0',
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 700.0',
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 1200.0',
+        'vllm:prompt_tokens_by_source_total{engine="1",model_name="m",source="local_compute"} 50.0',
+        "garbage line", ""])
     m = serve.parse_metrics(text)
     assert m == {"external_hits": 1200.0, "external_queries": 5000.0, "prefix_hits": 300.0, "load_bytes": 4096.0,
-                 "store_bytes": 8292.0, "load_s": 0.25, "preemptions": 2.0}
+                 "store_bytes": 8292.0, "load_s": 0.25, "preemptions": 2.0, "prompt_local_compute": 750.0,
+                 "prompt_external_kv_transfer": 1200.0}
     assert serve.metrics_delta({"load_bytes": 1000.0}, m)["load_bytes"] == 3096.0
 
 
@@ -417,6 +422,9 @@ def test_server_log_info():
     assert info == {"cross_layer_blocks": True, "kv_tokens": 32768, "compile_s": 41.52, "graph_capture_s": 9.0,
                     "graph_gib": 0.48, "hma_off": False}
     assert serve.server_log_info("Turning off hybrid kv cache manager")["hma_off"] is True
+    tier = ("INFO 11-28 [tiered_manager.py:90] disk tier: hits 3 (0.03 GB, 1.20 GB/s per read), recomputed: ...\n"
+            "INFO 11-28 [tiered_manager.py:90] disk tier: hits 7 (0.06 GB, 1.10 GB/s per read), recomputed: 1 by cost\n")
+    assert serve.server_log_info(tier)["disk_tier"] == "hits 7 (0.06 GB, 1.10 GB/s per read), recomputed: 1 by cost"
 
 
 def _client_dir(tmp_path: Path) -> Path | None:

@@ -5,6 +5,7 @@ path, a full and a read-only filesystem, a read past its deadline."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import time
@@ -304,6 +305,29 @@ def test_a_read_past_its_deadline_is_a_miss_and_its_chunk_waits(root, monkeypatc
         assert rig.tier.reading(b"slow"), "the chunk is released before the read has ended"
         (done,) = rig.wait()
         assert done.ok and b"slow" not in rig.tier.abandoned
+    finally:
+        rig.close()
+
+
+def test_cost_rule_reads_while_the_queue_drains_in_time(root):
+    """Reads start while the queued reads drain within ``read_queue_s`` at the measured rate (and,
+    with a prefill rate, beat recomputing the key); the rest is recomputed and counted."""
+    rig = Rig(root, world=1, read_queue_s=0.35)
+    try:
+        for i in range(4):
+            _written(rig, f"k{i}".encode(), chunk=i)
+        rig.tier.read_rate = rig.tier.index.key_bytes * 10.0  # 10 keys a second
+        started = 0
+        while rig.tier.worth_reading():
+            assert rig.tier.start_read(f"k{started}".encode(), 4 + started)
+            started += 1
+        assert started == 3 and rig.tier.stats.misses_cost == 1  # a 4th would wait 0.4 s
+        rig.wait()
+        assert rig.tier.worth_reading()  # the queue drained
+        rig.tier.cfg = dataclasses.replace(rig.tier.cfg, prefill_tokens_per_s=16 / 0.05)  # 16 tokens in 50 ms
+        assert not rig.tier.worth_reading() and rig.tier.stats.misses_cost == 2  # the disk needs 100 ms
+        rig.tier.cfg = dataclasses.replace(rig.tier.cfg, prefill_tokens_per_s=16 / 0.2)
+        assert rig.tier.worth_reading()
     finally:
         rig.close()
 

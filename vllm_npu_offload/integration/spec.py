@@ -176,7 +176,8 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             self._tier_manager = TieredManager(host, DiskTier(DiskTierConfig(
                 root=self._disk.path, budget_bytes=self._disk.budget_bytes, world_size=self._facts.world_size,
                 engine_id=self._facts.engine_id, tokens_per_key=bpc * (self._engine_block_size or 1),
-                read_timeout_s=self._disk.read_timeout_s, prefill_tokens_per_s=self._disk.prefill_tokens_per_s,
+                read_timeout_s=self._disk.read_timeout_s, read_queue_s=self._disk.read_queue_s,
+                prefill_tokens_per_s=self._disk.prefill_tokens_per_s,
                 rescan_s=self._disk.rescan_s, admit=self._disk.admit)))
         return self._tier_manager
 

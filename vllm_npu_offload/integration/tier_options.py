@@ -6,8 +6,12 @@
   written once a request hits it again while it is still in host: less written, but a conversation
   whose next turn comes after its KV left host is never on disk).
 - ``disk_read_timeout_s``: a read not done by then is a miss for its request (default 5).
-- ``disk_prefill_tokens_per_s``: the accelerator's prefill rate for the cost rule; 0 (default)
-  decides by the disk's queue against half the read deadline.
+- ``disk_read_queue_s``: the cost rule on a busy server: a read starts while the disk's queue of
+  reads drains within this many seconds (default 1; below the deadline). A request waits about
+  this long at most for its prefix from disk while the accelerator serves the others; what the
+  queue cannot take is recomputed.
+- ``disk_prefill_tokens_per_s``: the accelerator's prefill rate; when set, a read also starts only
+  if the disk delivers the key sooner than this rate recomputes its tokens (0, default: off).
 - ``disk_rescan_s``: how often records other servers wrote are picked up (default 10; 0: at
   start-up only).
 """
@@ -24,8 +28,8 @@ from .options import _positive_int
 
 logger = logging.getLogger(__name__)
 
-DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_prefill_tokens_per_s",
-             "disk_rescan_s")
+DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_read_queue_s",
+             "disk_prefill_tokens_per_s", "disk_rescan_s")
 ADMIT_POLICIES = ("all", "reuse")
 
 
@@ -35,6 +39,7 @@ class DiskOptions:
     budget_bytes: int
     admit: str = "all"
     read_timeout_s: float = 5.0
+    read_queue_s: float = 1.0
     prefill_tokens_per_s: float = 0.0
     rescan_s: float = 10.0
 
@@ -70,11 +75,18 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
     admit = extra.get("disk_admit", "all")
     if admit not in ADMIT_POLICIES:
         raise OffloadConfigError(f"kv_connector_extra_config['disk_admit']={admit!r} must be one of {ADMIT_POLICIES}")
+    timeout = _number(extra, "disk_read_timeout_s", 5.0, positive=True)
+    queue_s = _number(extra, "disk_read_queue_s", min(1.0, timeout / 2), positive=True)
+    if queue_s >= timeout:
+        raise OffloadConfigError(
+            f"kv_connector_extra_config['disk_read_queue_s']={extra['disk_read_queue_s']!r} must be below "
+            f"'disk_read_timeout_s' ({timeout:g}): reads queued longer than the deadline would all be late")
     return DiskOptions(
         path=os.path.abspath(os.path.expanduser(path)),
         budget_bytes=budget,
         admit=admit,
-        read_timeout_s=_number(extra, "disk_read_timeout_s", 5.0, positive=True),
+        read_timeout_s=timeout,
+        read_queue_s=queue_s,
         prefill_tokens_per_s=_number(extra, "disk_prefill_tokens_per_s", 0.0, positive=False),
         rescan_s=_number(extra, "disk_rescan_s", 10.0, positive=False),
     )

@@ -8,10 +8,11 @@ and the tokens are recomputed: a request never waits on a read that went wrong, 
 bytes that were not verified.
 
 The cost rule: a read is started only if the disk, with what is already queued on it, delivers the
-key sooner than the accelerator would recompute its tokens (``prefill_tokens_per_s``), or, when no
-prefill rate is given, within half the read deadline: on a busy server the accelerator's prefill is
-shared by every request while the disk's reads run beside it, so the queue is the cost that
-matters. A read that misses its deadline turns the lookup into a miss; its chunk is released only
+key within ``read_queue_s``, and, when a prefill rate is given, sooner than the accelerator would
+recompute its tokens (``prefill_tokens_per_s``). On a busy server the accelerator's prefill is
+shared by every request while the disk's reads run beside it: the disk adds capacity only while the
+requests it holds back wait less than the accelerator would make them wait, so the queue is the
+cost that matters. Keys beyond it are recomputed, which keeps the accelerator busy. A read that misses its deadline turns the lookup into a miss; its chunk is released only
 when the read has really ended (a late read must not land in a chunk that holds something else).
 """
 
@@ -45,7 +46,8 @@ class DiskTierConfig:
     engine_id: str
     tokens_per_key: int
     read_timeout_s: float = 5.0
-    prefill_tokens_per_s: float = 0.0  # 0: decide by the read queue and the deadline
+    read_queue_s: float = 1.0  # reads start while the queue of reads drains within this
+    prefill_tokens_per_s: float = 0.0  # > 0: reads must also beat recomputing at this rate
     rescan_s: float = 10.0  # 0: scan once at start-up
     admit: str = "all"  # "all": every stored key; "reuse": a key once it is hit again while in host
     max_write_backlog_bytes: int = 1 << 30
@@ -280,10 +282,9 @@ class DiskTier:
         if self.index is None or self.read_rate <= 0:
             return False
         seconds = (self._read_backlog + self.index.key_bytes) / self.read_rate
-        if self.cfg.prefill_tokens_per_s > 0:
+        ok = seconds < self.cfg.read_queue_s
+        if ok and self.cfg.prefill_tokens_per_s > 0:
             ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
-        else:
-            ok = seconds < 0.5 * self.cfg.read_timeout_s
         if not ok:
             self.stats.misses_cost += 1
         return ok
