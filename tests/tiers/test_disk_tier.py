@@ -19,7 +19,7 @@ from vllm_npu_offload.tiers.channel import socket_path
 from vllm_npu_offload.tiers.contract import Failure, Op, RecordIdentity
 from vllm_npu_offload.tiers.disk_index import DiskIndex
 from vllm_npu_offload.tiers.disk_io import RecordFiles
-from vllm_npu_offload.tiers.disk_tier import DiskTier, DiskTierConfig
+from vllm_npu_offload.tiers.disk_tier import DiskTier, DiskTierConfig, ReadRate
 from vllm_npu_offload.tiers.disk_worker import DiskTierServer
 from vllm_npu_offload.tiers.record import HEADER_BYTES
 
@@ -316,13 +316,14 @@ def test_cost_rule_reads_while_the_queue_drains_in_time(root):
     try:
         for i in range(4):
             _written(rig, f"k{i}".encode(), chunk=i)
-        rig.tier.read_rate = rig.tier.index.key_bytes * 10.0  # 10 keys a second
+        rig.tier.rate.value = rig.tier.index.key_bytes * 10.0  # 10 keys a second
         started = 0
         while rig.tier.worth_reading():
             assert rig.tier.start_read(f"k{started}".encode(), 4 + started)
             started += 1
         assert started == 3 and rig.tier.stats.misses_cost == 1  # a 4th would wait 0.4 s
         rig.wait()
+        rig.tier.rate.value = rig.tier.index.key_bytes * 10.0
         assert rig.tier.worth_reading()  # the queue drained
         rig.tier.cfg = dataclasses.replace(rig.tier.cfg, prefill_tokens_per_s=16 / 0.05)  # 16 tokens in 50 ms
         assert not rig.tier.worth_reading() and rig.tier.stats.misses_cost == 2  # the disk needs 100 ms
@@ -330,6 +331,26 @@ def test_cost_rule_reads_while_the_queue_drains_in_time(root):
         assert rig.tier.worth_reading()
     finally:
         rig.close()
+
+
+def test_read_rate_follows_what_the_disk_delivers_while_busy():
+    """The cost rule's rate starts at the probe, then moves towards what queued reads really got
+    (a disk shared with writes or other servers); idle time between bursts never counts."""
+    mib = 1 << 20
+    rate = ReadRate(1e9)
+    rate.started(0, now=10.0)
+    rate.ended(128 * mib, backlog_after=8 * mib, now=10.5)
+    assert rate.value == 1e9  # a window is 256 MiB
+    rate.ended(128 * mib, backlog_after=0, now=11.0)  # 256 MiB in 1 s
+    assert rate.value == pytest.approx(0.75e9 + 0.25 * 256 * mib)
+    before = rate.value
+    rate.ended(300 * mib, backlog_after=0, now=50.0)  # no read was queued since: not a sample
+    rate.started(0, now=60.0)
+    rate.ended(16 * mib, backlog_after=0, now=61.0)  # a burst under 1/8 window: too small to say
+    assert rate.value == before
+    rate.started(0, now=70.0)
+    rate.ended(64 * mib, backlog_after=0, now=70.1)  # 640 MiB/s
+    assert rate.value == pytest.approx(0.75 * before + 0.25 * 640 * mib)
 
 
 def test_reads_go_before_queued_writes(root, monkeypatch):

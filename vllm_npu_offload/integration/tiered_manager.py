@@ -107,7 +107,7 @@ class TieredManager:
         if time.monotonic() - at >= LOG_EVERY_S:
             now = self.tier.stats.line()
             if now != line:
-                logger.info("disk tier: %s", now)
+                logger.info("disk tier: %s; cost rule's read rate %.2f GB/s", now, self.tier.rate.value / 1e9)
             self._logged = (now, time.monotonic())
 
     def _apply(self, completions) -> None:

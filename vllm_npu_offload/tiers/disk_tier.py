@@ -12,7 +12,9 @@ key within ``read_queue_s``, and, when a prefill rate is given, sooner than the 
 recompute its tokens (``prefill_tokens_per_s``). On a busy server the accelerator's prefill is
 shared by every request while the disk's reads run beside it: the disk adds capacity only while the
 requests it holds back wait less than the accelerator would make them wait, so the queue is the
-cost that matters. Keys beyond it are recomputed, which keeps the accelerator busy. A read that misses its deadline turns the lookup into a miss; its chunk is released only
+cost that matters. Keys beyond it are recomputed, which keeps the accelerator busy. The read rate is
+the one measured at start-up at first, then what the disk delivers while reads are queued (writes,
+other servers and a shared filesystem's load included). A read that misses its deadline turns the lookup into a miss; its chunk is released only
 when the read has really ended (a late read must not land in a chunk that holds something else).
 """
 
@@ -36,6 +38,33 @@ logger = logging.getLogger(__name__)
 NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
 RECONNECT_S = 0.2
 DEADLINE_CHECK_S = 0.02
+RATE_WINDOW_BYTES = 256 << 20  # one sample of the live read rate
+RATE_WEIGHT = 0.25  # of a new sample in the read rate
+
+
+class ReadRate:
+    """Bytes per second the disk delivers while reads are queued: start-up probe, then live samples."""
+
+    def __init__(self, probed: float):
+        self.value = probed
+        self._t0: float | None = None
+        self._bytes = 0
+
+    def started(self, backlog_before: int, now: float) -> None:
+        if backlog_before == 0:
+            self._t0, self._bytes = now, 0
+
+    def ended(self, nbytes: int, backlog_after: int, now: float) -> None:
+        if self._t0 is None:
+            return
+        self._bytes += nbytes
+        if self._bytes >= RATE_WINDOW_BYTES or (backlog_after == 0 and self._bytes >= RATE_WINDOW_BYTES // 8):
+            if now > self._t0:
+                sample = self._bytes / (now - self._t0)
+                self.value = sample if self.value <= 0 else (1 - RATE_WEIGHT) * self.value + RATE_WEIGHT * sample
+            self._t0, self._bytes = now, 0
+        if backlog_after == 0:
+            self._t0 = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +109,7 @@ class DiskTier:
         self.stats = TierStats()
         self.index: DiskIndex | None = None
         self.files: RecordFiles | None = None
-        self.read_rate = 0.0
+        self.rate = ReadRate(0.0)
         self.writable = False
         self._hellos: dict[int, Hello] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -154,7 +183,7 @@ class DiskTier:
         ident = ids.pop()
         self.files = RecordFiles(Path(self.cfg.root), ident.fingerprint())
         self.index = DiskIndex(self.cfg.budget_bytes, (ident.chunk_bytes + HEADER_BYTES) * self.cfg.world_size)
-        self.read_rate = min(x.read_bytes_per_s for x in self._hellos.values())
+        self.rate = ReadRate(min(x.read_bytes_per_s for x in self._hellos.values()))
         self.writable = all(x.writable for x in self._hellos.values())
         threading.Thread(target=self._janitor, name="npu-kv-disk-janitor", daemon=True).start()
         logger.info(
@@ -162,7 +191,7 @@ class DiskTier:
             "write %.2f GB/s, reads at most %.1f s%s", self.files.dir, self.cfg.budget_bytes / 2**30,
             self.cfg.budget_bytes // self.index.key_bytes, self.index.key_bytes, self.cfg.world_size,
             "direct" if all(x.direct_io for x in self._hellos.values()) else "buffered",
-            self.read_rate / 1e9, min(x.write_bytes_per_s for x in self._hellos.values()) / 1e9,
+            self.rate.value / 1e9, min(x.write_bytes_per_s for x in self._hellos.values()) / 1e9,
             self.cfg.read_timeout_s, "" if self.writable else ", read-only",
         )
 
@@ -222,6 +251,7 @@ class DiskTier:
         if p.op is Op.READ:
             self._reads.pop(p.key, None)
             self._read_backlog -= size
+            self.rate.ended(size, self._read_backlog, time.monotonic())
             self.abandoned.discard(p.key)
             self._finish_read(p)
         else:
@@ -279,9 +309,9 @@ class DiskTier:
 
     def worth_reading(self) -> bool:
         """The cost rule (module docstring) for one more key now."""
-        if self.index is None or self.read_rate <= 0:
+        if self.index is None or self.rate.value <= 0:
             return False
-        seconds = (self._read_backlog + self.index.key_bytes) / self.read_rate
+        seconds = (self._read_backlog + self.index.key_bytes) / self.rate.value
         ok = seconds < self.cfg.read_queue_s
         if ok and self.cfg.prefill_tokens_per_s > 0:
             ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
@@ -320,6 +350,7 @@ class DiskTier:
         if not self._send(Op.READ, key, chunk):
             return False
         self._reads[key] = self._seq
+        self.rate.started(self._read_backlog, time.monotonic())
         self._read_backlog += self.index.key_bytes
         self.index.touch(key)
         return True
@@ -357,4 +388,4 @@ class DiskTier:
                     pass
 
 
-__all__ = ["Completion", "DiskTier", "DiskTierConfig"]
+__all__ = ["Completion", "DiskTier", "DiskTierConfig", "ReadRate"]
