@@ -22,7 +22,10 @@ from typing import Any
 
 import vllm
 
+from .logs import route_to_vllm
 from .versions import SUPPORTED_RANGE, UnsupportedVLLMVersion, _release
+
+route_to_vllm()
 
 VLLM_VERSION = getattr(vllm, "__version__", "unknown")
 # (major, minor, micro) of the installed vLLM; None for a source checkout without a release number.
