@@ -36,7 +36,8 @@ def layerwise_extra() -> dict:
     return dict(LAYERWISE_EXTRA)
 
 
-KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs")
+KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs", "lmcache",
+         "lmcache-disk")
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -71,12 +72,15 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
     native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector).
     ours-disk: ours with its disk tier in ``disk_dir`` (budget ``disk_bytes``); native-fs: vLLM's
-    TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget)."""
+    TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget); lmcache,
+    lmcache-disk: vLLM's LMCacheConnectorV1 (LMCache's own adapter), configured by its environment."""
     if kind == "off":
         return None
     if kind == "simple":
         return {"kv_connector": "NPUSimpleCPUOffloadConnector", "kv_connector_module_path": SIMPLE_MODULE,
                 "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    if kind in ("lmcache", "lmcache-disk"):  # sizes and paths go in its environment (serve.lmcache_env)
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if kind == "vsimple":
         return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}

@@ -44,8 +44,16 @@ CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_ut
 CLIENT_DIR = ROOT / "vllm_multi_turn"  # where prepare puts them (in the device's code copy)
 SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {name: sha256}}
 GiB = 1 << 30
-OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs")
-DISK_KINDS = ("ours-disk", "native-fs")
+OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs", "lmcache",
+              "lmcache-disk")
+DISK_KINDS = ("ours-disk", "native-fs", "lmcache-disk")
+# LMCache 0.5.3 (the release built against this torch), installed --no-deps beside vLLM's site:
+# `gpu_e2e.sh lmcache` puts it here; only LMCache servers get it on their PYTHONPATH
+LMCACHE_SITE = Path(os.environ.get("GPU_E2E_LMCACHE_SITE", "/tmp/site_lmcache"))
+LMCACHE_KINDS = ("lmcache", "lmcache-disk")
+# LMCache's own adapter logs every lookup; one that failed to start serves on, recomputing everything
+_LMC_HITS = re.compile(r"LMCache hit tokens: (\d+), need to load: (-?\d+)")
+_LMC_DEGRADED = "degraded mode"
 # Disk tiers' folders (a disk-backed path: /dev/shm is memory) and ours' budget; native-fs has none, so
 # its folder is emptied before every pass (each pass has new texts: nothing in it could hit again)
 DISK_ROOT = Path(os.environ.get("GPU_E2E_DISK_ROOT", "/var/tmp/npu_offload_disk"))
@@ -218,8 +226,10 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     if LAYOUTS[lay].shape != LAYOUTS[layout].shape:
         raise PlanError(f"server {name!r}: layout {lay} serves {LAYOUTS[lay].shape}, this run serves "
                         f"{LAYOUTS[layout].shape} ({layout}); one model per run")
-    if lay != layout and kind not in ("native", "ours", "layerwise", "null", "ours-disk", "native-fs"):
-        raise PlanError(f"server {name!r}: only native/ours/layerwise/null take another layout's connector")
+    if lay != layout and kind not in ("native", "ours", "layerwise", "null", "ours-disk", "native-fs", "lmcache",
+                                      "lmcache-disk"):
+        raise PlanError(f"server {name!r}: only native/ours/layerwise/null/lmcache and the disk kinds take "
+                        "another layout's connector")
     if kind == "layerwise" and not LAYOUTS[lay].layerwise:
         raise PlanError(f"server {name!r}: layer-wise loads need one KV-cache group; {lay} has "
                         f"{LAYOUTS[lay].kv_groups}")
@@ -249,8 +259,9 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
         env = VARIANTS.get(variant, {}) if kind == "ours" else {}
         extra = DISK_VARIANTS.get(variant, {}) if kind == "ours-disk" else {}
-        plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
-                                tuple(env.items()), tp, tuple(extra.items())))
+        plan = ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp), tuple(env.items()), tp,
+                          tuple(extra.items()))
+        plans.append(plan)
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
@@ -264,6 +275,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
                 f"servers per call")
         cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
         plans = [replace(p, cpu_bytes=min(p.cpu_bytes, cap)) if p.cpu_bytes else p for p in plans]
+    plans = [replace(p, env=tuple(lmcache_env(p).items())) if p.kind in LMCACHE_KINDS else p for p in plans]
     gpu = sum(p.gpu_bytes for p in plans)
     if gpu_bytes and gpu > headroom * gpu_bytes:
         raise PlanError(
@@ -271,6 +283,45 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
             f"({', '.join(f'{p.label} {p.gpu_bytes / GiB:.1f}' for p in plans)}), over {headroom:.0%} of "
             f"{gpu_bytes / GiB:.1f} GiB: split --servers over two calls (keep off and native in both)")
     return plans
+
+
+def lmcache_env(p: ServerPlan) -> dict[str, str]:
+    """LMCache's configuration (it reads its environment): the same host bytes as the other offload
+    servers, split over ranks, 256-token chunks; with a disk, ours' disk budget. ``use_native`` is not
+    set: vLLM's connector then runs LMCache's own, current adapter."""
+    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{p.cpu_bytes / p.tp / GiB:.2f}"}
+    if p.kind == "lmcache-disk":
+        env.update(LMCACHE_LOCAL_DISK=f"file://{p.disk_dir}/", LMCACHE_MAX_LOCAL_DISK_SIZE=f"{DISK_BYTES / GiB:.1f}")
+    return env
+
+
+def server_env(p: ServerPlan, base: dict[str, str]) -> dict[str, str]:
+    """A server's environment: ``base``, its plan's variables, LMCache's folder for LMCache servers."""
+    env = {**base, **dict(p.env)}
+    if p.kind in LMCACHE_KINDS:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(LMCACHE_SITE)) if x)
+    return env
+
+
+def lmcache_pass(run: dict, log: Path, seen: dict) -> None:
+    """This pass's LMCache lookups from its server's log (``seen``: the counts before it); a pass in
+    which LMCache loaded nothing, or ran degraded, is a failed run, not a number."""
+    now = lmcache_log_info(log.read_text(errors="replace") if log.exists() else "")
+    run["lmcache"] = {k: now[k] - seen.get(k, 0) for k in ("lookups", "hit_tokens", "loaded_tokens")}
+    run["lmcache"]["degraded"] = now["degraded"]
+    seen.update(now)
+    if not run.get("error") and (now["degraded"] or run["lmcache"]["loaded_tokens"] <= 0):
+        why = "ran in degraded mode" if now["degraded"] else "loaded no token"
+        run["error"] = f"LMCache {why} in this pass ({run['lmcache']['lookups']} lookups): recomputed, not LMCache"
+
+
+def lmcache_log_info(text: str) -> dict:
+    """What LMCache's log says: lookups, hit tokens, tokens it loaded; whether it ran degraded
+    (then it recomputes everything and its numbers are not LMCache's)."""
+    hits = [(int(h), int(n)) for h, n in _LMC_HITS.findall(text)]
+    return {"lookups": len(hits), "hit_tokens": sum(h for h, _ in hits),
+            "loaded_tokens": sum(max(n, 0) for _, n in hits), "degraded": _LMC_DEGRADED in text}
 
 
 def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend: str, chat_template: str,
@@ -526,9 +577,14 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     def make_cm(p: ServerPlan, timeout_s: float):
         return vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=backend,
                                               chat_template=str(tmpl), served_name=served),
-                           env={**env, **dict(p.env)}, startup_timeout_s=timeout_s,
+                           env=server_env(p, env), startup_timeout_s=timeout_s,
                            log_path=log_of(p), label=p.label)
 
+    if any(p.kind in LMCACHE_KINDS for p in plans) and not LMCACHE_SITE.is_dir():
+        res["errors"] += [{"label": p.label, "pass": -1, "error": f"{LMCACHE_SITE} is missing: run `gpu_e2e.sh "
+                           "lmcache DIR` first"} for p in plans if p.kind in LMCACHE_KINDS]
+        plans = [p for p in plans if p.kind not in LMCACHE_KINDS]
+    lmc_seen: dict[str, dict] = {}
     for p in plans:
         if p.disk_dir is not None:  # a fresh tier: records of an earlier call's texts say nothing
             shutil.rmtree(p.disk_dir, ignore_errors=True)
@@ -545,6 +601,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         for p in plans:
             log = log_of(p)
             res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
+
         live = [p.label for p in plans if p.label in urls]
         plan_by = {p.label: p for p in plans}
         for label in list(live):
@@ -578,6 +635,8 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                               seed=r, timeout=max(30.0, budget.left() - 40))
                 run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1,
                            disk_bytes_now=_du(plan_by[label].disk_dir))
+                if plan_by[label].kind in LMCACHE_KINDS:
+                    lmcache_pass(run, log_of(plan_by[label]), lmc_seen.setdefault(label, {}))
                 res["runs"].append(run)
                 walls.append(run["wall_s"])
                 s = run.get("summary", {})

@@ -48,3 +48,47 @@ def test_disk_variants_change_only_their_keys():
             assert "ours-disk/{" in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_lmcache_servers_config_env_and_path(monkeypatch):
+    (load,) = serve.parse_loads("cap")
+    plans = {p.label: p for p in serve.plan_servers("uniform", ["ours", "lmcache", "lmcache-disk"], load, H200, HOST)}
+    lm, lmd = plans["lmcache"], plans["lmcache-disk"]
+    assert lm.kv_config() == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}  # no use_native
+    assert lm.cpu_bytes == plans["ours"].cpu_bytes == 8 << 30 and lm.disk_dir is None
+    env = dict(lm.env)
+    assert env == {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+                   "LMCACHE_MAX_LOCAL_CPU_SIZE": "8.00"}
+    denv = dict(lmd.env)
+    assert denv["LMCACHE_LOCAL_DISK"] == f"file://{lmd.disk_dir}/" and lmd.disk_dir.name == "lmcache-disk"
+    assert denv["LMCACHE_MAX_LOCAL_DISK_SIZE"] == f"{serve.DISK_BYTES / (1 << 30):.1f}"
+    monkeypatch.setenv("PYTHONPATH", "/repo:/tmp/site")
+    assert serve.server_env(lm, {"A": "1"})["PYTHONPATH"] == f"/repo:/tmp/site:{serve.LMCACHE_SITE}"
+    assert "PYTHONPATH" not in serve.server_env(plans["ours"], {"A": "1"})  # only LMCache servers see it
+    assert serve.server_env(lm, {"A": "1"})["A"] == "1"
+
+
+LMC_LOG = """\
+(EngineCore pid=9) [2026-11-28 23:40:01,123] LMCache INFO: Reqid: chatcmpl-1, Total tokens 4120, Inference Engine computed tokens: 1504, LMCache hit tokens: 1536, need to load: 32 (vllm_v1_adapter.py:1475:lmcache.integration.vllm.vllm_v1_adapter)
+(EngineCore pid=9) [2026-11-28 23:40:02,456] LMCache INFO: Reqid: chatcmpl-2, Total tokens 5000, Inference Engine computed tokens: 4096, LMCache hit tokens: 4352, need to load: 256 (vllm_v1_adapter.py:1475:lmcache.integration.vllm.vllm_v1_adapter)
+(EngineCore pid=9) [2026-11-28 23:40:03,000] LMCache INFO: Reqid: chatcmpl-3, Total tokens 900, Inference Engine computed tokens: 0, LMCache hit tokens: 0, need to load: -1 (vllm_v1_adapter.py:1475)
+"""
+
+
+def test_lmcache_pass_counts_from_its_log_and_fails_without_loads(tmp_path):
+    assert serve.lmcache_log_info(LMC_LOG) == {"lookups": 3, "hit_tokens": 5888, "loaded_tokens": 288,
+                                               "degraded": False}
+    log, seen = tmp_path / "lm.log", {}
+    log.write_text(LMC_LOG)
+    run = {}
+    serve.lmcache_pass(run, log, seen)
+    assert run["lmcache"] == {"lookups": 3, "hit_tokens": 5888, "loaded_tokens": 288, "degraded": False}
+    assert "error" not in run
+    log.write_text(LMC_LOG + LMC_LOG.splitlines()[2] + "\n")  # the next pass: one lookup, nothing loaded
+    run2 = {}
+    serve.lmcache_pass(run2, log, seen)
+    assert run2["lmcache"]["lookups"] == 1 and "loaded no token" in run2["error"]
+    log.write_text(LMC_LOG + "LMCache ERROR: ... System will operate in degraded mode (recompute).\n")
+    run3 = {}
+    serve.lmcache_pass(run3, log, {})
+    assert "degraded mode" in run3["error"]
