@@ -32,7 +32,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
-from . import stats
+from . import faults, stats
 from .copy.base import Direction, as_direction
 from .plan import DescriptorPool
 from .platform import Platform
@@ -89,6 +89,7 @@ class TransferEngine:
         """``streams``: per direction, how many streams transfers take in turn (tests vary it)."""
         self.platform = platform
         self.pool = pool or DescriptorPool(platform)
+        self._faults = faults.active()  # None unless the test hook is set
         self._lock = threading.RLock()
         self._queues: dict[Direction, deque[_InFlight]] = {d: deque() for d in Direction}
         if streams < 1:
@@ -198,6 +199,9 @@ class TransferEngine:
         submit's copies are on their way, or a poll with nothing to report): the connector sees the
         completion first."""
         error = item.error
+        if self._faults is not None and error is None and self._faults.hit(
+                "load" if item.direction is Direction.H2D else "store"):
+            error = "injected fault (NPU_OFFLOAD_FAULTS)"
         ev_err = getattr(item.end, "error", None)
         if error is None and ev_err is not None:
             error = f"{type(ev_err).__name__}: {ev_err}"

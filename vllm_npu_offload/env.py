@@ -16,10 +16,28 @@ from dataclasses import dataclass
 from typing import Any
 
 
+FAULT_KINDS = ("load", "store", "disk_read", "disk_corrupt", "disk_write")
+
+
+def _faults(raw: str) -> dict[str, float] | None:
+    """``KIND=P,KIND=P`` with KIND in FAULT_KINDS and 0 <= P <= 1; None if malformed."""
+    out: dict[str, float] = {}
+    for part in raw.split(","):
+        kind, eq, val = part.strip().partition("=")
+        try:
+            p = float(val)
+        except ValueError:
+            return None
+        if not eq or kind not in FAULT_KINDS or not 0.0 <= p <= 1.0:
+            return None
+        out[kind] = p
+    return out
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
-    kind: str  # "flag" (0/1), "int", "choice", "path"
+    kind: str  # "flag" (0/1), "int", "choice", "path", "faults"
     default: Any  # the value when unset (None: decided by the code, see meaning)
     meaning: str
     choices: tuple[str, ...] = ()
@@ -36,6 +54,8 @@ class Knob:
             return ", ".join(self.choices)
         if self.kind == "int":
             return f"an integer in {self.lo}..{self.hi}" if self.hi is not None else f"an integer >= {self.lo}"
+        if self.kind == "faults":
+            return f"KIND=PROBABILITY[,KIND=PROBABILITY...] with KIND in {', '.join(FAULT_KINDS)} and 0 <= PROBABILITY <= 1"
         return "a folder"
 
     def get(self) -> Any:
@@ -52,6 +72,11 @@ class Knob:
             if raw not in self.choices:
                 raise bad
             return raw
+        if self.kind == "faults":
+            val = _faults(raw)
+            if val is None:
+                raise bad
+            return val
         if self.kind == "int":
             try:
                 val = int(raw)
@@ -90,6 +115,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "flag", False,
          "1: an unknown kv_connector_extra_config key is a warning, not an error: a config written for a "
          "newer release still starts"),
+    Knob("NPU_OFFLOAD_FAULTS", "faults", None,
+         "a test hook: failures injected at random into copies (load, store) and disk tier I/O (disk_read, "
+         "disk_corrupt, disk_write), e.g. load=0.02,disk_corrupt=0.1, to see in real serving that each is a "
+         "recompute with the right tokens, counted (vllm_npu_offload/faults.py); never set it for users"),
     Knob("NPU_OFFLOAD_DEVICE", "choice", None,
          "force the device kind (unset: npu > cuda > cpu by availability): a host with more than one kind, "
          "or the CPU path on an accelerator host",
@@ -114,4 +143,4 @@ def describe() -> list[tuple[str, str, str]]:
     return out
 
 
-__all__ = ["KNOBS", "Knob", "describe", "get"]
+__all__ = ["FAULT_KINDS", "KNOBS", "Knob", "describe", "get"]

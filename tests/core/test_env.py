@@ -18,7 +18,7 @@ def test_only_what_users_and_operators_set():
     assert list(env.KNOBS) == [
         "NPU_OFFLOAD_COPY_PATH", "NPU_OFFLOAD_STAGED", "NPU_OFFLOAD_STAGED_STORES", "NPU_OFFLOAD_CALIBRATE",
         "NPU_OFFLOAD_CACHE_DIR", "NPU_OFFLOAD_NUMA_NODE", "NPU_OFFLOAD_NATIVE_DIR", "NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS",
-        "NPU_OFFLOAD_DEVICE"]
+        "NPU_OFFLOAD_FAULTS", "NPU_OFFLOAD_DEVICE"]
     for k in env.KNOBS.values():  # what it does, then (after the last colon) why one would set it
         assert "\n" not in k.meaning and ": " in k.meaning, k.name
 
@@ -28,16 +28,23 @@ def test_only_what_users_and_operators_set():
     ("NPU_OFFLOAD_CALIBRATE", "", True), ("NPU_OFFLOAD_NUMA_NODE", "4", 4),
     ("NPU_OFFLOAD_ALLOW_UNKNOWN_KEYS", "", False), ("NPU_OFFLOAD_COPY_PATH", "dma", "dma"),
     ("NPU_OFFLOAD_DEVICE", " cpu ", "cpu"),
+    ("NPU_OFFLOAD_FAULTS", "", None), ("NPU_OFFLOAD_FAULTS", "load=0.5, disk_corrupt=1", {"load": 0.5, "disk_corrupt": 1.0}),
 ])
 def test_values(monkeypatch, name, raw, value):
     monkeypatch.setenv(name, raw)
     assert env.get(name) == value
 
 
+FAULTS_ALLOWED = ("KIND=PROBABILITY[,KIND=PROBABILITY...] with KIND in load, store, disk_read, disk_corrupt, "
+                  "disk_write and 0 <= PROBABILITY <= 1")
+
+
 @pytest.mark.parametrize("name, raw, allowed", [
     ("NPU_OFFLOAD_STAGED", "yes", "0 or 1"),
     ("NPU_OFFLOAD_NUMA_NODE", "-1", "an integer >= 0"),
     ("NPU_OFFLOAD_NUMA_NODE", "near", "an integer >= 0"),
+    ("NPU_OFFLOAD_FAULTS", "lod=0.5", FAULTS_ALLOWED), ("NPU_OFFLOAD_FAULTS", "load=2", FAULTS_ALLOWED),
+    ("NPU_OFFLOAD_FAULTS", "load", FAULTS_ALLOWED),
     ("NPU_OFFLOAD_COPY_PATH", "warp", "host, dma, dma_loop, sm, gather_native, acl_batch, acl_loop"),
     ("NPU_OFFLOAD_DEVICE", "tpu", "npu, cuda, cpu"),
 ])

@@ -157,3 +157,40 @@ def test_tenants_never_share_a_hit(tiny_model, tmp_path):
         assert cached_a[0] >= OFFLOAD_BLOCK, "tenant a's own KV did not come back"
     finally:
         eng.close()
+
+
+def test_injected_faults_in_serving_are_recomputed_and_counted(tiny_model, reference, tmp_path, monkeypatch):
+    """The test hook (NPU_OFFLOAD_FAULTS) in a real engine: failed loads and stores (retried), disk read
+    errors, records corrupted on disk and failed writes, all at once over three rounds of the
+    conversation: the tokens equal offload off, the engine keeps serving, and every kind is counted
+    where users see it."""
+    from vllm_npu_offload import faults
+    from vllm_npu_offload.demo.run import run_turns
+    from vllm_npu_offload.stats import TOTALS
+
+    # copies fail now and then, each retried (workers.RETRIES); every disk kind at a high rate
+    monkeypatch.setenv("NPU_OFFLOAD_FAULTS", "load=0.1,store=0.1,disk_read=0.2,disk_corrupt=0.3,disk_write=0.1")
+    hook = faults.reload()
+    hook.seed(7)
+    TOTALS.fold()
+    load0, store0 = TOTALS.snapshot()
+    failed0 = load0.failed + store0.failed
+    disk = tmp_path / "kv"
+    eng = Engine(tiny_model, _disk_config(disk))
+    try:
+        for reset in (False, True, True):
+            got = run_turns(eng.llm, _parts(), 12, reset_before_turn=reset, reference=reference)
+            assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
+        eng.manager.settle(30)
+        s = eng.manager.tier.stats
+        TOTALS.fold()
+        load1, store1 = TOTALS.snapshot()
+        assert load1.failed + store1.failed > failed0, "no copy failure was injected"
+        assert hook.injected["load"] + hook.injected["store"] == load1.failed + store1.failed - failed0
+        assert hook.injected["disk_corrupt"] > 0 and s.checksum_failures > 0
+        assert hook.injected["disk_read"] > 0 and s.by_failure.get("io_error", 0) >= hook.injected["disk_read"]
+        assert s.hits > 0, "with faults on, the good records must still be served"
+    finally:
+        eng.close()
+        monkeypatch.delenv("NPU_OFFLOAD_FAULTS")
+        faults.reload()

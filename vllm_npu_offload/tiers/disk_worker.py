@@ -21,10 +21,11 @@ import time
 from collections import deque
 from pathlib import Path
 
+from .. import faults
 from .channel import listen
 from .contract import Done, Failure, Hello, Op, Order, RecordIdentity
 from .disk_io import RecordFiles, TierIOError, page_buffer, probe_rates, remove_stale_temporaries
-from .record import RecordError
+from .record import HEADER_BYTES, RecordError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class DiskTierServer:
         self._io = [threading.Thread(target=self._io_loop, name=f"npu-kv-disk-r{rank}-{i}", daemon=True)
                     for i in range(io_threads)]
         self._send_lock = threading.Lock()
+        self._faults = faults.active()  # None unless the test hook is set
         self._closed = False
         self.writable, self.read_rate, self.write_rate = self._prepare(probe_bytes)
         self._listener = listen(address)
@@ -140,6 +142,8 @@ class DiskTierServer:
         view = self.host[order.chunk * self.chunk_bytes:(order.chunk + 1) * self.chunk_bytes]
         hdr = self._headers.get()
         try:
+            if self._faults is not None:
+                self._inject(order)
             if order.op is Op.READ:
                 n = self.files.read_into(order.key, self.rank, self.identity.world_size, view, hdr)
             else:
@@ -156,6 +160,25 @@ class DiskTierServer:
             return Done(order.seq, self.rank, order.op, False, failure=Failure.IO_ERROR, detail=repr(e))
         finally:
             self._headers.put(hdr)
+
+    def _inject(self, order: Order) -> None:
+        """The test hook (faults.py): fail the order, or damage the record it is about to read."""
+        f = self._faults
+        if order.op is Op.READ and f.hit("disk_read"):
+            raise TierIOError(Failure.IO_ERROR, "injected read error (NPU_OFFLOAD_FAULTS)")
+        if order.op is Op.WRITE and f.hit("disk_write"):
+            raise TierIOError(Failure.IO_ERROR, "injected write error (NPU_OFFLOAD_FAULTS)")
+        if order.op is Op.READ and f.hit("disk_corrupt"):
+            path = self.files.path(order.key, self.rank)
+            try:
+                with open(path, "r+b") as fh:  # one payload byte flipped: the checksum must catch it
+                    fh.seek(HEADER_BYTES)
+                    b = fh.read(1)
+                    if b:
+                        fh.seek(HEADER_BYTES)
+                        fh.write(bytes([b[0] ^ 0xFF]))
+            except OSError:
+                pass  # no record to damage: the read misses anyway
 
     def shutdown(self) -> None:
         self._closed = True
