@@ -6,6 +6,7 @@ master that hangs, dies and comes back."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -111,16 +112,48 @@ def master(tmp_path):
     m.kill()
 
 
-class Rig:
-    """``world`` rank servers (each its own host buffer) and one scheduler-side tier: one instance."""
+RANKS = r"""
+import json, sys, numpy as np
+from vllm_npu_offload.tiers.contract import RecordIdentity
+from vllm_npu_offload.tiers.mooncake_store import MooncakeConfig, MooncakeRankServer, tier_address
+spec = json.loads(sys.argv[1])
+ident = RecordIdentity(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["ident"].items()})
+cfg = MooncakeConfig(**spec["cfg"])
+servers = [MooncakeRankServer(memoryview(np.memmap(path, dtype=np.uint8, mode="r+")), ident, r, cfg,
+                              tier_address(cfg, spec["engine"], r)) for r, path in enumerate(spec["hosts"])]
+print("ready", flush=True)
+sys.stdin.read()
+for s in servers:
+    s.shutdown()
+"""
 
-    def __init__(self, master: Master, world: int = 2, ident: RecordIdentity | None = None, tier_kw=None, **store_kw):
+
+class Rig:
+    """``world`` rank servers (each its own host buffer) and one scheduler-side tier: one instance.
+    ``apart``: the rank servers run in a process of their own (as workers do with more than one rank),
+    over host buffers in files both processes map."""
+
+    def __init__(self, master: Master, world: int = 2, ident: RecordIdentity | None = None, tier_kw=None,
+                 apart: Path | None = None, **store_kw):
         self.engine = uuid.uuid4().hex
         self.ident = ident or identity(world)
         self.cfg = master.config(**store_kw)
-        self.hosts = [np.zeros(CHUNKS * CHUNK, dtype=np.uint8) for _ in range(world)]
-        self.servers = [MooncakeRankServer(memoryview(h), self.ident, r, self.cfg, tier_address(self.cfg, self.engine, r))
-                        for r, h in enumerate(self.hosts)]
+        self.servers: list[MooncakeRankServer] = []
+        self.proc: subprocess.Popen | None = None
+        if apart is None:
+            self.hosts = [np.zeros(CHUNKS * CHUNK, dtype=np.uint8) for _ in range(world)]
+            self.servers = [MooncakeRankServer(memoryview(h), self.ident, r, self.cfg,
+                                               tier_address(self.cfg, self.engine, r)) for r, h in enumerate(self.hosts)]
+        else:
+            paths = [apart / f"{self.engine}.host{r}" for r in range(world)]
+            self.hosts = [np.memmap(p, dtype=np.uint8, mode="w+", shape=(CHUNKS * CHUNK,)) for p in paths]
+            spec = dict(ident=dataclasses.asdict(self.ident), cfg=dataclasses.asdict(self.cfg), engine=self.engine,
+                        hosts=[str(p) for p in paths])
+            self.proc = subprocess.Popen([sys.executable, "-c", RANKS, json.dumps(spec)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=open(apart / "ranks.log", "ab"), text=True,
+                                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                             [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])))
+            assert self.proc.stdout.readline().strip() == "ready", (apart / "ranks.log").read_text()[-3000:]
         self.tier = MooncakeTier(MooncakeTierConfig(self.cfg, world, self.engine, tokens_per_key=64, **(tier_kw or {})))
         self.until(lambda: self.tier.up, 30, "the tier did not come up")
 
@@ -172,6 +205,13 @@ class Rig:
         self.tier.close()
         for s in self.servers:
             s.shutdown()
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 @pytest.fixture
@@ -357,11 +397,12 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def test_master_hung_killed_and_restarted(master):
+def test_master_hung_killed_and_restarted(master, tmp_path):
     """No scheduler-side call waits on the master; the tier goes down, reads in flight end as misses,
-    and the tier comes back by itself once a master answers on the same address."""
+    and the tier comes back by itself once a master answers on the same address. The ranks run in a
+    process of their own: Mooncake's get holds the GIL for up to ~0.25 s once the master is gone."""
     store_kw = dict(timeout_s=1.0, backoff_s=0.5, max_backoff_s=2.0)
-    rig = Rig(master, tier_kw=dict(read_timeout_s=2.0, no_space_pause_s=0.2), **store_kw)
+    rig = Rig(master, tier_kw=dict(read_timeout_s=2.0, no_space_pause_s=0.2), apart=tmp_path, **store_kw)
     try:
         for i in range(3):
             rig.write(f"k{i}".encode(), chunk=i, seed=i)

@@ -331,6 +331,8 @@ class MooncakeRankServer:
             return [q.popleft() for _ in range(min(len(q), self.max_batch))] if not self._closed else []
 
     def _io_loop(self, op: Op) -> None:
+        if op is Op.READ:
+            self._connected()  # set up now, so the first order does not wait for it
         while batch := self._take(op):
             dones = self.execute_batch([order for _, order in batch])
             for (conn, _), done in zip(batch, dones):
@@ -348,7 +350,11 @@ class MooncakeRankServer:
                 return None
             try:
                 if self._store is None:
-                    self._store = open_store(self.cfg, self.cfg.segment_bytes, self.cfg.buffer_bytes)
+                    store = open_store(self.cfg, self.cfg.segment_bytes, self.cfg.buffer_bytes)
+                    if self._closed:
+                        _close_after(store, [])
+                        return None
+                    self._store = store
                 if not self._registered:
                     for arr in (self._host, self._pages):
                         rc = self._store.register_buffer(arr.ctypes.data, arr.nbytes)
@@ -481,12 +487,15 @@ class MooncakeRankServer:
             self._cv.notify_all()
         for t in self._threads[1:]:
             t.join(timeout=self.cfg.timeout_s)
-        with self._store_lock:
+        if self._store_lock.acquire(timeout=self.cfg.timeout_s):  # a setup against a dead master takes ~90 s
             store, self._store = self._store, None
-        if any(t.is_alive() for t in self._threads[1:]):
-            _close_later(store, self._threads[1:])  # a call is stuck on a hung master
+            self._store_lock.release()
+            if not any(t.is_alive() for t in self._threads[1:]):
+                _close_after(store, [])
+                return
         else:
-            _close_after(store, [])
+            store = None  # still being set up: it is not closed, and dies with the process
+        _close_later(store, self._threads[1:])  # a call is stuck on a hung master
 
 
 # -- the scheduler's side ----------------------------------------------------------------------
