@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -391,16 +392,31 @@ def test_execute_batch_is_one_store_call(master):
         rig.close()
 
 
+def _sched_ns() -> tuple[int, int] | None:
+    """(ns on a CPU, ns waiting in the run queue) of this thread, where Linux tells (schedstat)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run, wait, _ = f.read().split()
+    except OSError:
+        return None
+    return int(run), int(wait)
+
+
 def _timed(fn, *args):
-    t0 = time.perf_counter()
+    """``fn``'s result and the seconds it was blocked (on the network, a lock, the GIL): wall time less
+    the time it ran or waited for a CPU, so a loaded machine's scheduling delay is not counted."""
+    s0, t0 = _sched_ns(), time.perf_counter()
     out = fn(*args)
-    return out, time.perf_counter() - t0
+    wall, s1 = time.perf_counter() - t0, _sched_ns()
+    if s0 is None or s1 is None:
+        return out, wall
+    return out, max(0.0, wall - (s1[0] - s0[0] + s1[1] - s0[1]) / 1e9)
 
 
 def test_master_hung_killed_and_restarted(master, tmp_path):
     """No scheduler-side call waits on the master; the tier goes down, reads in flight end as misses,
     and the tier comes back by itself once a master answers on the same address. The ranks run in a
-    process of their own: Mooncake's get holds the GIL for up to ~0.25 s once the master is gone."""
+    process of their own, as they do with more than one rank."""
     store_kw = dict(timeout_s=1.0, backoff_s=0.5, max_backoff_s=2.0)
     rig = Rig(master, tier_kw=dict(read_timeout_s=2.0, no_space_pause_s=0.2), apart=tmp_path, **store_kw)
     try:
@@ -447,7 +463,7 @@ def test_master_hung_killed_and_restarted(master, tmp_path):
             calls(b"k2", 5)
             assert not rig.tier.up and not rig.tier.has(b"k2")
             time.sleep(0.01)
-        assert slowest < 0.05, f"{slowest_call} took {slowest * 1000:.0f} ms with the master down"
+        assert slowest < 0.05, f"{slowest_call} was blocked {slowest * 1000:.0f} ms with the master down"
 
         # restarted on the same address: the tier comes back, new writes and hits work
         master.start()

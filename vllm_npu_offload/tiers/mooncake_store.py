@@ -607,6 +607,7 @@ class MooncakeTier:
         with self._lock:
             self._backoff = self.cfg.store.backoff_s
             self._is_down = False
+        self._warned.discard("stuck")
         if "down" in self._warned:
             self._warned.discard("down")
             self._warn_once("up", "mooncake tier: master %s answers again", self.cfg.store.master)
