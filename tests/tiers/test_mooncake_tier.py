@@ -203,9 +203,12 @@ class Rig:
             time.sleep(0.01)
 
     def close(self) -> None:
-        self.tier.close()
-        for s in self.servers:
-            s.shutdown()
+        """Everything at once: each Mooncake client takes about a second to close."""
+        closers = [threading.Thread(target=f) for f in [self.tier.close] + [s.shutdown for s in self.servers]]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
         if self.proc is not None:
             self.proc.stdin.close()
             try:
