@@ -73,7 +73,13 @@ setup(
     packages=find_packages(include=["vllm_npu_offload", "vllm_npu_offload.*"]),
     package_data={"vllm_npu_offload": ["_native/*.so"]},
     install_requires=["numpy", "crc32c>=2.7"],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        "test": ["pytest"],
+        # The Mooncake Store tier (docs/mooncake_tier.md). TCP on any machine; on CUDA servers install
+        # mooncake-transfer-engine-cuda13 instead, on Ascend mooncake-transfer-engine-npu (protocol ascend).
+        # All need the system libraries libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4.
+        "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+    },
     cmdclass={"build_py": BuildWithNative},
     zip_safe=False,
 )
