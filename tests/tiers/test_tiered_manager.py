@@ -32,7 +32,7 @@ class MemTier:
         self.ended: list[Completion] = []
         self.log: list[tuple[Op, bytes, int]] = []
 
-    def has(self, key): return key in self.keys
+    def has(self, key): return key in self.keys and key not in self.unknown
     def looking_up(self, key): return key in self.unknown
     def reading(self, key): return any(o == Op.READ and k == key for o, k, _ in self.orders)
     def worth_reading(self): return True
@@ -129,3 +129,23 @@ def test_each_tier_has_its_own_metric_names():
     assert "vllm:kv_offload_mooncake_hits" in names and "vllm:kv_offload_mooncake_usage_bytes" in names
     assert all("mooncake" in doc for _, _, doc in counters)
     assert [n for n, _, _ in tier_metrics("disk")[0]][0] == "vllm:kv_offload_disk_hits"
+
+
+def test_tier_keys_and_order_errors_name_the_key():
+    from vllm_npu_offload.errors import OffloadConfigError
+    from vllm_npu_offload.integration.tier_options import mooncake_options, tier_order
+
+    assert mooncake_options({}) is None
+    assert mooncake_options({"mooncake_master": "10.0.0.1:50051"}).master == "10.0.0.1:50051"
+    for bad, match in (({"mooncake_tenant": "t"}, "without mooncake_master"),
+                       ({"mooncake_master": "10.0.0.1:50051", "mooncake_protocl": "tcp"}, "mooncake_protocl"),
+                       ({"mooncake_master": "nohost"}, "mooncake_master")):
+        with pytest.raises(OffloadConfigError, match=match):
+            mooncake_options(bad)
+    assert tier_order({}, ["mooncake", "disk"]) == ["disk", "mooncake"]
+    assert tier_order({"tier_order": ["mooncake", "disk"]}, ["disk", "mooncake"]) == ["mooncake", "disk"]
+    for bad in (["disk", "disk"], ["tape"], "disk"):
+        with pytest.raises(OffloadConfigError, match="tier_order"):
+            tier_order({"tier_order": bad}, ["disk"])
+    with pytest.raises(OffloadConfigError, match="leaves out"):
+        tier_order({"tier_order": ["disk"]}, ["disk", "mooncake"])

@@ -21,7 +21,7 @@ from ..offload_worker import OffloadWorkerCore
 from . import compat
 from .job_router import ResultRouter
 from .layer_groups import LayerGroups, split_layer_groups
-from .tier_options import DISK_KEYS, check_disk_path, disk_options
+from .tier_options import TIER_KEYS, check_disk_path, disk_options, mooncake_options, tier_order
 from .options import (
     LAYERWISE_KEYS,
     SPEC_KEYS,
@@ -38,17 +38,31 @@ from ..tiers.contract import RecordIdentity
 from ..tiers.channel import socket_path
 from ..tiers.disk_tier import DiskTier, DiskTierConfig
 from ..tiers.disk_worker import DiskTierServer
+from ..tiers.mooncake_store import MooncakeConfig, MooncakeRankServer, MooncakeTier, MooncakeTierConfig, tier_address
+
+
+def _identity(core: OffloadWorkerCore, facts) -> RecordIdentity:
+    lay = core.layout
+    return RecordIdentity(model=facts.model, kv_dtype=facts.kv_dtype, page_bytes=tuple(lay.page_bytes),
+                          page_offsets=tuple(lay.page_offsets), record_bytes=lay.record_bytes,
+                          blocks_per_chunk=lay.blocks_per_chunk, world_size=facts.world_size)
 
 
 def start_disk_worker(core: OffloadWorkerCore, root: str, facts) -> DiskTierServer:
     """This rank's disk tier worker over the core's host buffer (records of its own share)."""
-    lay = core.layout
-    identity = RecordIdentity(model=facts.model, kv_dtype=facts.kv_dtype, page_bytes=tuple(lay.page_bytes),
-                              page_offsets=tuple(lay.page_offsets), record_bytes=lay.record_bytes,
-                              blocks_per_chunk=lay.blocks_per_chunk, world_size=facts.world_size)
     host = memoryview(core.host.tensor.numpy()).cast("B")
-    server = DiskTierServer(host, identity, facts.rank, root, socket_path(facts.engine_id, root, facts.rank))
+    server = DiskTierServer(host, _identity(core, facts), facts.rank, root,
+                            socket_path(facts.engine_id, root, facts.rank))
     atexit.register(server.shutdown)  # the socket file goes with the process
+    return server
+
+
+def start_mooncake_worker(core: OffloadWorkerCore, cfg: MooncakeConfig, facts) -> MooncakeRankServer:
+    """This rank's Mooncake tier worker: its host buffer registered with the pool once."""
+    host = memoryview(core.host.tensor.numpy()).cast("B")
+    server = MooncakeRankServer(host, _identity(core, facts), facts.rank, cfg,
+                                tier_address(cfg, facts.engine_id, facts.rank))
+    atexit.register(server.shutdown)
     return server
 
 
@@ -80,7 +94,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         check_layerwise_owner(inp.extra)
         reject_unknown_keys(
             inp.extra,
-            SPEC_KEYS + LAYERWISE_KEYS + DISK_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
+            SPEC_KEYS + LAYERWISE_KEYS + TIER_KEYS + compat.OFFLOADING_KEYS + compat.ASCEND_KEYS,
             f"NPUOffloadingSpec on vLLM {compat.VLLM_VERSION}",
         )
         layerwise_options(inp.extra)  # checked at start-up; NPUOffloadingConnector acts on it
@@ -96,9 +110,15 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
                                      f"(installed: {compat.VLLM_VERSION})")
         if self._disk is not None:
             check_disk_path(self._disk)  # each rank's tier server finds out for itself whether it may write
-        self._facts = compat.engine_facts(args, kwargs) if self._disk is not None else None
+        self._mooncake = mooncake_options(inp.extra)
+        if self._mooncake is not None and not compat.TIERS_SUPPORTED:
+            raise OffloadConfigError(f"kv_connector_extra_config['mooncake_master']: the Mooncake tier needs vLLM "
+                                     f">= 0.23 (installed: {compat.VLLM_VERSION})")
+        configured = [n for n, o in (("disk", self._disk), ("mooncake", self._mooncake)) if o is not None]
+        self._tier_order = tier_order(inp.extra, configured)
+        self._facts = compat.engine_facts(args, kwargs) if configured else None
         self._tier_manager = None
-        self._tier_server = None
+        self._tier_servers: list = []
         bpc = inp.blocks_per_chunk or opts.blocks_per_chunk
         self._engine_block_size = inp.engine_block_size
         extra = compat.base_extra(inp.extra, inp.engine_block_size, bpc)
@@ -155,30 +175,40 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         core = core_from_canonical(kv_caches, bpc, chunks, staging_bytes=self._staging_bytes, extra_groups=extra)
         self.npu_router = ResultRouter(core)
         if self._disk is not None:
-            self._tier_server = start_disk_worker(core, self._disk.path, self._facts)
+            self._tier_servers.append(start_disk_worker(core, self._disk.path, self._facts))
+        if self._mooncake is not None:
+            self._tier_servers.append(start_mooncake_worker(core, self._mooncake, self._facts))
         return self.npu_router
 
     @classmethod
     def build_metric_definitions(cls, extra_config):
-        """vLLM >= 0.28's metrics of the host tier, plus the disk tier's when it is configured."""
+        """vLLM >= 0.28's metrics of the host tier, plus each configured lower tier's."""
         defs = dict(super().build_metric_definitions(extra_config))
-        if extra_config.get("disk_path"):
-            defs.update(compat.tier_metric_definitions(*tier_metrics("disk")))
+        for name, key in (("disk", "disk_path"), ("mooncake", "mooncake_master")):
+            if extra_config.get(key):
+                defs.update(compat.tier_metric_definitions(*tier_metrics(name)))
         return defs
 
     def get_manager(self):
-        """The host tier's manager (vLLM's), wrapped by the disk tier's when ``disk_path`` is set."""
+        """The host tier's manager (vLLM's), wrapped by ours when lower tiers are configured (``disk_path``,
+        ``mooncake_master``), in ``tier_order``."""
         host = super().get_manager()
-        if self._disk is None:
+        if not self._tier_order:
             return host
         if self._tier_manager is None:
-            bpc = self.geometry[0]
-            self._tier_manager = TieredManager(host, [DiskTier(DiskTierConfig(
-                root=self._disk.path, budget_bytes=self._disk.budget_bytes, world_size=self._facts.world_size,
-                engine_id=self._facts.engine_id, tokens_per_key=bpc * (self._engine_block_size or 1),
-                read_timeout_s=self._disk.read_timeout_s, read_queue_s=self._disk.read_queue_s,
-                prefill_tokens_per_s=self._disk.prefill_tokens_per_s,
-                rescan_s=self._disk.rescan_s, admit=self._disk.admit))])
+            tokens_per_key = self.geometry[0] * (self._engine_block_size or 1)
+            world, engine = self._facts.world_size, self._facts.engine_id
+            made = {}
+            if self._disk is not None:
+                d = self._disk
+                made["disk"] = DiskTier(DiskTierConfig(
+                    root=d.path, budget_bytes=d.budget_bytes, world_size=world, engine_id=engine,
+                    tokens_per_key=tokens_per_key, read_timeout_s=d.read_timeout_s, read_queue_s=d.read_queue_s,
+                    prefill_tokens_per_s=d.prefill_tokens_per_s, rescan_s=d.rescan_s, admit=d.admit))
+            if self._mooncake is not None:
+                made["mooncake"] = MooncakeTier(MooncakeTierConfig(
+                    store=self._mooncake, world_size=world, engine_id=engine, tokens_per_key=tokens_per_key))
+            self._tier_manager = TieredManager(host, [made[n] for n in self._tier_order])
         return self._tier_manager
 
     def get_worker(self, kv_caches):

@@ -14,6 +14,10 @@
   if the disk delivers the key sooner than this rate recomputes its tokens (0, default: off).
 - ``disk_rescan_s``: how often records other servers wrote are picked up (default 10; 0: at
   start-up only).
+
+The Mooncake Store tier's keys (``mooncake_*``, ``tiers/mooncake_store.py``) and ``tier_order``: the
+order in which lower tiers are asked for a key the host does not hold (default disk, then
+mooncake: a local disk needs no network round trip).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import OffloadConfigError
+from ..tiers.mooncake_store import MooncakeConfig
 from .options import _positive_int
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,9 @@ logger = logging.getLogger(__name__)
 DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_read_queue_s",
              "disk_prefill_tokens_per_s", "disk_rescan_s")
 ADMIT_POLICIES = ("all", "reuse")
+MOONCAKE_KEYS = tuple(f"mooncake_{f}" for f in MooncakeConfig.__dataclass_fields__)
+TIER_KEYS = DISK_KEYS + MOONCAKE_KEYS + ("tier_order",)
+TIER_NAMES = ("disk", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,28 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
     )
 
 
+def mooncake_options(extra: Mapping[str, Any]) -> MooncakeConfig | None:
+    """The Mooncake tier's settings, or None when ``mooncake_master`` is not set."""
+    try:
+        return MooncakeConfig.from_extra_config(extra)
+    except ValueError as e:
+        raise OffloadConfigError(f"kv_connector_extra_config: {e}") from None
+
+
+def tier_order(extra: Mapping[str, Any], configured: list[str]) -> list[str]:
+    """The configured lower tiers in the order a lookup asks them (``tier_order``)."""
+    order = extra.get("tier_order", list(TIER_NAMES))
+    if (not isinstance(order, (list, tuple)) or len(set(order)) != len(order)
+            or any(o not in TIER_NAMES for o in order)):
+        raise OffloadConfigError(f"kv_connector_extra_config['tier_order']={order!r} must list tiers of "
+                                 f"{TIER_NAMES}, each once")
+    missing = [t for t in configured if t not in order]
+    if missing:
+        raise OffloadConfigError(f"kv_connector_extra_config['tier_order']={order!r} leaves out the configured "
+                                 f"tier(s) {missing}")
+    return [t for t in order if t in configured]
+
+
 def check_disk_path(opts: DiskOptions) -> bool:
     """Create the directory if needed; False if it exists but cannot be written (a read-only tier).
     A path that cannot be used at all is a start-up error naming the key."""
@@ -111,4 +141,5 @@ def check_disk_path(opts: DiskOptions) -> bool:
     return writable
 
 
-__all__ = ["DISK_KEYS", "DiskOptions", "check_disk_path", "disk_options"]
+__all__ = ["DISK_KEYS", "DiskOptions", "MOONCAKE_KEYS", "TIER_KEYS", "check_disk_path", "disk_options",
+           "mooncake_options", "tier_order"]

@@ -152,10 +152,10 @@ class TieredManager:
         if any(t.reading(key) for t in self.tiers):
             return self._defer
         for t in self.tiers:
+            if t.has(key):  # an unknown key is queued for the tier's own lookup here
+                return self._promote(t, key, result)
             if t.looking_up(key):
                 return self._defer  # this tier answers soon; the step does not wait for it
-            if t.has(key):
-                return self._promote(t, key, result)
         return result
 
     def _promote(self, tier: LowerTier, key, miss):

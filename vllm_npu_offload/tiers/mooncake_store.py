@@ -37,8 +37,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .channel import connect, listen, socket_path
-from .contract import Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
-from .disk_tier import Completion, ReadRate
+from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
+from .disk_tier import ReadRate
 from .record import HEADER_BYTES, RecordError, check_header, checksum, pack_header
 
 logger = logging.getLogger(__name__)
@@ -513,12 +513,15 @@ class _Pending:
 
 
 class MooncakeTier:
-    """The scheduler side: ``DiskTier``'s surface over the pool; every call returns at once."""
+    """The scheduler side, a ``LowerTier`` (contract.py) over the pool; every call returns at once."""
+
+    name = "mooncake"
 
     def __init__(self, cfg: MooncakeTierConfig, store=None):
         if store is None:
             store_class()  # fail now, naming the install
         self.cfg = cfg
+        self.admit = cfg.admit
         self.stats = TierStats()
         self.rate = ReadRate(cfg.read_bytes_per_s)
         self.writable = True
@@ -881,6 +884,12 @@ class MooncakeTier:
         """Whether the master has been asked about ``key`` and not answered yet (the lookup may wait)."""
         with self._lock:
             return key in self._queued or key in self._checking
+
+    def looking_up(self, key: bytes) -> bool:
+        return self.checking(key)
+
+    def describe_rate(self) -> str:
+        return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s{', master down' if self.down else ''}"
 
     def reading(self, key: bytes) -> bool:
         return key in self._reads
