@@ -678,10 +678,11 @@ SERVE_METRICS = (  # (column, pick from a run, better when lower)
 
 
 def serve_runs_by(res: dict) -> dict[str, dict[int, dict]]:
-    """label -> pass -> run, runs without an error and with requests only."""
+    """label -> pass -> run, runs without an error and with requests only (an LMCache pass marked
+    ``failed``, degraded or without hits, is no number either)."""
     by: dict[str, dict[int, dict]] = {}
     for r in res.get("runs", []):
-        if r.get("error") or not r.get("summary", {}).get("requests"):
+        if r.get("error") or r.get("failed") or not r.get("summary", {}).get("requests"):
             continue
         by.setdefault(r["label"], {})[r.get("pass_", 0)] = r
     return by
@@ -705,9 +706,11 @@ def serve_one_table(res: dict) -> str:
     rows = []
     for label in labels:
         runs = list(by.get(label, {}).values())
+        failed = [r for r in res.get("runs", []) if r.get("label") == label and r.get("failed")]
+        note = f"FAILED in {len(failed)} pass(es): {failed[0]['failed']}"[:160] if failed else ""
         if not runs:
-            err = next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
-            rows.append([label, 0] + ["-"] * 12 + [str(err).splitlines()[0][:120]])
+            err = note or next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
+            rows.append([label, 0] + ["-"] * 12 + [str(err).splitlines()[0][:160]])
             continue
         med = lambda f: _med([f(r) for r in runs])  # noqa: E731
         m = lambda k: med(lambda r: r.get("metrics", {}).get(k))  # noqa: E731
@@ -718,7 +721,7 @@ def serve_one_table(res: dict) -> str:
                        f"{gib(m('load_bytes'))} / {_f(m('load_s'), '{:.2f}')}",
                        f"{gib(m('store_bytes'))} / {_f(m('store_s'), '{:.2f}')}",
                        _f(m("preemptions"), "{:,.0f}"), _f(med(lambda r: r["summary"].get("empty_outputs")), "{:.0f}"),
-                       ""])
+                       note])
     head = ["server", "passes", "req/s", "later TTFT p50 ms", "p90 ms", "p99 ms", "TPOT p50 ms", "TPOT p99 ms",
             "host-hit tok", "device-hit tok", "loaded GiB / s", "stored GiB / s", "preempted", "empty outputs",
             "note"]
@@ -741,6 +744,9 @@ def serve_one_table(res: dict) -> str:
             prow.append(row)
     if prow:
         text += "\n\n" + table(["compared", "passes"] + [n for n, _ in SERVE_METRICS], prow)
+    lmc = lmcache_serve_lines(res)
+    if lmc:
+        text += "\n" + lmc
     logs = res.get("server_logs") or {}
     cl = ", ".join(f"{k} {'yes' if v.get('cross_layer_blocks') else 'no'}" for k, v in logs.items())
     times = ", ".join(f"{k} {v['compile_s']:.0f}+{v.get('graph_capture_s', 0):.0f}s" for k, v in logs.items()
@@ -760,6 +766,26 @@ def serve_one_table(res: dict) -> str:
     if errs:
         text += "\n" + "\n".join(f"error {e['label']} pass {e.get('pass')}: {str(e['error'])[:300]}" for e in errs)
     return text
+
+
+def lmcache_serve_lines(res: dict) -> str:
+    """Per LMCache server, what its log said per pass (hit / loaded tokens; FAILED and why)."""
+    lines = []
+    for s in res.get("servers", []):
+        if s.get("kind") not in ("lmcache", "lmcache-disk"):
+            continue
+        env = dict(s.get("env") or ())
+        cfg = ", ".join(f"{k[len('LMCACHE_'):].lower()} {v}" for k, v in env.items()
+                        if k in ("LMCACHE_MAX_LOCAL_CPU_SIZE", "LMCACHE_LOCAL_DISK", "LMCACHE_MAX_LOCAL_DISK_SIZE"))
+        per = []
+        for r in sorted((r for r in res.get("runs", []) if r.get("label") == s["label"]), key=lambda r: r.get("pass_", 0)):
+            info = r.get("lmcache") or {}
+            per.append(f"pass {r.get('pass_', 0)}: " + (f"FAILED ({r['failed']})" if r.get("failed") else
+                       f"hit {info.get('hit_tokens', 0):,} / loaded {info.get('loaded_tokens', 0):,} tokens in "
+                       f"{info.get('lookups', 0)} lookups"))
+        lines.append(f"LMCache {s['label']} ({cfg}; GiB per rank, chunks of 256 tokens), from its log: "
+                     + ("; ".join(per) or "no pass"))
+    return "\n".join(lines)
 
 
 def _host_gib(res: dict) -> str:

@@ -4,6 +4,7 @@
 # offload off / vLLM's native CPU offload / ours. docs/gpu_e2e.md has the exact device calls.
 #
 # Here (registry access):  bash scripts/dev/gpu_e2e.sh prepare      -> parts + code copy under $GPU_E2E_DIR
+#                          (LMCache's wheels from .cache/lmcache too: benchmarks/gpu_e2e/lmcache_wheels.txt)
 # On the GPU machine:      bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh stage .gpu/part1
 #                          bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh stage .gpu/part2 && ... install
 #                          bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh run smoke --layouts all   (then `prepare`'s list)
@@ -15,6 +16,7 @@ PY=${PYTHON:-python3}
 GPU_E2E_DIR=${GPU_E2E_DIR:-/work/main/.gpu}
 SITE=${GPU_E2E_SITE:-/tmp/site}
 NATIVE=${GPU_E2E_NATIVE:-/tmp/gpu_e2e/native}
+LMCACHE_SITE=/tmp/site_lmcache  # = benchmarks/gpu_e2e/stage.py LMCACHE_SITE (only LMCache engines/servers use it)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cmd=${1:-help}; shift || true
 
@@ -59,6 +61,14 @@ case "$cmd" in
   install)
     t=$(date +%s)
     "$PY" -m benchmarks.gpu_e2e.stage install || exit $?
+    # LMCache, when staged: its compiled extension and vLLM adapter must load against this torch and vLLM
+    if [ -f "$LMCACHE_SITE/.gpu_e2e_ready" ]; then
+      PYTHONPATH="$ROOT:$SITE:$LMCACHE_SITE" timeout 240 "$PY" -c "from importlib.metadata import version
+import lmcache.c_ops
+from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+print('[install] LMCache', version('lmcache'), 'imports (c_ops, vllm_v1_adapter) beside vLLM', version('vllm'))" 2>&1 | tail -4 \
+        || echo "warning: LMCache does not import (above): lmcache servers will fail"
+    fi
     # our CUDA copy library (cuMemcpyBatchAsync): built here, outside the carried tree
     "$PY" csrc_cuda/build.py --out "$NATIVE" >/tmp/gpu_e2e/native_build.log 2>&1 \
       || { echo "warning: native CUDA library not built (tail below); copies use the Triton/host paths"; tail -5 /tmp/gpu_e2e/native_build.log; }
