@@ -404,12 +404,12 @@ def pip_target_command(target: Path, wheels: list[str]) -> list[str]:
 
 def install_lmcache(man: dict, stage_dir: Path = STAGE_DIR, target: Path = LMCACHE_SITE) -> bool:
     """LMCache's staged wheels, sha256 checked, ``--no-deps`` into ``target`` (emptied first); False
-    when the manifest has none (then ``target`` is removed: no stale LMCache beside a new vLLM)."""
+    when the manifest has none (``target`` is left as it is)."""
     lmc = man.get("lmcache")
-    if target.exists():
-        shutil.rmtree(target)
     if not lmc:
         return False
+    if target.exists():
+        shutil.rmtree(target)
     for name in lmc["wheels"]:
         got = _sha256(stage_dir / name)
         if got != lmc["sha256"][name]:

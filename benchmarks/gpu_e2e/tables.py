@@ -203,9 +203,33 @@ def ttft_table(res: dict) -> str:
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix{hit_where}); ours "
             f"transfer = device time of the loads, load seen = from their submit until a poll saw them done{per_rank}")
-    lw, steps, floor, prof = (layerwise_ttft_table(res), ttft_steps_table(res), ttft_floor_table(res),
-                              forward_profile_table(res))
-    return text + "".join("\n\n" + t for t in (lw, steps, floor, prof) if t)
+    lw, lmc, steps, floor, prof = (layerwise_ttft_table(res), lmcache_ttft_table(res), ttft_steps_table(res),
+                                   ttft_floor_table(res), forward_profile_table(res))
+    return text + "".join("\n\n" + t for t in (lw, lmc, steps, floor, prof) if t)
+
+
+def lmcache_ttft_table(res: dict) -> str:
+    """Reload TTFT of LMCache (``--lmcache``) beside ours and native (same reps, in turns); a length at
+    which a reload got no LMCache hit (degraded mode, nothing stored: it recomputed) is FAILED, no number."""
+    rows = []
+    for r in res["rows"]:
+        if "lmcache_s" not in r and "lmcache_failed" not in r:
+            continue
+        ours, native = r["ours_s"].get("median"), r["native_s"].get("median")
+        lmc = (r.get("lmcache_s") or {}).get("median")
+        host = r.get("lmcache_host_tokens") or []
+        if r.get("lmcache_failed") or lmc is None:
+            rows.append([r["prompt_tokens"], "FAILED", ms(ours), ms(native), ", ".join(map(str, host)) or "-", "-", "-",
+                         r.get("lmcache_failed") or "no reload"])
+            continue
+        rows.append([r["prompt_tokens"], ms(lmc), ms(ours), ms(native), _med(host),
+                     f"{lmc / ours:.2f}x" if ours else "-", f"{lmc / native:.2f}x" if native else "-", ""])
+    if not rows:
+        return ""
+    return table(["prompt tok", "reload LMCache ms", "reload ours ms", "reload native ms", "LMCache hit tok",
+                  "LMCache/ours", "LMCache/native", "note"], rows) + (
+        "\nLMCache = vLLM's LMCacheConnectorV1 with LMCache's own adapter (host KV as native's and ours', chunks of "
+        "256 tokens: its hits are whole chunks); hit tok = the request's cached tokens after the device reset")
 
 
 def layerwise_ttft_table(res: dict) -> str:
@@ -323,7 +347,7 @@ def ttft_steps_table(res: dict) -> str:
     rows = []
     variants = tuple(res.get("variants") or ())
     for r in res["rows"]:
-        for kind in ("native", "ours", "layerwise") + variants:
+        for kind in ("native", "ours", "layerwise", "lmcache") + variants:
             b = r.get(f"{kind}_steps") or []
             if not b:
                 continue
@@ -334,7 +358,7 @@ def ttft_steps_table(res: dict) -> str:
                          _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b),
                          _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None)),
                          _f(_med([x.get("forward_ms") for x in b])), _f(_med([x.get("forward_cpu_ms") for x in b]))])
-        for a, b in (("ours", "native"), ("layerwise", "ours")) + tuple((v, "ours") for v in variants):
+        for a, b in (("ours", "native"), ("layerwise", "ours"), ("lmcache", "native")) + tuple((v, "ours") for v in variants):
             ab, bb = r.get(f"{a}_steps") or [], r.get(f"{b}_steps") or []
             if ab and bb:
                 d = [x["wall_ms"] - y["wall_ms"] for x, y in zip(ab, bb)]
