@@ -54,6 +54,7 @@ DISK_KINDS = ("ours-disk", "native-fs", "lmcache-disk")
 # LocalDiskBackend.remove), which raises for a file deleted behind it; its budget bounds it, as ours'.
 DISK_ROOT = Path(os.environ.get("GPU_E2E_DISK_ROOT", "/var/tmp/npu_offload_disk"))
 DISK_BYTES = int(os.environ.get("GPU_E2E_DISK_BYTES", str(24 << 30)))
+DISK_MARGIN = 2 << 30  # left free besides the tiers: compile caches, logs and the client's files share the disk
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
 # "ours-disk/VARIANT": the disk tier with other kv_connector_extra_config values, beside the default
 DISK_VARIANTS: dict[str, dict] = {
@@ -270,6 +271,30 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
             f"({', '.join(f'{p.label} {p.gpu_bytes / GiB:.1f}' for p in plans)}), over {headroom:.0%} of "
             f"{gpu_bytes / GiB:.1f} GiB: split --servers over two calls (keep off and native in both)")
     return plans
+
+
+def disk_need(plans: list[ServerPlan], load: Load, per_tok: int) -> dict[str, int]:
+    """Bytes each disk tier may hold at once: the budget of ours-disk and lmcache-disk (both fill it by the
+    second pass: ours-disk 24.0 GiB, lmcache-disk 24.0 GiB on 2026-11-28), one pass's stores for native-fs
+    (no budget; emptied before every pass): every conversation's KV at its end."""
+    out = {}
+    for p in plans:
+        if p.kind in ("ours-disk", "lmcache-disk"):
+            out[p.label] = DISK_BYTES
+        elif p.kind == "native-fs":
+            out[p.label] = load.conversations * load.final_context(load.prefix_avg) * per_tok
+    return out
+
+
+def check_disk(need: dict[str, int], free: int, root: Path = DISK_ROOT) -> None:
+    """PlanError before any server starts when the disk tiers together (``disk_need``) could fill the
+    disk that holds ``root`` (``free`` bytes, DISK_MARGIN kept): ENOSPC in a pass fails every server."""
+    if need and sum(need.values()) > free - DISK_MARGIN:
+        each = ", ".join(f"{k} {v / GiB:.1f}" for k, v in need.items())
+        raise PlanError(
+            f"disk tiers need up to {sum(need.values()) / GiB:.1f} GiB ({each}) in {root}, which has "
+            f"{free / GiB:.1f} GiB free ({DISK_MARGIN / GiB:.0f} GiB kept): fewer disk servers per call, or a "
+            f"smaller budget (GPU_E2E_DISK_BYTES, bytes; now {DISK_BYTES / GiB:.1f} GiB)")
 
 
 def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend: str, chat_template: str,
@@ -617,6 +642,14 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         if p.disk_dir is not None:  # a fresh tier: records of an earlier call's texts say nothing
             shutil.rmtree(p.disk_dir, ignore_errors=True)
             p.disk_dir.mkdir(parents=True, exist_ok=True)
+    need = disk_need(plans, load, lay.model.kv_bytes_per_token(layers=layers))
+    if need:
+        try:
+            check_disk(need, shutil.disk_usage(DISK_ROOT).free)
+        except PlanError as e:
+            res["errors"].append({"label": "-", "pass": -1, "error": f"PlanError: {e}"})
+            return res
+        res["disk_need"] = need
     t0 = time.perf_counter()
     # all start waves end by this: the passes need at least one run's time after it
     deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 120))

@@ -32,6 +32,21 @@ def hit_line(req: str, total: int, computed: int, hit: int, load: int, sec: int 
             f"LMCache hit tokens: {hit}, need to load: {load}" + _TAIL)
 
 
+# and as a GPU run's server log held them (2026-11-28, lmcache-disk, 32 clients): vLLM's engine-core prefix
+SERVED = """\
+(EngineCore pid=1550) [2026-11-28 23:48:27,536] LMCache INFO: Reqid: chatcmpl-9a4c655c743b2d99-90eb0ac8, Total \
+tokens 5468, Inference Engine computed tokens: 5328, LMCache hit tokens: 5120, need to load: 0 \
+(vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+(EngineCore pid=1550) [2026-11-28 23:48:27,746] LMCache INFO: Reqid: chatcmpl-b62b817357db654b-abf3611f, Total \
+tokens 3770, Inference Engine computed tokens: 1024, LMCache hit tokens: 3584, need to load: 2560 \
+(vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+(EngineCore pid=1550) [2026-11-28 23:48:27,845] LMCache INFO: Reqid: chatcmpl-b62b817357db654b-abf3611f, Total \
+tokens 3770, Inference Engine computed tokens: 1024, LMCache hit tokens: 3584, need to load: 2560 \
+(vllm_v1_adapter.py:1473:lmcache.integration.vllm.vllm_v1_adapter)
+(APIServer pid=1284) INFO 11-28 23:48:28 [loggers.py:259] Engine 000: Avg prompt throughput: 6123.4 tokens/s
+"""
+
+
 BELOW_MIN = (_C.format(3) + "Reqid: chatcmpl-77-0, Total tokens 900, Inference Engine computed tokens: 768, LMCache "
              "hit tokens: 768, but need to load: 0 < min_retrieve 256, skip retrieve but record for save skip" + _TAIL)
 UNANSWERED = "Reqid: chatcmpl-78-0, Total tokens 700, Inference Engine computed tokens: 0, LMCache hit tokens: None."
@@ -125,6 +140,8 @@ def test_lmcache_log_lines_parsed():
     assert info == {"lookups": 4, "hit_tokens": 1536 + 2816 + 768 + 512, "loaded_tokens": 1536 + 1792,
                     "degraded": False}
     assert serve.lmcache_failure(info) is None
+    assert serve.lmcache_log_info(SERVED) == {"lookups": 2, "hit_tokens": 5120 + 3584, "loaded_tokens": 2560,
+                                              "degraded": False}  # the request looked up twice counts once
     assert serve.lmcache_log_info(VLLM_LINES + DEGRADED)["degraded"] is True
     assert "degraded mode" in serve.lmcache_failure({**info, "degraded": True})
     assert "no lookup" in serve.lmcache_failure(serve.lmcache_log_info(VLLM_LINES))
@@ -167,6 +184,7 @@ def test_run_serve_lmcache_passes_hits_and_failures(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", "/repo:/tmp/site")
     monkeypatch.setattr(serve, "DISK_ROOT", tmp_path / "disk")
+    monkeypatch.setattr(serve, "DISK_BYTES", 1 << 20)
     monkeypatch.setattr(stage, "lmcache_ready", lambda target=None: True)
     envs, logs = {}, {}
 
@@ -202,6 +220,7 @@ def test_run_serve_lmcache_passes_hits_and_failures(tmp_path, monkeypatch):
     assert envs["lmcache"]["PYTHONPATH"] == envs["lmcache-disk"]["PYTHONPATH"] == f"/repo:/tmp/site:{stage.LMCACHE_SITE}"
     assert "PYTHONPATH" not in envs["ours"] and "PYTHONPATH" not in envs["off"]
     assert envs["lmcache-disk"]["LMCACHE_LOCAL_DISK"] == f"file://{tmp_path / 'disk' / 'lmcache-disk'}/"
+    assert envs["lmcache-disk"]["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "0.000" and res["disk_need"] == {"lmcache-disk": 1 << 20}
     assert disk_seen == [[], ["chunk0.pt"]]  # fresh at the start, not emptied under LMCache between passes
     runs = {(r["label"], r["pass_"]): r for r in res["runs"]}
     assert runs[("lmcache", 0)]["lmcache"] == {"lookups": 1, "hit_tokens": 1792, "loaded_tokens": 1536,
@@ -484,3 +503,29 @@ def test_device_refuses_lmcache_when_not_installed(monkeypatch, capsys):
     monkeypatch.setattr(stage, "lmcache_ready", lambda target=None: False)
     assert device.main(["ttft", "--lmcache"]) == 2
     assert "--lmcache: LMCache: not installed" in capsys.readouterr().err
+
+
+def test_disk_tiers_checked_against_the_free_disk(tmp_path, monkeypatch):
+    (load,) = serve.parse_loads("cap")
+    per_tok = 128 << 10
+    plans = serve.plan_servers("uniform", ["ours", "ours-disk", "native-fs", "lmcache-disk"], load, H200, HOST)
+    need = serve.disk_need(plans, load, per_tok)
+    assert need["ours-disk"] == need["lmcache-disk"] == serve.DISK_BYTES
+    assert need["native-fs"] == 40 * load.final_context(load.prefix_avg) * per_tok  # one pass, ~24.2 GiB
+    serve.check_disk(need, 80 * GiB)
+    with pytest.raises(serve.PlanError, match=r"need up to 72\.2 GiB .* 60\.0 GiB free .*GPU_E2E_DISK_BYTES"):
+        serve.check_disk(need, 60 * GiB)
+    two = serve.disk_need(serve.plan_servers("uniform", ["ours", "ours-disk", "lmcache", "lmcache-disk"], load, H200,
+                                             HOST), load, per_tok)
+    assert two == {"ours-disk": 24 * GiB, "lmcache-disk": 24 * GiB}
+    serve.check_disk(two, 55 * GiB)
+    assert serve.disk_need(serve.plan_servers("uniform", ["off", "lmcache"], load, H200, HOST), load, per_tok) == {}
+    # run_serve refuses before any server starts
+    monkeypatch.setattr(serve, "DISK_ROOT", tmp_path / "disk")
+    monkeypatch.setattr(serve.shutil, "disk_usage", lambda p: type("U", (), {"free": 30 * GiB})())
+    monkeypatch.setattr(stage, "lmcache_ready", lambda target=None: True)
+    monkeypatch.setattr(serve, "start_servers", lambda *a, **k: pytest.fail("no server may start"))
+    a = _client(tmp_path)
+    res = serve.run_serve("uniform", load, ["ours-disk", "lmcache-disk"], a, tmp_path / "w", tmp_path / "o",
+                          serve.Budget(600), H200, HOST)
+    assert res["errors"][0]["label"] == "-" and "disk tiers need up to 48.0 GiB" in res["errors"][0]["error"]
