@@ -147,8 +147,8 @@ def test_lmcache_log_lines_parsed():
     assert "no lookup" in serve.lmcache_failure(serve.lmcache_log_info(VLLM_LINES))
     zero = serve.lmcache_log_info(hit_line("a", 900, 0, 0, 0) + "\n" + hit_line("b", 900, 0, 0, 0))
     assert zero["lookups"] == 2 and "no hit tokens" in serve.lmcache_failure(zero)
-    on_device = serve.lmcache_log_info(hit_line("a", 900, 768, 768, 0))
-    assert "loaded no token" in serve.lmcache_failure(on_device)
+    on_device = serve.lmcache_log_info(hit_line("a", 900, 768, 768, 0))  # hits the device still held: a number
+    assert on_device["loaded_tokens"] == 0 and serve.lmcache_failure(on_device) is None
     assert serve.server_log_info(VLLM_LINES + DEGRADED)["lmcache"]["degraded"] is True
     assert "lmcache" not in serve.server_log_info("GPU KV cache size: 1,024 tokens")
 
