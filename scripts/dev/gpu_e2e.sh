@@ -63,7 +63,7 @@ case "$cmd" in
     "$PY" -m benchmarks.gpu_e2e.stage install || exit $?
     # LMCache, when staged: its compiled extension and vLLM adapter must load against this torch and vLLM
     if [ -f "$LMCACHE_SITE/.gpu_e2e_ready" ]; then
-      PYTHONPATH="$ROOT:$SITE:$LMCACHE_SITE" timeout 240 "$PY" -c "from importlib.metadata import version
+      LMCACHE_TRACK_USAGE=false PYTHONPATH="$ROOT:$SITE:$LMCACHE_SITE" timeout 240 "$PY" -c "from importlib.metadata import version
 import lmcache.c_ops
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 print('[install] LMCache', version('lmcache'), 'imports (c_ops, vllm_v1_adapter) beside vLLM', version('vllm'))" 2>&1 | tail -4 \
@@ -88,5 +88,5 @@ print('[install] LMCache', version('lmcache'), 'imports (c_ops, vllm_v1_adapter)
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    sed -n 2,9p "$0"; exit 2 ;;
+    sed -n 2,10p "$0"; exit 2 ;;
 esac
