@@ -734,20 +734,23 @@ def serve_one_table(res: dict) -> str:
         note = f"FAILED in {len(failed)} pass(es): {failed[0]['failed']}"[:160] if failed else ""
         if not runs:
             err = note or next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
-            rows.append([label, 0] + ["-"] * 12 + [str(err).splitlines()[0][:160]])
+            rows.append([label, 0] + ["-"] * 13 + [str(err).splitlines()[0][:160]])
             continue
         med = lambda f: _med([f(r) for r in runs])  # noqa: E731
         m = lambda k: med(lambda r: r.get("metrics", {}).get(k))  # noqa: E731
         gib = lambda x: "-" if x is None else f"{x / 2**30:.2f}"  # noqa: E731
         rows.append([label, len(runs)] + [_f(med(f), "{:,.2f}" if name == "req/s" else "{:,.1f}")
                                           for name, f in SERVE_METRICS]
-                    + [_f(m("external_hits"), "{:,.0f}"), _f(m("prefix_hits"), "{:,.0f}"),
+                    + [_f(m("external_hits"), "{:,.0f}"),
+                       # vLLM's tokens by source where it has them (prefix_hits counts a deferred request's retries)
+                       _f(m("prompt_local_cache_hit") if m("prompt_local_cache_hit") is not None else m("prefix_hits"),
+                          "{:,.0f}"), _f(m("prompt_local_compute"), "{:,.0f}"),
                        f"{gib(m('load_bytes'))} / {_f(m('load_s'), '{:.2f}')}",
                        f"{gib(m('store_bytes'))} / {_f(m('store_s'), '{:.2f}')}",
                        _f(m("preemptions"), "{:,.0f}"), _f(med(lambda r: r["summary"].get("empty_outputs")), "{:.0f}"),
                        note])
     head = ["server", "passes", "req/s", "later TTFT p50 ms", "p90 ms", "p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-            "host-hit tok", "device-hit tok", "loaded GiB / s", "stored GiB / s", "preempted", "empty outputs",
+            "host-hit tok", "device-hit tok", "computed tok", "loaded GiB / s", "stored GiB / s", "preempted", "empty outputs",
             "note"]
     text = table(head, rows)
     # paired

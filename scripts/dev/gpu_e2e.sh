@@ -35,6 +35,7 @@ case "$cmd" in
     cp -r vllm_npu_offload benchmarks csrc_cuda csrc_common "$GPU_E2E_DIR/e2e_src/" && cp scripts/dev/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/dev/"
     cp -r "$GPU_E2E_DIR/vllm_multi_turn" "$GPU_E2E_DIR/e2e_src/vllm_multi_turn"
     find "$GPU_E2E_DIR/e2e_src" \( -name __pycache__ -o -name '*.so' \) -prune -exec rm -rf {} +
+    rm -rf "$GPU_E2E_DIR/lmcache"  # LMCache's wheels travel in the parts (stage.py), not in a folder of their own
     echo "code copy: $GPU_E2E_DIR/e2e_src ($(du -sh "$GPU_E2E_DIR/e2e_src" | cut -f1))"
     # what one stage call carries: the checkout's tree (tracked + untracked-not-ignored) + a part + e2e_src
     tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null \
