@@ -136,6 +136,17 @@ def lmcache_path(base: str | None = None, site: str = str(LMCACHE_SITE)) -> str:
     return os.pathsep.join(parts + [site])
 
 
+def add_to_sys_path(pythonpath: str, path: list[str] = sys.path) -> None:
+    """The entries of ``pythonpath`` this process lacks, where a fresh interpreter would put them: after the
+    PYTHONPATH entries it has (before the interpreter's own site-packages), in ``pythonpath``'s order."""
+    entries = [p for p in pythonpath.split(os.pathsep) if p]
+    at = max((path.index(p) + 1 for p in entries if p in path), default=1)
+    for p in entries:
+        if p not in path:
+            path.insert(at, p)
+            at += 1
+
+
 @dataclass
 class EngineSpec:
     label: str
@@ -325,7 +336,7 @@ def _child(conn, spec: EngineSpec) -> None:
     env = spec.child_env()
     os.environ.update(env)
     if spec.kind in LMCACHE_KINDS:  # importable here (and in vLLM's worker processes, through PYTHONPATH)
-        sys.path.extend(p for p in env["PYTHONPATH"].split(os.pathsep) if p and p not in sys.path)
+        add_to_sys_path(env["PYTHONPATH"])
     try:
         if spec.cpus:  # before the engine exists: its threads inherit the mask
             os.sched_setaffinity(0, spec.cpus)

@@ -106,6 +106,10 @@ def test_kv_transfer_config_and_engine_env():
     env = spec.child_env()
     assert {k: env[k] for k in LMC_ENV} == LMC_ENV and env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "2.000"
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(stage.LMCACHE_SITE)
+    path = ["/x/run", "/repo", "/tmp/site", "/usr/lib/python3.12", "/usr/lib/python3/dist-packages"]
+    engine.add_to_sys_path(f"/repo:/tmp/site:{stage.LMCACHE_SITE}", path)  # as the engine process does
+    assert path == ["/x/run", "/repo", "/tmp/site", str(stage.LMCACHE_SITE), "/usr/lib/python3.12",
+                    "/usr/lib/python3/dist-packages"]  # where PYTHONPATH would have put it: as the servers
     ours = engine.EngineSpec("ours", "ours", "m", env={"A": "1"})
     assert ours.child_env() == {"A": "1"}  # LMCache's folder and variables for LMCache engines only
 
