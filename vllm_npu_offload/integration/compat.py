@@ -501,8 +501,8 @@ def engine_facts(args: tuple, kwargs: dict) -> EngineFacts:
                        str(dtype), int(getattr(par, "rank", 0)), int(par.world_size))
 
 
-def disk_metric_definitions(counters, gauges) -> dict:
-    """vLLM's metric metadata for the disk tier's (name, field, help) rows; empty before 0.28."""
+def tier_metric_definitions(counters, gauges) -> dict:
+    """vLLM's metric metadata for a lower tier's (name, field, help) rows; empty before 0.28."""
     counter = getattr(_base, "OffloadingCounterMetadata", None)
     gauge = getattr(_base, "OffloadingGaugeMetadata", None)
     if counter is None or gauge is None:

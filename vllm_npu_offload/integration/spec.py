@@ -32,7 +32,7 @@ from .options import (
     staging_bytes_option,
     validate_extra_config,
 )
-from .tiered_manager import DISK_COUNTERS, DISK_GAUGES, TieredManager
+from .tiered_manager import TieredManager, tier_metrics
 from .workers import NPUOffloadingWorker, handler_pair
 from ..tiers.contract import RecordIdentity
 from ..tiers.channel import socket_path
@@ -163,7 +163,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
         """vLLM >= 0.28's metrics of the host tier, plus the disk tier's when it is configured."""
         defs = dict(super().build_metric_definitions(extra_config))
         if extra_config.get("disk_path"):
-            defs.update(compat.disk_metric_definitions(DISK_COUNTERS, DISK_GAUGES))
+            defs.update(compat.tier_metric_definitions(*tier_metrics("disk")))
         return defs
 
     def get_manager(self):
@@ -173,12 +173,12 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             return host
         if self._tier_manager is None:
             bpc = self.geometry[0]
-            self._tier_manager = TieredManager(host, DiskTier(DiskTierConfig(
+            self._tier_manager = TieredManager(host, [DiskTier(DiskTierConfig(
                 root=self._disk.path, budget_bytes=self._disk.budget_bytes, world_size=self._facts.world_size,
                 engine_id=self._facts.engine_id, tokens_per_key=bpc * (self._engine_block_size or 1),
                 read_timeout_s=self._disk.read_timeout_s, read_queue_s=self._disk.read_queue_s,
                 prefill_tokens_per_s=self._disk.prefill_tokens_per_s,
-                rescan_s=self._disk.rescan_s, admit=self._disk.admit)))
+                rescan_s=self._disk.rescan_s, admit=self._disk.admit))])
         return self._tier_manager
 
     def get_worker(self, kv_caches):

@@ -15,6 +15,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Protocol
 
 # Bump when the meaning of a record's bytes or header changes: old records then stop matching.
 RECORD_LAYOUT_VERSION = 1
@@ -139,4 +140,39 @@ class TierStats:
         self.by_failure[name] = self.by_failure.get(name, 0) + 1
 
 
-__all__ = ["Done", "Failure", "Hello", "Op", "Order", "RECORD_LAYOUT_VERSION", "RecordIdentity", "TierStats"]
+@dataclass
+class Completion:
+    """An order that ended on every rank: a read's chunk now holds the verified key, or not."""
+
+    key: bytes
+    op: Op
+    ok: bool
+    chunk: int
+
+
+class LowerTier(Protocol):
+    """What the scheduler-side manager asks of a tier below host memory. Every call returns at once:
+    I/O runs on the ranks' threads, answers come back through ``poll``."""
+
+    name: str  # in logs and metric names ("disk", "mooncake")
+    admit: str  # "all" | "reuse" (integration/tiered_manager.py)
+    abandoned: set[bytes]  # keys whose read passed its deadline: misses until the read ends
+    stats: TierStats
+
+    def has(self, key: bytes) -> bool: ...
+    def looking_up(self, key: bytes) -> bool: ...  # whether it has ``key`` is not known yet
+    def reading(self, key: bytes) -> bool: ...
+    def worth_reading(self) -> bool: ...  # the cost rule for one more read now
+    def start_read(self, key: bytes, chunk: int) -> bool: ...
+    def may_write(self) -> bool: ...
+    def wants_write(self, key: bytes) -> bool: ...
+    def start_write(self, key: bytes, chunk: int) -> bool: ...
+    def poll(self) -> list[Completion]: ...
+    def in_flight(self) -> int: ...
+    def drain(self, timeout_s: float) -> list[Completion]: ...
+    def describe_rate(self) -> str: ...
+    def close(self) -> None: ...
+
+
+__all__ = ["Completion", "Done", "Failure", "Hello", "LowerTier", "Op", "Order", "RECORD_LAYOUT_VERSION",
+           "RecordIdentity", "TierStats"]

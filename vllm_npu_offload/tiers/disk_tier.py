@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .channel import connect, socket_path
-from .contract import Done, Failure, Hello, Op, Order, TierStats
+from .contract import Completion, Done, Failure, Hello, Op, Order, TierStats
 from .disk_index import DiskIndex, scan
 from .disk_io import RecordFiles
 from .record import HEADER_BYTES
@@ -83,14 +83,6 @@ class DiskTierConfig:
 
 
 @dataclass
-class Completion:
-    key: bytes
-    op: Op
-    ok: bool
-    chunk: int
-
-
-@dataclass
 class _Pending:
     key: bytes
     op: Op
@@ -104,8 +96,13 @@ class _Pending:
 
 
 class DiskTier:
+    """A ``LowerTier`` (contract.py) over every rank's ``DiskTierServer``."""
+
+    name = "disk"
+
     def __init__(self, cfg: DiskTierConfig):
         self.cfg = cfg
+        self.admit = cfg.admit
         self.stats = TierStats()
         self.index: DiskIndex | None = None
         self.files: RecordFiles | None = None
@@ -304,6 +301,12 @@ class DiskTier:
     def reading(self, key: bytes) -> bool:
         return key in self._reads
 
+    def looking_up(self, key: bytes) -> bool:
+        return False  # the index is local: known at once
+
+    def describe_rate(self) -> str:
+        return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s"
+
     def writing(self, key: bytes) -> bool:
         return key in self._writes
 
@@ -388,4 +391,4 @@ class DiskTier:
                     pass
 
 
-__all__ = ["Completion", "DiskTier", "DiskTierConfig", "ReadRate"]
+__all__ = ["DiskTier", "DiskTierConfig", "ReadRate"]
