@@ -183,14 +183,16 @@ def part_smoke_serve(work: Path, a, budget: Budget, meta: dict) -> dict:
 WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, after reset"}
 
 
-def correctness_plan(layouts: list[str]) -> list[tuple[str, str, str, str]]:
+def correctness_plan(layouts: list[str], lmcache: bool = False) -> list[tuple[str, str, str, str]]:
     """(label, layout, kind, dtype) of the correctness engines: float32 where the layout's kernels
     take it (off, native, ours, and the Simple connectors on the uniform model), bfloat16 native and
     ours everywhere (MLA: bfloat16 only, with off). perlayer shares uniform's off-fp32 engine (same
     tiny model) when both run. ``ours-staged`` is ours with every transfer staged
     (``STAGED_ENV``): the tiny models' transfers are below the calibrated threshold, so without it
     the staged gather/scatter and group-major host records never meet real vLLM here. ``layerwise``
-    (ours loading layer by layer inside the step) runs where the layout has one KV-cache group."""
+    (ours loading layer by layer inside the step) runs where the layout has one KV-cache group.
+    ``lmcache`` (``--lmcache``): LMCache's connector on the uniform model in float32, checked against
+    off like the others (its own connector: the layouts' connectors do not apply)."""
     out = []
     for name in layouts:
         lay = LAYOUTS[name]
@@ -202,6 +204,8 @@ def correctness_plan(layouts: list[str]) -> list[tuple[str, str, str, str]]:
             out += [(f"{name}/{k}-fp32", name, k, "float32") for k in kinds32]
         out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] + lw if lay.fp32 else
                                                                      ["off", "native", "ours", "ours-staged"] + lw)]
+        if lmcache and name == "uniform":
+            out.append(("uniform/lmcache-fp32", name, "lmcache", "float32"))
     return out
 
 
@@ -244,6 +248,9 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
             if not c["staged"]:
                 c.update(error=f"not every transfer staged: {[w.get('staged_from_blocks') for w in cores]}",
                          **{"pass": False})
+        if "lmcache" in engine and key == "r2" and not c["host_tokens"]:  # LMCache falls back to recompute silently
+            c.update(error="LMCache served no hit after the reset (degraded mode, or it stored nothing): recomputed, "
+                           "not loaded", **{"pass": False})
         if "layerwise" in engine and key == "r2":  # its reloads must really have gone layer by layer
             lw = run.get("worker", {}).get("layerwise") or {}
             c["layerwise"] = lw
@@ -263,6 +270,9 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
             check("float32", f"{name}/{k}-fp32", "r3", off32, "r1", expect_equal=False)
         if lw:  # the same tokens as the asynchronous path
             check("float32", f"{name}/layerwise-fp32", "r2", f"{name}/ours-fp32", "r2")
+        if f"{name}/lmcache-fp32" in runs:  # --lmcache: equal to off, first run and after reset (with hits)
+            check("float32", f"{name}/lmcache-fp32", "r1", off32, "r1", need_host=False)
+            check("float32", f"{name}/lmcache-fp32", "r2", off32, "r1")
     else:
         for k in ["native", "ours", "ours-staged"] + lw:  # no hit in the first run: the same computation as off
             check("bfloat16", f"{name}/{k}-bf16", "r1", f"{name}/off-bf16", "r1", need_host=False)
@@ -333,7 +343,7 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     device prefix cache reset) a run served from host; float32 tokens must equal offload off, bfloat16
     ours must equal native; one host page of ours corrupted must change the tokens."""
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
-    plan = correctness_plan(a.layouts)
+    plan = correctness_plan(a.layouts, getattr(a, "lmcache", False))
     models = {name: build_tiny(work / f"tiny-{LAYOUTS[name].shape}", LAYOUTS[name].shape) for name in a.layouts}
     cpu_bytes = GiB  # host KV of every offloading engine, all ranks together (the per-rank check's total)
     specs = []
@@ -405,11 +415,12 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
 
 
 def pool_labels(a, name: str) -> list[tuple[str, str, dict]]:
-    """(label, kind, env) of a layout's pool: off, native and ours (plus --null, --layerwise, --variant;
-    less --no-off, --no-native)."""
+    """(label, kind, env) of a layout's pool: off, native and ours (plus --null, --layerwise, --lmcache,
+    --variant; less --no-off, --no-native)."""
     base = ([] if a.no_off else ["off"]) + (["ours"] if a.no_native else ["native", "ours"]) \
         + (["null"] if a.null else [])
     base += ["layerwise"] if a.layerwise and LAYOUTS[name].layerwise else []
+    base += ["lmcache"] if getattr(a, "lmcache", False) else []
     return [(k, k, {}) for k in base] + [(label, "ours", env) for label, env in a.variant]
 
 
@@ -504,7 +515,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
     # --variant engines (ours with other settings) reload in turn with the rest, each compared with ours
     variants = tuple(label for label, _ in a.variant if label in procs)
     res["variants"] = {label: env for label, env in a.variant if label in variants}
-    kinds = ("native", "ours") + (("layerwise",) if "layerwise" in procs else ()) + variants
+    lmc = ("lmcache",) if "lmcache" in procs else ()  # --lmcache: LMCache reloads in turn with the others
+    kinds = ("native", "ours") + (("layerwise",) if "layerwise" in procs else ()) + lmc + variants
     for L in a.ttft_lengths:
         if budget is not None and not budget.allows(60 + L / 1000 * 4):
             res["errors"][f"cut-{L}"] = f"not run: {budget.left():.0f}s left in the call's time budget"
@@ -563,6 +575,9 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         for kind in ("layerwise",) + variants:
             if runs.get(kind):
                 row[f"{kind}_load_s"] = statistics.median(g["load_s"] for g in runs[kind])
+        if lmc:  # a reload in which LMCache served no hit recomputed the prompt: its TTFT is then no number
+            row["lmcache_failed"] = lmcache_ttft_failure(row.get("lmcache_host_tokens") or [],
+                                                         res["errors"].get(f"lmcache-{L}"))
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its
@@ -582,6 +597,17 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
         res["errors"]["worker_info"] = str(e)
     return res
 
+
+
+def lmcache_ttft_failure(host_tokens: list[int], error: str | None = None) -> str | None:
+    """Why LMCache's reload TTFT at one length is no number: an error, no timed reload, or reloads in which
+    LMCache served no token (degraded mode or nothing stored: it recomputed); None when every reload hit."""
+    if error:
+        return f"error: {error.splitlines()[0][:200]}"
+    if not host_tokens:
+        return "no timed reload"
+    miss = sum(1 for t in host_tokens if not t)
+    return f"LMCache served no hit in {miss} of {len(host_tokens)} reloads" if miss else None
 
 
 def rotated(kinds: list[str], r: int) -> list[str]:
@@ -858,6 +884,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the cost into vLLM's connector (null vs off) and the copies (native/ours vs null); "
                          "not with ttft (a reload would stop it). With multiturn: a "
                          "fourth server, for workloads with no offload hits only (its first load stops it)")
+    ap.add_argument("--lmcache", action="store_true",
+                    help="add LMCache (LMCacheConnectorV1, its host KV the same bytes as native's and ours') to "
+                         "correctness (uniform, float32: equal to off, with LMCache hits after the reset) and to the "
+                         "ttft/miss pool (reloads in turn with native and ours); needs LMCache staged")
     ap.add_argument("--kv-gib", type=int, default=0,
                     help="device KV per pool engine (GiB); 0: enough for the longest TTFT prompt and the miss batch")
     ap.add_argument("--cpu-gib", type=int, default=0,
@@ -870,9 +900,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"serve: client counts, comma-separated (sizes in serve.LOADS: {sorted(LOADS)}; others scaled)")
     ap.add_argument("--servers", default="",
                     help="serve: servers, comma-separated, of off native ours layerwise simple vsimple upper null, "
+                         "the disk tiers ours-disk native-fs, LMCache's lmcache lmcache-disk (when staged), "
                          "or LAYOUT:KIND for native/ours/layerwise through another layout of the same model, or "
-                         "ours/VARIANT "
-                         "(ours with run-time variables: serve.VARIANTS); default per layout: "
+                         "ours/VARIANT (ours with run-time variables: serve.VARIANTS), ours-disk/VARIANT "
+                         "(serve.DISK_VARIANTS); default per layout: "
                          + "; ".join(f"{k}: {v}" for k, v in DEFAULT_SERVERS.items()))
     ap.add_argument("--passes", type=int, default=3, help="serve: passes (servers take turns, new texts each)")
     ap.add_argument("--seed", type=int, default=0, help="serve: seed of the corpora (new texts per pass)")
@@ -910,7 +941,9 @@ def part_serve(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
             write = lambda r, done=list(res["runs"]): write_part(out, "serve", {**res, "runs": done + [r]})  # noqa: E731
             res["runs"].append(run_serve(name, load, names, a, work, out, budget, meta.get("gpu_bytes", 0),
                                          meta.get("host_bytes", 0), write=write))
-    res["ok"] = bool(res["runs"]) and all(not r["errors"] and r["runs"] for r in res["runs"])
+    # an LMCache pass that ran degraded or without hits is failed (serve.lmcache_failure)
+    res["ok"] = bool(res["runs"]) and all(not r["errors"] and r["runs"] and not any(x.get("failed") for x in r["runs"])
+                                          for r in res["runs"])
     return res
 
 
@@ -935,6 +968,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_off and ({"miss", "correctness", "smoke"} & set(parts)):
         print("error: --no-off is for ttft only (miss and correctness compare with offload off)", file=sys.stderr)
         return 2
+    if a.lmcache:
+        from .stage import LMCACHE_SITE, lmcache_status, lmcache_ready
+
+        if not lmcache_ready(LMCACHE_SITE):
+            print(f"error: --lmcache: {lmcache_status(LMCACHE_SITE)}", file=sys.stderr)
+            return 2
     if a.cpus and a.mt_reps > 1 and "multiturn" in parts:
         print("error: --cpus with --mt-reps > 1 puts every server, up at once, on the same CPUs; idle vLLM servers "
               "still use CPU there (TPOT doubled in the one run that tried it): leave --cpus out", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import forward_profile, ranks, timeline
+from .stage import LMCACHE_SITE
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
@@ -38,6 +40,12 @@ def layerwise_extra() -> dict:
 
 KINDS = ("off", "native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs", "lmcache",
          "lmcache-disk")
+# LMCache (vLLM's LMCacheConnectorV1 running LMCache's own adapter; ``use_native`` unset): its sizes and
+# paths are read from its environment (``lmcache_env``), and it is imported from LMCACHE_SITE, which only
+# these engines and servers get on their path (after vLLM's site: LMCache's declared dependencies are
+# not installed, vLLM's stay)
+LMCACHE_KINDS = ("lmcache", "lmcache-disk")
+LMCACHE_CHUNK = 256  # tokens per LMCache chunk (its default; stores and hits are whole chunks)
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -72,15 +80,16 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
     native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector).
     ours-disk: ours with its disk tier in ``disk_dir`` (budget ``disk_bytes``); native-fs: vLLM's
-    TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget); lmcache,
-    lmcache-disk: vLLM's LMCacheConnectorV1 (LMCache's own adapter), configured by its environment."""
+    TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget). lmcache,
+    lmcache-disk: ``LMCacheConnectorV1`` alone; LMCache reads its configuration from the
+    environment (``lmcache_env``: host bytes, disk folder and budget)."""
     if kind == "off":
         return None
+    if kind in LMCACHE_KINDS:
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if kind == "simple":
         return {"kv_connector": "NPUSimpleCPUOffloadConnector", "kv_connector_module_path": SIMPLE_MODULE,
                 "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
-    if kind in ("lmcache", "lmcache-disk"):  # sizes and paths go in its environment (serve.lmcache_env)
-        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if kind == "vsimple":
         return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
@@ -104,6 +113,40 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
     return out
 
 
+def lmcache_env(cpu_bytes: int, tp: int = 1, disk_dir: str | None = None, disk_bytes: int = 0) -> dict[str, str]:
+    """LMCache's configuration for an engine or server: ``cpu_bytes`` of host KV (all ranks together,
+    as ``cpu_bytes_to_use``; LMCache's size is per rank, in GiB), 256-token chunks, usage reports off;
+    with ``disk_dir``, its local disk tier there with ``disk_bytes`` (all ranks together)."""
+    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": str(LMCACHE_CHUNK), "LMCACHE_LOCAL_CPU": "True",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": _gib(cpu_bytes / tp)}
+    if disk_dir:
+        env.update(LMCACHE_LOCAL_DISK=f"file://{disk_dir.rstrip('/')}/", LMCACHE_MAX_LOCAL_DISK_SIZE=_gib(disk_bytes / tp))
+    return env
+
+
+def _gib(nbytes: float) -> str:
+    """Bytes as LMCache's float GiB, rounded down to 1/1000 GiB (never above the planned bytes)."""
+    return f"{int(nbytes / (1 << 30) * 1000) / 1000:.3f}"
+
+
+def lmcache_path(base: str | None = None, site: str = str(LMCACHE_SITE)) -> str:
+    """PYTHONPATH with LMCache's folder after what is there (``base``: the current PYTHONPATH)."""
+    base = os.environ.get("PYTHONPATH", "") if base is None else base
+    parts = [p for p in base.split(os.pathsep) if p and p != site]
+    return os.pathsep.join(parts + [site])
+
+
+def add_to_sys_path(pythonpath: str, path: list[str] = sys.path) -> None:
+    """The entries of ``pythonpath`` this process lacks, where a fresh interpreter would put them: after the
+    PYTHONPATH entries it has (before the interpreter's own site-packages), in ``pythonpath``'s order."""
+    entries = [p for p in pythonpath.split(os.pathsep) if p]
+    at = max((path.index(p) + 1 for p in entries if p in path), default=1)
+    for p in entries:
+        if p not in path:
+            path.insert(at, p)
+            at += 1
+
+
 @dataclass
 class EngineSpec:
     label: str
@@ -124,6 +167,13 @@ class EngineSpec:
     attention_backend: str = "TRITON_ATTN"
     connector: tuple[str, str] | None = None  # replaces OffloadingConnector (kv_transfer_config)
     tp: int = 1  # tensor_parallel_size (> 1: one worker process per GPU; ranks.py reaches them)
+
+    def child_env(self) -> dict[str, str]:
+        """The engine process's variables besides ENV: ``env``, and for LMCache its configuration and
+        its folder on the path (read by ``_child`` before the engine exists)."""
+        if self.kind not in LMCACHE_KINDS:
+            return dict(self.env)
+        return {**lmcache_env(self.cpu_bytes, self.tp), "PYTHONPATH": lmcache_path(), **self.env}
 
     def llm_kwargs(self) -> dict:
         kw = dict(model=self.model, dtype=self.dtype, load_format=self.load_format, max_model_len=self.max_model_len,
@@ -283,7 +333,10 @@ def engine_kv_info(llm) -> dict:
 def _child(conn, spec: EngineSpec) -> None:
     os.environ.update(ENV)
     os.environ.update(CACHE_ENV)
-    os.environ.update(spec.env)
+    env = spec.child_env()
+    os.environ.update(env)
+    if spec.kind in LMCACHE_KINDS:  # importable here (and in vLLM's worker processes, through PYTHONPATH)
+        add_to_sys_path(env["PYTHONPATH"])
     try:
         if spec.cpus:  # before the engine exists: its threads inherit the mask
             os.sched_setaffinity(0, spec.cpus)

@@ -8,9 +8,10 @@ texts in every pass.
 
 One call serves one layout (its model) at one or more loads. For each load, the chosen servers
 (off, native, ours, layerwise = ours loading layer by layer, simple = our Simple connector, vsimple =
-vLLM's SimpleCPUOffloadConnector, upper = offload off with device KV for every conversation, and
-``LAYOUT:KIND`` for native/ours/layerwise through another layout of the same model, e.g.
-``perlayer:ours``) start together with device KV sized in
+vLLM's SimpleCPUOffloadConnector, upper = offload off with device KV for every conversation, the disk
+tiers ours-disk and native-fs, LMCache as lmcache and lmcache-disk, and ``LAYOUT:KIND`` for
+native/ours/layerwise through another layout of the same model, e.g. ``perlayer:ours``) start
+together with device KV sized in
 tokens (``Load``), so that the active conversations do not fit, and stay up; then the passes: every
 server takes the same workload in turn, the one going first alternates, each pass with new texts.
 Per run: the client's per-request stats and vLLM's /metrics before and after (prefix-cache and
@@ -35,7 +36,7 @@ from typing import Any
 
 from benchmarks.multiturn.procs import io_bytes
 
-from .engine import CACHE_ENV, ENV, kv_transfer_config
+from .engine import CACHE_ENV, ENV, LMCACHE_KINDS, kv_transfer_config, lmcache_env, lmcache_path
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
 
@@ -44,42 +45,28 @@ CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_ut
 CLIENT_DIR = ROOT / "vllm_multi_turn"  # where prepare puts them (in the device's code copy)
 SOURCE_JSON = "SOURCE.json"  # {"sdist": name, "sdist_sha256": ..., "files": {name: sha256}}
 GiB = 1 << 30
-OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs", "lmcache",
-              "lmcache-disk")
+OFFLOADERS = ("native", "ours", "layerwise", "simple", "vsimple", "null", "ours-disk", "native-fs") + LMCACHE_KINDS
 DISK_KINDS = ("ours-disk", "native-fs", "lmcache-disk")
-# LMCache 0.5.3 (the release built against this torch), installed --no-deps beside vLLM's site:
-# `gpu_e2e.sh lmcache` puts it here; only LMCache servers get it on their PYTHONPATH
-LMCACHE_SITE = Path(os.environ.get("GPU_E2E_LMCACHE_SITE", "/tmp/site_lmcache"))
-LMCACHE_KINDS = ("lmcache", "lmcache-disk")
-# LMCache's own adapter logs every lookup; one that failed to start serves on, recomputing everything
-_LMC_HITS = re.compile(r"LMCache hit tokens: (\d+), need to load: (-?\d+)")
-_LMC_DEGRADED = "degraded mode"
-# Disk tiers' folders (a disk-backed path: /dev/shm is memory) and ours' budget; native-fs has none, so
-# its folder is emptied before every pass (each pass has new texts: nothing in it could hit again)
+# Disk tiers' folders (a disk-backed path: /dev/shm is memory), emptied before the servers start, and the
+# budget of ours and LMCache (all ranks together); native-fs has none, so its folder is emptied before
+# every pass too (each pass has new texts: nothing in it could hit again). LMCache's is not emptied under
+# it: LMCache indexes its files in memory and its eviction removes them (os.remove, 0.5.3's
+# LocalDiskBackend.remove), which raises for a file deleted behind it; its budget bounds it, as ours'.
 DISK_ROOT = Path(os.environ.get("GPU_E2E_DISK_ROOT", "/var/tmp/npu_offload_disk"))
 DISK_BYTES = int(os.environ.get("GPU_E2E_DISK_BYTES", str(24 << 30)))
+DISK_MARGIN = 2 << 30  # left free besides the tiers: compile caches, logs and the client's files share the disk
 SERVER_KINDS = ("off", "upper") + OFFLOADERS
 # "ours-disk/VARIANT": the disk tier with other kv_connector_extra_config values, beside the default
 DISK_VARIANTS: dict[str, dict] = {
     "q0.5": {"disk_read_queue_s": 0.5}, "q2.5": {"disk_read_queue_s": 2.5},  # the cost rule's queue
     "reuse": {"disk_admit": "reuse"},
 }
-# "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call)
+# "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call);
+# only variables the package reads (vllm_npu_offload/env.py)
 VARIANTS: dict[str, dict[str, str]] = {
     "dstore": {"NPU_OFFLOAD_STAGED_STORES": "0"},  # stores direct on the copy engines, no SM gather
     "sstore": {"NPU_OFFLOAD_STAGED_STORES": "1"},  # stores staged from the measured size (CUDA default before 2026-11-26)
     "dload": {"NPU_OFFLOAD_STAGED": "0"},  # loads direct too (batch DMA into the pages, no SM scatter)
-    "dgat": {"NPU_OFFLOAD_STAGE_GATHER": "dma"},  # staged, but gather/scatter by device-to-device DMA
-    "sthread": {"NPU_OFFLOAD_SUBMIT_THREAD": "1"},  # direct stores enqueued by a thread, not the engine's
-    "sm4": {"NPU_OFFLOAD_STAGE_PROGRAMS": "4"},  # the staged gather/scatter on 4 SMs instead of 16
-    "sm2": {"NPU_OFFLOAD_STAGE_PROGRAMS": "2"},
-    "sm16": {"NPU_OFFLOAD_STAGE_PROGRAMS": "16"},
-    "st2": {"NPU_OFFLOAD_STAGE_STORE_PROGRAMS": "2"},  # stores' gather on 2 SMs, loads' scatter on 16
-    # the engine orders staged transfers through torch: a load's link copies wait for the model's step
-    # in flight too (before 2026-11-27 the library's order did the same)
-    "eorder": {"NPU_OFFLOAD_STAGE_ORDER": "engine"},
-    "npoll": {"NPU_OFFLOAD_NATIVE_POLL": "1"},  # the engine's poll through the library (one call a job)
-    "notime": {"NPU_OFFLOAD_EVENT_TIMING": "0"},  # the engine's events without timing (host seconds)
 }
 # Per server besides weights and KV: CUDA context, activations for 8192 batched tokens, CUDA graphs.
 GPU_OVERHEAD = 3 * GiB
@@ -194,6 +181,7 @@ class ServerPlan:
     env: tuple[tuple[str, str], ...] = ()  # run-time variables of a variant ("ours/dstore")
     tp: int = 1  # tensor_parallel_size: device_kv_bytes and gpu_bytes are per GPU, cpu_bytes all ranks
     extra: tuple[tuple[str, Any], ...] = ()  # kv_connector_extra_config of a variant ("ours-disk/q2.5")
+    # lmcache kinds: LMCache's configuration (engine.lmcache_env), set by plan_servers from the final cpu_bytes
 
     @property
     def disk_dir(self) -> Path | None:
@@ -226,10 +214,8 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     if LAYOUTS[lay].shape != LAYOUTS[layout].shape:
         raise PlanError(f"server {name!r}: layout {lay} serves {LAYOUTS[lay].shape}, this run serves "
                         f"{LAYOUTS[layout].shape} ({layout}); one model per run")
-    if lay != layout and kind not in ("native", "ours", "layerwise", "null", "ours-disk", "native-fs", "lmcache",
-                                      "lmcache-disk"):
-        raise PlanError(f"server {name!r}: only native/ours/layerwise/null/lmcache and the disk kinds take "
-                        "another layout's connector")
+    if lay != layout and kind not in ("native", "ours", "layerwise", "null", "ours-disk", "native-fs"):
+        raise PlanError(f"server {name!r}: only native/ours/layerwise/null take another layout's connector")
     if kind == "layerwise" and not LAYOUTS[lay].layerwise:
         raise PlanError(f"server {name!r}: layer-wise loads need one KV-cache group; {lay} has "
                         f"{LAYOUTS[lay].kv_groups}")
@@ -251,6 +237,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
     for name in names:
         lay, kind, variant = parse_server(name, layout)
         label = (kind if lay == layout else f"{lay}:{kind}") + (f"/{variant}" if variant else "")
+        # (a LAYOUT: prefix is refused for lmcache kinds by parse_server: LMCache brings its own connector)
         if label in seen:
             raise PlanError(f"server {label!r} given twice")
         seen.add(label)
@@ -259,9 +246,8 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
         env = VARIANTS.get(variant, {}) if kind == "ours" else {}
         extra = DISK_VARIANTS.get(variant, {}) if kind == "ours-disk" else {}
-        plan = ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp), tuple(env.items()), tp,
-                          tuple(extra.items()))
-        plans.append(plan)
+        plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
+                                tuple(env.items()), tp, tuple(extra.items())))
     offloaders = [p for p in plans if p.cpu_bytes]
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
@@ -275,7 +261,9 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
                 f"servers per call")
         cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
         plans = [replace(p, cpu_bytes=min(p.cpu_bytes, cap)) if p.cpu_bytes else p for p in plans]
-    plans = [replace(p, env=tuple(lmcache_env(p).items())) if p.kind in LMCACHE_KINDS else p for p in plans]
+    # LMCache reads its sizes from its environment: the host bytes as capped, the disk budget of ours-disk
+    plans = [replace(p, env=tuple(lmcache_env(p.cpu_bytes, p.tp, str(p.disk_dir) if p.disk_dir else None,
+                                              DISK_BYTES).items())) if p.kind in LMCACHE_KINDS else p for p in plans]
     gpu = sum(p.gpu_bytes for p in plans)
     if gpu_bytes and gpu > headroom * gpu_bytes:
         raise PlanError(
@@ -285,43 +273,28 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
     return plans
 
 
-def lmcache_env(p: ServerPlan) -> dict[str, str]:
-    """LMCache's configuration (it reads its environment): the same host bytes as the other offload
-    servers, split over ranks, 256-token chunks; with a disk, ours' disk budget. ``use_native`` is not
-    set: vLLM's connector then runs LMCache's own, current adapter."""
-    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
-           "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{p.cpu_bytes / p.tp / GiB:.2f}"}
-    if p.kind == "lmcache-disk":
-        env.update(LMCACHE_LOCAL_DISK=f"file://{p.disk_dir}/", LMCACHE_MAX_LOCAL_DISK_SIZE=f"{DISK_BYTES / GiB:.1f}")
-    return env
+def disk_need(plans: list[ServerPlan], load: Load, per_tok: int) -> dict[str, int]:
+    """Bytes each disk tier may hold at once: the budget of ours-disk and lmcache-disk (both fill it by the
+    second pass: ours-disk 24.0 GiB, lmcache-disk 24.0 GiB on 2026-11-28), one pass's stores for native-fs
+    (no budget; emptied before every pass): every conversation's KV at its end."""
+    out = {}
+    for p in plans:
+        if p.kind in ("ours-disk", "lmcache-disk"):
+            out[p.label] = DISK_BYTES
+        elif p.kind == "native-fs":
+            out[p.label] = load.conversations * load.final_context(load.prefix_avg) * per_tok
+    return out
 
 
-def server_env(p: ServerPlan, base: dict[str, str]) -> dict[str, str]:
-    """A server's environment: ``base``, its plan's variables, LMCache's folder for LMCache servers."""
-    env = {**base, **dict(p.env)}
-    if p.kind in LMCACHE_KINDS:
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(LMCACHE_SITE)) if x)
-    return env
-
-
-def lmcache_pass(run: dict, log: Path, seen: dict) -> None:
-    """This pass's LMCache lookups from its server's log (``seen``: the counts before it); a pass in
-    which LMCache loaded nothing, or ran degraded, is a failed run, not a number."""
-    now = lmcache_log_info(log.read_text(errors="replace") if log.exists() else "")
-    run["lmcache"] = {k: now[k] - seen.get(k, 0) for k in ("lookups", "hit_tokens", "loaded_tokens")}
-    run["lmcache"]["degraded"] = now["degraded"]
-    seen.update(now)
-    if not run.get("error") and (now["degraded"] or run["lmcache"]["loaded_tokens"] <= 0):
-        why = "ran in degraded mode" if now["degraded"] else "loaded no token"
-        run["error"] = f"LMCache {why} in this pass ({run['lmcache']['lookups']} lookups): recomputed, not LMCache"
-
-
-def lmcache_log_info(text: str) -> dict:
-    """What LMCache's log says: lookups, hit tokens, tokens it loaded; whether it ran degraded
-    (then it recomputes everything and its numbers are not LMCache's)."""
-    hits = [(int(h), int(n)) for h, n in _LMC_HITS.findall(text)]
-    return {"lookups": len(hits), "hit_tokens": sum(h for h, _ in hits),
-            "loaded_tokens": sum(max(n, 0) for _, n in hits), "degraded": _LMC_DEGRADED in text}
+def check_disk(need: dict[str, int], free: int, root: Path = DISK_ROOT) -> None:
+    """PlanError before any server starts when the disk tiers together (``disk_need``) could fill the
+    disk that holds ``root`` (``free`` bytes, DISK_MARGIN kept): ENOSPC in a pass fails every server."""
+    if need and sum(need.values()) > free - DISK_MARGIN:
+        each = ", ".join(f"{k} {v / GiB:.1f}" for k, v in need.items())
+        raise PlanError(
+            f"disk tiers need up to {sum(need.values()) / GiB:.1f} GiB ({each}) in {root}, which has "
+            f"{free / GiB:.1f} GiB free ({DISK_MARGIN / GiB:.0f} GiB kept): fewer disk servers per call, or a "
+            f"smaller budget (GPU_E2E_DISK_BYTES, bytes; now {DISK_BYTES / GiB:.1f} GiB)")
 
 
 def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend: str, chat_template: str,
@@ -341,6 +314,81 @@ def server_args(plan: ServerPlan, load: Load, *, eager: bool, attention_backend:
     return args
 
 
+def server_env(p: ServerPlan, base: dict[str, str]) -> dict[str, str]:
+    """A server's variables over the launcher's (``os.environ``): ``base``, the plan's own (a variant's,
+    LMCache's configuration), and for LMCache servers PYTHONPATH with LMCache's folder after vLLM's site
+    (the launcher puts the checkout first)."""
+    env = {**base, **dict(p.env)}
+    if p.kind in LMCACHE_KINDS:
+        env["PYTHONPATH"] = lmcache_path(os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+# LMCache's adapter logs every lookup of the scheduler ("Reqid: ID, Total tokens N, Inference Engine computed
+# tokens: C, LMCache hit tokens: H, need to load: L"; "..., but need to load: L < min_retrieve M, skip
+# retrieve ..." when it does not load); one that failed to start says "degraded mode" and recomputes.
+_LMC_HIT = re.compile(r"LMCache hit tokens:\s*(\d+)")
+_LMC_LOAD = re.compile(r"need to load:\s*(\d+)")
+_LMC_REQ = re.compile(r"Reqid:\s*([^,\s]+)")
+_LMC_DEGRADED = re.compile(r"degraded mode", re.IGNORECASE)
+
+
+def lmcache_log_info(text: str) -> dict:
+    """LMCache's lookups in a stretch of a log: lookups, hit tokens (LMCache's prefix hit, tokens the
+    device already holds included) and tokens to load from it, the last line of each request (a request
+    waiting for room is looked up again); and whether the stretch says degraded mode."""
+    by_req: dict[str, tuple[int, int]] = {}
+    other: list[tuple[int, int]] = []
+    for line in text.splitlines():
+        m = _LMC_HIT.search(line)
+        if m is None:
+            continue
+        ld = _LMC_LOAD.search(line)
+        loaded = int(ld.group(1)) if ld and "min_retrieve" not in line else 0
+        req = _LMC_REQ.search(line)
+        if req:
+            by_req[req.group(1)] = (int(m.group(1)), loaded)
+        else:
+            other.append((int(m.group(1)), loaded))
+    rows = list(by_req.values()) + other
+    return {"lookups": len(rows), "hit_tokens": sum(h for h, _ in rows), "loaded_tokens": sum(n for _, n in rows),
+            "degraded": _LMC_DEGRADED.search(text) is not None}
+
+
+def lmcache_failure(info: dict) -> str | None:
+    """Why a pass of an LMCache server is no LMCache number (``lmcache_log_info`` of its log, degraded
+    over the whole log): None when LMCache ran and reported hits. Hits with nothing to load are a number:
+    every hit was still in the device's prefix cache (host KV far below the working set: ours' host-only
+    server gets few host hits there too)."""
+    if info.get("degraded"):
+        return "LMCache ran in degraded mode (its log): it recomputed everything"
+    if not info.get("lookups"):
+        return "LMCache's log reports no lookup ('LMCache hit tokens: N') in this pass"
+    if not info.get("hit_tokens"):
+        return f"LMCache's log reports no hit tokens in this pass ({info['lookups']} lookups)"
+    return None
+
+
+def lmcache_pass(log: Path, offset: int) -> tuple[dict, int]:
+    """One pass of an LMCache server from its log: ``lmcache_log_info`` of what the log gained since
+    ``offset`` (degraded: anywhere in the log) and the new offset."""
+    try:
+        with open(log, "rb") as f:
+            whole = f.read()
+    except OSError:
+        whole = b""
+    info = lmcache_log_info(whole[offset:].decode(errors="replace"))
+    info["degraded"] = _LMC_DEGRADED.search(whole.decode(errors="replace")) is not None
+    return info, len(whole)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def server_log_info(text: str) -> dict:
     """What a server's log says it ran: cross-layer KV, KV tokens, compile and graph-capture time."""
     out: dict = {"cross_layer_blocks": "Allocating a cross layer KV cache" in text}
@@ -355,6 +403,8 @@ def server_log_info(text: str) -> dict:
     tier = re.findall(r"disk tier: (hits \d+ .*)", text)
     if tier:
         out["disk_tier"] = tier[-1].strip()  # the counters over every pass, as last logged
+    if "LMCache" in text:
+        out["lmcache"] = lmcache_log_info(text)  # every lookup so far (warm-up included); degraded
     return out
 
 
@@ -580,15 +630,26 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                            env=server_env(p, env), startup_timeout_s=timeout_s,
                            log_path=log_of(p), label=p.label)
 
-    if any(p.kind in LMCACHE_KINDS for p in plans) and not LMCACHE_SITE.is_dir():
-        res["errors"] += [{"label": p.label, "pass": -1, "error": f"{LMCACHE_SITE} is missing: run `gpu_e2e.sh "
-                           "lmcache DIR` first"} for p in plans if p.kind in LMCACHE_KINDS]
+    from .stage import LMCACHE_SITE, lmcache_ready
+
+    if any(p.kind in LMCACHE_KINDS for p in plans) and not lmcache_ready(LMCACHE_SITE):
+        res["errors"] += [{"label": p.label, "pass": -1, "error": f"LMCache is not installed in {LMCACHE_SITE}: "
+                           "stage it (prepare with .cache/lmcache, then install)"} for p in plans
+                          if p.kind in LMCACHE_KINDS]
         plans = [p for p in plans if p.kind not in LMCACHE_KINDS]
-    lmc_seen: dict[str, dict] = {}
+        res["servers"] = [asdict(p) for p in plans]
     for p in plans:
         if p.disk_dir is not None:  # a fresh tier: records of an earlier call's texts say nothing
             shutil.rmtree(p.disk_dir, ignore_errors=True)
             p.disk_dir.mkdir(parents=True, exist_ok=True)
+    need = disk_need(plans, load, lay.model.kv_bytes_per_token(layers=layers))
+    if need:
+        try:
+            check_disk(need, shutil.disk_usage(DISK_ROOT).free)
+        except PlanError as e:
+            res["errors"].append({"label": "-", "pass": -1, "error": f"PlanError: {e}"})
+            return res
+        res["disk_need"] = need
     t0 = time.perf_counter()
     # all start waves end by this: the passes need at least one run's time after it
     deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 120))
@@ -601,7 +662,6 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
         for p in plans:
             log = log_of(p)
             res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace")) if log.exists() else {}
-
         live = [p.label for p in plans if p.label in urls]
         plan_by = {p.label: p for p in plans}
         for label in list(live):
@@ -631,12 +691,17 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                     res.setdefault("cut", []).append({"pass": r, "label": label, "left_s": budget.left()})
                     continue
                 t1 = time.perf_counter()
+                lmc = plan_by[label].kind in LMCACHE_KINDS
+                offset = _size(log_of(plan_by[label])) if lmc else 0
                 run = run_one(label, urls[label], model, served, wl, load, a, work / "client" / f"{tag}-{label}-{r}",
                               seed=r, timeout=max(30.0, budget.left() - 40))
                 run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1,
                            disk_bytes_now=_du(plan_by[label].disk_dir))
-                if plan_by[label].kind in LMCACHE_KINDS:
-                    lmcache_pass(run, log_of(plan_by[label]), lmc_seen.setdefault(label, {}))
+                if lmc:  # LMCache's own word on this pass: a degraded or hitless pass is failed, not a number
+                    run["lmcache"], _ = lmcache_pass(log_of(plan_by[label]), offset)
+                    why = lmcache_failure(run["lmcache"])
+                    if why:
+                        run["failed"] = why
                 res["runs"].append(run)
                 walls.append(run["wall_s"])
                 s = run.get("summary", {})
@@ -645,9 +710,16 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                       f" ms, host-hit tok {run.get('metrics', {}).get('external_hits', 0):.0f}, "
                       f"io r/w {run['io']['read_bytes'] / 1e9:.1f}/{run['io']['write_bytes'] / 1e9:.1f} GB, "
                       f"TTFT p99 {_f(s.get('ttft_later_ms', {}).get('p99'))} ms, {s.get('requests', 0)} requests, "
-                      f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}", flush=True)
+                      f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}"
+                      + (f", LMCache hit/loaded tok {run['lmcache']['hit_tokens']}/{run['lmcache']['loaded_tokens']}"
+                         if "lmcache" in run else "")
+                      + (f" FAILED: {run['failed']}" if run.get("failed") else ""), flush=True)
                 if write:
                     write(res)
+        for p in plans:  # the logs after the passes: the tiers' counters as last logged, LMCache's lookups
+            log = log_of(p)
+            if log.exists():
+                res["server_logs"][p.label] = server_log_info(log.read_text(errors="replace"))
     finally:
         t2 = time.perf_counter()
         stop_servers(cms, list(urls))

@@ -3,13 +3,17 @@
 Host side (needs registry access; stdlib + pip + xz only):
   prepare: download the vLLM 0.23.0 wheel and the wheels in ``deps.txt`` (cached), strip the
   wheel, apply the edits, ``tar | xz``, and split everything into parts that each fit one
-  device call (<= ``--part-bytes``), plus ``manifest.json`` in every part. Then fetch the vLLM
+  device call (<= ``--part-bytes``, as few parts as fit, balanced), plus ``manifest.json`` in every
+  part. LMCache's wheels (``lmcache_wheels.txt``, sha256 pinned), when their folder is there
+  (``--lmcache-wheels``, default ``.cache/lmcache``), go into the parts too. Then fetch the vLLM
   0.23.0 sdist (pinned sha256, cached) and take vLLM's multi-turn client out of it.
 
 Device side (no registry; stdlib only):
   stage PART_DIR: copy one part into ``/tmp/gpu_e2e/stage`` (it survives while the machine stays warm).
-  install: check that every piece is there, unpack vLLM into ``/tmp/site``, pip-install the wheels.
-  check: exit 3 with "machine is cold ..." when ``/tmp/site`` is not a finished install.
+  install: check that every piece is there, unpack vLLM into ``/tmp/site``, pip-install the wheels;
+  LMCache's, when staged, ``--no-deps`` into ``/tmp/site_lmcache`` (``LMCACHE_SITE``).
+  check: exit 3 with "machine is cold ..." when ``/tmp/site`` is not a finished install; says whether
+  LMCache is installed.
 
 Why: ../shared/research/gpu_vllm.md (the GPU image has torch 2.11.0+cu130, which vLLM 0.23.0 pins).
 """
@@ -53,14 +57,22 @@ EDITS = (("vllm/vllm_flash_attn/__init__.py", "if not (FA2_AVAILABLE or FA3_AVAI
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + ["manylinux2014_x86_64", "any"]
 DEPS_FILE = Path(__file__).with_name("deps.txt")
 TAR_NAME = "vllm-stripped.tar.xz"
-# 64 MiB (67.1 MB) per call minus the repository's tree (11.7 MB raw on 2026-11-27, most of it
-# docs/results; 4.0 MB a month earlier) and the code copy (1.2 MB), with room for growth. The stripped
-# vLLM with FA3 and the wheels are 135.5 MB: three parts either way.
-DEFAULT_PART_BYTES = 48_000_000
+# The most one part may hold: 64 MiB (67.1 MB) per call minus the repository's tree (10.1 MB raw on
+# 2026-11-28, most of it docs/results) and the code copy (1.3 MB), with ~2.5 MB of room for growth.
+# The stripped vLLM with FA3 (97.5 MB), the wheels (38.9 MB) and LMCache's (18.4 MB) are 154.8 MB:
+# three balanced parts of 51.6 MB (without LMCache, three of 45.5 MB).
+DEFAULT_PART_BYTES = 53_000_000
 
 STAGE_DIR = Path(os.environ.get("GPU_E2E_STAGE", "/tmp/gpu_e2e/stage"))
 SITE_DIR = Path(os.environ.get("GPU_E2E_SITE", "/tmp/site"))
 READY = ".gpu_e2e_ready"
+# LMCache: its wheels' pins, and the folder it is installed into on the device (only the lmcache engines
+# and servers get it on their path, after vLLM's site; scripts/dev/gpu_e2e.sh names the same folder)
+ROOT = Path(__file__).resolve().parents[2]
+LMCACHE_VERSION = "0.5.3"
+LMCACHE_PINS = Path(__file__).with_name("lmcache_wheels.txt")
+LMCACHE_DEFAULT_DIR = ROOT / ".cache" / "lmcache"
+LMCACHE_SITE = Path("/tmp/site_lmcache")
 COLD_MSG = "machine is cold: nothing staged in {site}; run the stage calls (part 1, part 2 + install) again"
 
 
@@ -78,6 +90,39 @@ def read_deps(path: Path = DEPS_FILE) -> list[str]:
         if "==" not in line:
             raise StageError(f"{path}: '{line}' is not pinned (NAME==VERSION)")
         out.append(line)
+    return out
+
+
+def read_lmcache_pins(path: Path = LMCACHE_PINS) -> dict[str, str]:
+    """{wheel file name: sha256} of lmcache_wheels.txt ("SHA256  NAME" lines; comments dropped)."""
+    out = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        digest, name = line.split()
+        out[name] = digest.lower()
+    return out
+
+
+def lmcache_wheels(folder: Path | None, pins: dict[str, str] | None = None) -> list[Path]:
+    """LMCache's pinned wheels in ``folder``, each sha256 checked; [] when ``folder`` is None or absent
+    (no LMCache staged). A folder that lacks one, or holds one with another hash, is an error."""
+    if folder is None or not folder.is_dir():
+        return []
+    pins = read_lmcache_pins() if pins is None else pins
+    out, bad = [], []
+    for name, digest in pins.items():
+        w = folder / name
+        if not w.is_file():
+            bad.append(f"{name} missing")
+        elif _sha256(w) != digest:
+            bad.append(f"{name}: sha256 {_sha256(w)}, pinned {digest}")
+        else:
+            out.append(w)
+    if bad:
+        raise StageError(f"LMCache wheels in {folder}: {'; '.join(bad)} (lmcache_wheels.txt says how to fetch them; "
+                         f"--no-lmcache stages without LMCache)")
     return out
 
 
@@ -124,6 +169,20 @@ def plan_parts(items: list[tuple[str, int, bool]], budget: int) -> list[list[tup
             room[k] -= n
             off += n
     return [p for p in parts if p]
+
+
+def balanced_parts(items: list[tuple[str, int, bool]], max_bytes: int) -> list[list[tuple[str, int, int]]]:
+    """``plan_parts`` with the fewest parts of at most ``max_bytes``, each about as large as the others
+    (every call then keeps the same room for the checkout's tree and the code copy)."""
+    total = sum(size for _, size, _ in items)
+    largest = max((size for _, size, split in items if not split), default=0)
+    n = max(1, -(-total // max_bytes))
+    while True:
+        budget = min(max_bytes, max(-(-total // n), largest))
+        parts = plan_parts(items, budget)
+        if len(parts) <= n or budget >= max_bytes:
+            return parts
+        n += 1
 
 
 # ---------------------------------------------------------------- host side: prepare
@@ -253,7 +312,9 @@ def build_tree(wheel: Path, tree: Path, strip: tuple[str, ...] = STRIP) -> None:
         p.write_text(text.replace(old, new, 1))
 
 
-def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True) -> dict:
+def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True, lmcache_dir: Path | None = None) -> dict:
+    """The parts in ``out``; ``lmcache_dir``: LMCache's pinned wheels (None or absent: none staged)."""
+    lmc = lmcache_wheels(lmcache_dir)
     vllm, wheels = download(cache)
     strip = STRIP if fa3 else STRIP + (FA3,)
     # The tarball depends only on the wheel, the stripped paths and EDITS: cache it by that key.
@@ -271,12 +332,13 @@ def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True) -> dict:
                 raise StageError("tar failed")
         tmp.rename(tar)
         shutil.rmtree(tree)
-    items = [(TAR_NAME, tar.stat().st_size, True)] + [(w.name, w.stat().st_size, False) for w in wheels]
-    src = {TAR_NAME: tar, **{w.name: w for w in wheels}}
-    parts = plan_parts(items, part_bytes)
+    items = [(TAR_NAME, tar.stat().st_size, True)] + [(w.name, w.stat().st_size, False) for w in wheels + lmc]
+    src = {TAR_NAME: tar, **{w.name: w for w in wheels + lmc}}
+    parts = balanced_parts(items, part_bytes)
     manifest = {
         "vllm": VLLM_VERSION, "tar": TAR_NAME, "tar_sha256": _sha256(tar), "tar_bytes": tar.stat().st_size,
         "pieces": [], "wheels": [w.name for w in wheels], "parts": len(parts), "fa3": fa3, "stripped": list(strip),
+        "lmcache": lmcache_manifest(lmc),
     }
     for i, part in enumerate(parts, 1):
         for name, off, n in part:
@@ -298,6 +360,23 @@ def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True) -> dict:
     return manifest
 
 
+def lmcache_manifest(wheels: list[Path]) -> dict | None:
+    """The manifest's LMCache entry: version, wheels, their sha256 and bytes (None: not staged)."""
+    if not wheels:
+        return None
+    return {"version": LMCACHE_VERSION, "wheels": [w.name for w in wheels],
+            "sha256": {w.name: _sha256(w) for w in wheels}, "bytes": sum(w.stat().st_size for w in wheels)}
+
+
+def server_kinds(man: dict) -> list[str]:
+    """The serve part's server kinds a staged manifest allows (LMCache's only with its wheels)."""
+    from .serve import SERVER_KINDS  # noqa: PLC0415 - stage.py stays stdlib-only on import
+
+    from .engine import LMCACHE_KINDS  # noqa: PLC0415
+
+    return [k for k in SERVER_KINDS if man.get("lmcache") or k not in LMCACHE_KINDS]
+
+
 def part_sizes(out: Path) -> dict[str, int]:
     return {d.name: sum(f.stat().st_size for f in d.iterdir()) for d in sorted(out.glob("part*"))}
 
@@ -313,11 +392,48 @@ def stage(part_dir: Path, stage_dir: Path = STAGE_DIR) -> list[str]:
 
 
 def missing_pieces(man: dict, stage_dir: Path) -> list[str]:
-    need = [p["file"] for p in man["pieces"]] + man["wheels"]
+    need = [p["file"] for p in man["pieces"]] + man["wheels"] + ((man.get("lmcache") or {}).get("wheels") or [])
     return [n for n in need if not (stage_dir / n).exists()]
 
 
-def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR) -> None:
+def pip_target_command(target: Path, wheels: list[str]) -> list[str]:
+    """pip installing ``wheels`` into ``target`` from the files alone: no index, no dependencies."""
+    return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+            "--upgrade", "--target", str(target), *wheels]
+
+
+def install_lmcache(man: dict, stage_dir: Path = STAGE_DIR, target: Path = LMCACHE_SITE) -> bool:
+    """LMCache's staged wheels, sha256 checked, ``--no-deps`` into ``target`` (emptied first); False
+    when the manifest has none (``target`` is left as it is)."""
+    lmc = man.get("lmcache")
+    if not lmc:
+        return False
+    if target.exists():
+        shutil.rmtree(target)
+    for name in lmc["wheels"]:
+        got = _sha256(stage_dir / name)
+        if got != lmc["sha256"][name]:
+            raise StageError(f"{stage_dir / name}: sha256 {got}, manifest {lmc['sha256'][name]}; stage again")
+    target.mkdir(parents=True)
+    subprocess.run(pip_target_command(target, [str(stage_dir / w) for w in lmc["wheels"]]), check=True)
+    (target / READY).write_text(json.dumps({"lmcache": lmc["version"], "wheels": lmc["sha256"]}))
+    return True
+
+
+def lmcache_ready(target: Path = LMCACHE_SITE) -> bool:
+    return (target / "lmcache").is_dir() and (target / READY).exists()
+
+
+def lmcache_status(target: Path = LMCACHE_SITE) -> str:
+    if lmcache_ready(target):
+        ver = json.loads((target / READY).read_text()).get("lmcache", "?")
+        return f"LMCache {ver}: installed in {target} (server kinds lmcache, lmcache-disk)"
+    return f"LMCache: not installed in {target} (no lmcache server kinds; prepare stages it from .cache/lmcache)"
+
+
+def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR, lmcache_site: Path = LMCACHE_SITE) -> bool:
+    """vLLM and its wheels into ``site``, LMCache's (when staged) into ``lmcache_site``; True when
+    LMCache was installed."""
     man_path = stage_dir / "manifest.json"
     if not man_path.exists():
         raise StageError(f"nothing staged in {stage_dir}: the machine went cold; stage every part again")
@@ -345,15 +461,18 @@ def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR) -> None:
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
+    lmc = install_lmcache(man, stage_dir, lmcache_site)
     (site / READY).write_text(json.dumps({"vllm": man["vllm"], "tar_sha256": man["tar_sha256"]}))
+    return lmc
 
 
 def is_ready(site: Path = SITE_DIR) -> bool:
     return (site / "vllm").is_dir() and (site / READY).exists()
 
 
-def check(site: Path = SITE_DIR) -> int:
+def check(site: Path = SITE_DIR, lmcache_site: Path = LMCACHE_SITE) -> int:
     if is_ready(site):
+        print(f"[check] vLLM {VLLM_VERSION} in {site}; {lmcache_status(lmcache_site)}", flush=True)
         return 0
     print(COLD_MSG.format(site=site), file=sys.stderr)
     return 3
@@ -373,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to put vLLM's multi-turn client files (default: OUT/vllm_multi_turn)")
     p.add_argument("--sdist", action="append", default=[],
                    help="a local copy of vllm-0.23.0.tar.gz to use if its sha256 matches (repeatable)")
+    p.add_argument("--lmcache-wheels", default=os.environ.get("LMCACHE_WHEELS", str(LMCACHE_DEFAULT_DIR)),
+                   help="folder of LMCache's pinned wheels (lmcache_wheels.txt; default .cache/lmcache, "
+                        "skipped when absent)")
+    p.add_argument("--no-lmcache", action="store_true", help="stage without LMCache")
     s = sub.add_parser("stage", help="device: copy one part into the stage folder")
     s.add_argument("part_dir")
     sub.add_parser("install", help="device: unpack vLLM + install wheels into the site folder")
@@ -382,12 +505,19 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "prepare":
             out = Path(a.out)
             out.mkdir(parents=True, exist_ok=True)
-            man = prepare(out, Path(a.cache), a.part_bytes, a.fa3)
+            lmc_dir = None if a.no_lmcache else Path(a.lmcache_wheels)
+            man = prepare(out, Path(a.cache), a.part_bytes, a.fa3, lmc_dir)
             sizes = part_sizes(out)
             for name, n in sizes.items():
                 print(f"{out / name}: {n / 1e6:.1f} MB")
+            lmc = man["lmcache"]
             print(f"{man['parts']} parts; vLLM tarball {man['tar_bytes'] / 1e6:.1f} MB "
-                  f"({'with' if a.fa3 else 'without'} FlashAttention 3), {len(man['wheels'])} wheels")
+                  f"({'with' if a.fa3 else 'without'} FlashAttention 3), {len(man['wheels'])} wheels"
+                  + (f", LMCache {lmc['version']} ({len(lmc['wheels'])} wheels, {lmc['bytes'] / 1e6:.1f} MB)" if lmc
+                     else ""))
+            print(f"server kinds: {', '.join(server_kinds(man))}"
+                  + ("" if lmc else f" (no lmcache, lmcache-disk: no LMCache wheels in {lmc_dir or '(--no-lmcache)'}; "
+                                    f"{LMCACHE_PINS.name} says how to fetch them)"))
             sdist = fetch_sdist(Path(a.cache), [Path(x) for x in a.sdist])
             client = extract_client(sdist, Path(a.client_dir) if a.client_dir else out / "vllm_multi_turn")
             print(f"vLLM's multi-turn client: {', '.join(client['files'])} from {client['sdist']} "
@@ -398,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[stage] {a.part_dir} -> {STAGE_DIR}; still missing: {len(miss)} file(s)")
             return 0
         if a.cmd == "install":
-            install()
-            print(f"[install] vLLM {VLLM_VERSION} + wheels in {SITE_DIR}")
+            lmc = install()
+            print(f"[install] vLLM {VLLM_VERSION} + wheels in {SITE_DIR}"
+                  + (f"; LMCache {LMCACHE_VERSION} in {LMCACHE_SITE}" if lmc else "; no LMCache staged"))
             return 0
         return check()
     except (StageError, subprocess.CalledProcessError, OSError) as e:

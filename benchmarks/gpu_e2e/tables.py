@@ -203,9 +203,33 @@ def ttft_table(res: dict) -> str:
             f"H2D {bw.get('h2d_gbps', 0):.1f} GB/s, D2H {bw.get('d2h_gbps', 0):.1f} GB/s; ideal = bytes loaded / H2D "
             f"+ device-hit TTFT of the same prompt (one decode-like step over the cached prefix{hit_where}); ours "
             f"transfer = device time of the loads, load seen = from their submit until a poll saw them done{per_rank}")
-    lw, steps, floor, prof = (layerwise_ttft_table(res), ttft_steps_table(res), ttft_floor_table(res),
-                              forward_profile_table(res))
-    return text + "".join("\n\n" + t for t in (lw, steps, floor, prof) if t)
+    lw, lmc, steps, floor, prof = (layerwise_ttft_table(res), lmcache_ttft_table(res), ttft_steps_table(res),
+                                   ttft_floor_table(res), forward_profile_table(res))
+    return text + "".join("\n\n" + t for t in (lw, lmc, steps, floor, prof) if t)
+
+
+def lmcache_ttft_table(res: dict) -> str:
+    """Reload TTFT of LMCache (``--lmcache``) beside ours and native (same reps, in turns); a length at
+    which a reload got no LMCache hit (degraded mode, nothing stored: it recomputed) is FAILED, no number."""
+    rows = []
+    for r in res["rows"]:
+        if "lmcache_s" not in r and "lmcache_failed" not in r:
+            continue
+        ours, native = r["ours_s"].get("median"), r["native_s"].get("median")
+        lmc = (r.get("lmcache_s") or {}).get("median")
+        host = r.get("lmcache_host_tokens") or []
+        if r.get("lmcache_failed") or lmc is None:
+            rows.append([r["prompt_tokens"], "FAILED", ms(ours), ms(native), ", ".join(map(str, host)) or "-", "-", "-",
+                         r.get("lmcache_failed") or "no reload"])
+            continue
+        rows.append([r["prompt_tokens"], ms(lmc), ms(ours), ms(native), _med(host),
+                     f"{lmc / ours:.2f}x" if ours else "-", f"{lmc / native:.2f}x" if native else "-", ""])
+    if not rows:
+        return ""
+    return table(["prompt tok", "reload LMCache ms", "reload ours ms", "reload native ms", "LMCache hit tok",
+                  "LMCache/ours", "LMCache/native", "note"], rows) + (
+        "\nLMCache = vLLM's LMCacheConnectorV1 with LMCache's own adapter (host KV as native's and ours', chunks of "
+        "256 tokens: its hits are whole chunks); hit tok = the request's cached tokens after the device reset")
 
 
 def layerwise_ttft_table(res: dict) -> str:
@@ -323,7 +347,7 @@ def ttft_steps_table(res: dict) -> str:
     rows = []
     variants = tuple(res.get("variants") or ())
     for r in res["rows"]:
-        for kind in ("native", "ours", "layerwise") + variants:
+        for kind in ("native", "ours", "layerwise", "lmcache") + variants:
             b = r.get(f"{kind}_steps") or []
             if not b:
                 continue
@@ -334,7 +358,7 @@ def ttft_steps_table(res: dict) -> str:
                          _f(_med([x["longest_step_ms"] for x in b])), sum(x["flush_steps"] for x in b),
                          _f(max((x.get("gc_in_forward_ms", 0.0) for x in b), default=None)),
                          _f(_med([x.get("forward_ms") for x in b])), _f(_med([x.get("forward_cpu_ms") for x in b]))])
-        for a, b in (("ours", "native"), ("layerwise", "ours")) + tuple((v, "ours") for v in variants):
+        for a, b in (("ours", "native"), ("layerwise", "ours"), ("lmcache", "native")) + tuple((v, "ours") for v in variants):
             ab, bb = r.get(f"{a}_steps") or [], r.get(f"{b}_steps") or []
             if ab and bb:
                 d = [x["wall_ms"] - y["wall_ms"] for x, y in zip(ab, bb)]
@@ -678,10 +702,11 @@ SERVE_METRICS = (  # (column, pick from a run, better when lower)
 
 
 def serve_runs_by(res: dict) -> dict[str, dict[int, dict]]:
-    """label -> pass -> run, runs without an error and with requests only."""
+    """label -> pass -> run, runs without an error and with requests only (an LMCache pass marked
+    ``failed``, degraded or without hits, is no number either)."""
     by: dict[str, dict[int, dict]] = {}
     for r in res.get("runs", []):
-        if r.get("error") or not r.get("summary", {}).get("requests"):
+        if r.get("error") or r.get("failed") or not r.get("summary", {}).get("requests"):
             continue
         by.setdefault(r["label"], {})[r.get("pass_", 0)] = r
     return by
@@ -705,9 +730,11 @@ def serve_one_table(res: dict) -> str:
     rows = []
     for label in labels:
         runs = list(by.get(label, {}).values())
+        failed = [r for r in res.get("runs", []) if r.get("label") == label and r.get("failed")]
+        note = f"FAILED in {len(failed)} pass(es): {failed[0]['failed']}"[:160] if failed else ""
         if not runs:
-            err = next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
-            rows.append([label, 0] + ["-"] * 13 + [str(err).splitlines()[0][:120]])
+            err = note or next((e["error"] for e in res.get("errors", []) if e["label"] == label), "no run")
+            rows.append([label, 0] + ["-"] * 13 + [str(err).splitlines()[0][:160]])
             continue
         med = lambda f: _med([f(r) for r in runs])  # noqa: E731
         m = lambda k: med(lambda r: r.get("metrics", {}).get(k))  # noqa: E731
@@ -721,7 +748,7 @@ def serve_one_table(res: dict) -> str:
                        f"{gib(m('load_bytes'))} / {_f(m('load_s'), '{:.2f}')}",
                        f"{gib(m('store_bytes'))} / {_f(m('store_s'), '{:.2f}')}",
                        _f(m("preemptions"), "{:,.0f}"), _f(med(lambda r: r["summary"].get("empty_outputs")), "{:.0f}"),
-                       ""])
+                       note])
     head = ["server", "passes", "req/s", "later TTFT p50 ms", "p90 ms", "p99 ms", "TPOT p50 ms", "TPOT p99 ms",
             "host-hit tok", "device-hit tok", "computed tok", "loaded GiB / s", "stored GiB / s", "preempted", "empty outputs",
             "note"]
@@ -744,6 +771,9 @@ def serve_one_table(res: dict) -> str:
             prow.append(row)
     if prow:
         text += "\n\n" + table(["compared", "passes"] + [n for n, _ in SERVE_METRICS], prow)
+    lmc = lmcache_serve_lines(res)
+    if lmc:
+        text += "\n" + lmc
     logs = res.get("server_logs") or {}
     cl = ", ".join(f"{k} {'yes' if v.get('cross_layer_blocks') else 'no'}" for k, v in logs.items())
     times = ", ".join(f"{k} {v['compile_s']:.0f}+{v.get('graph_capture_s', 0):.0f}s" for k, v in logs.items()
@@ -763,6 +793,26 @@ def serve_one_table(res: dict) -> str:
     if errs:
         text += "\n" + "\n".join(f"error {e['label']} pass {e.get('pass')}: {str(e['error'])[:300]}" for e in errs)
     return text
+
+
+def lmcache_serve_lines(res: dict) -> str:
+    """Per LMCache server, what its log said per pass (hit / loaded tokens; FAILED and why)."""
+    lines = []
+    for s in res.get("servers", []):
+        if s.get("kind") not in ("lmcache", "lmcache-disk"):
+            continue
+        env = dict(s.get("env") or ())
+        cfg = ", ".join(f"{k[len('LMCACHE_'):].lower()} {v}" for k, v in env.items()
+                        if k in ("LMCACHE_MAX_LOCAL_CPU_SIZE", "LMCACHE_LOCAL_DISK", "LMCACHE_MAX_LOCAL_DISK_SIZE"))
+        per = []
+        for r in sorted((r for r in res.get("runs", []) if r.get("label") == s["label"]), key=lambda r: r.get("pass_", 0)):
+            info = r.get("lmcache") or {}
+            per.append(f"pass {r.get('pass_', 0)}: " + (f"FAILED ({r['failed']})" if r.get("failed") else
+                       f"hit {info.get('hit_tokens', 0):,} / loaded {info.get('loaded_tokens', 0):,} tokens in "
+                       f"{info.get('lookups', 0)} lookups"))
+        lines.append(f"LMCache {s['label']} ({cfg}; GiB per rank, chunks of 256 tokens), from its log: "
+                     + ("; ".join(per) or "no pass"))
+    return "\n".join(lines)
 
 
 def _host_gib(res: dict) -> str:

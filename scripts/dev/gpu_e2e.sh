@@ -4,6 +4,7 @@
 # offload off / vLLM's native CPU offload / ours. docs/gpu_e2e.md has the exact device calls.
 #
 # Here (registry access):  bash scripts/dev/gpu_e2e.sh prepare      -> parts + code copy under $GPU_E2E_DIR
+#                          (LMCache's wheels from .cache/lmcache too: benchmarks/gpu_e2e/lmcache_wheels.txt)
 # On the GPU machine:      bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh stage .gpu/part1
 #                          bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh stage .gpu/part2 && ... install
 #                          bash .gpu/e2e_src/scripts/dev/gpu_e2e.sh run smoke --layouts all   (then `prepare`'s list)
@@ -15,6 +16,7 @@ PY=${PYTHON:-python3}
 GPU_E2E_DIR=${GPU_E2E_DIR:-/work/main/.gpu}
 SITE=${GPU_E2E_SITE:-/tmp/site}
 NATIVE=${GPU_E2E_NATIVE:-/tmp/gpu_e2e/native}
+LMCACHE_SITE=/tmp/site_lmcache  # = benchmarks/gpu_e2e/stage.py LMCACHE_SITE (only LMCache engines/servers use it)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cmd=${1:-help}; shift || true
 
@@ -33,17 +35,7 @@ case "$cmd" in
     cp -r vllm_npu_offload benchmarks csrc_cuda csrc_common "$GPU_E2E_DIR/e2e_src/" && cp scripts/dev/gpu_e2e.sh "$GPU_E2E_DIR/e2e_src/scripts/dev/"
     cp -r "$GPU_E2E_DIR/vllm_multi_turn" "$GPU_E2E_DIR/e2e_src/vllm_multi_turn"
     find "$GPU_E2E_DIR/e2e_src" \( -name __pycache__ -o -name '*.so' \) -prune -exec rm -rf {} +
-    # LMCache's wheels (checked against benchmarks/gpu_e2e/lmcache_wheels.txt): carried by a call of their own
-    LMC=${LMCACHE_WHEELS:-$ROOT/.cache/lmcache}
-    if [ -d "$LMC" ]; then
-      rm -rf "$GPU_E2E_DIR/lmcache" && mkdir -p "$GPU_E2E_DIR/lmcache"
-      grep -v '^#' benchmarks/gpu_e2e/lmcache_wheels.txt | (cd "$LMC" && sha256sum -c --quiet -) \
-        || { echo "prepare: $LMC does not hold the pinned LMCache wheels" >&2; exit 5; }
-      grep -v '^#' benchmarks/gpu_e2e/lmcache_wheels.txt | awk '{print $2}' | (cd "$LMC" && xargs cp -t "$GPU_E2E_DIR/lmcache/")
-      echo "LMCache wheels: $GPU_E2E_DIR/lmcache ($(du -sh "$GPU_E2E_DIR/lmcache" | cut -f1)); servers lmcache, lmcache-disk"
-    else
-      echo "no LMCache wheels in $LMC (see benchmarks/gpu_e2e/lmcache_wheels.txt): no lmcache servers"
-    fi
+    rm -rf "$GPU_E2E_DIR/lmcache"  # LMCache's wheels travel in the parts (stage.py), not in a folder of their own
     echo "code copy: $GPU_E2E_DIR/e2e_src ($(du -sh "$GPU_E2E_DIR/e2e_src" | cut -f1))"
     # what one stage call carries: the checkout's tree (tracked + untracked-not-ignored) + a part + e2e_src
     tree=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null \
@@ -70,17 +62,18 @@ case "$cmd" in
   install)
     t=$(date +%s)
     "$PY" -m benchmarks.gpu_e2e.stage install || exit $?
+    # LMCache, when staged: its compiled extension and vLLM adapter must load against this torch and vLLM
+    if [ -f "$LMCACHE_SITE/.gpu_e2e_ready" ]; then
+      LMCACHE_TRACK_USAGE=false PYTHONPATH="$ROOT:$SITE:$LMCACHE_SITE" timeout 240 "$PY" -c "from importlib.metadata import version
+import lmcache.c_ops
+from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+print('[install] LMCache', version('lmcache'), 'imports (c_ops, vllm_v1_adapter) beside vLLM', version('vllm'))" 2>&1 | tail -4 \
+        || echo "warning: LMCache does not import (above): lmcache servers will fail"
+    fi
     # our CUDA copy library (cuMemcpyBatchAsync): built here, outside the carried tree
     "$PY" csrc_cuda/build.py --out "$NATIVE" >/tmp/gpu_e2e/native_build.log 2>&1 \
       || { echo "warning: native CUDA library not built (tail below); copies use the Triton/host paths"; tail -5 /tmp/gpu_e2e/native_build.log; }
     echo "[install] done in $(( $(date +%s) - t ))s"
-    ;;
-  lmcache)
-    # LMCache beside vLLM, only for the lmcache servers (serve.LMCACHE_SITE), never its dependencies
-    d=${1:?lmcache needs the wheel folder}; case "$d" in /*) ;; *) d="$CALLER/$d" ;; esac
-    t=${GPU_E2E_LMCACHE_SITE:-/tmp/site_lmcache}
-    "$PY" -m pip install -q --no-deps --no-index --no-cache-dir --target "$t" "$d"/*.whl || exit $?
-    PYTHONPATH="$SITE:$t" "$PY" -c "import lmcache.integration.vllm.vllm_v1_adapter as m; print('[lmcache] ok:', m.__file__)" 2>&1 | tail -3
     ;;
   check)
     "$PY" -m benchmarks.gpu_e2e.stage check
@@ -96,5 +89,5 @@ case "$cmd" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    sed -n 2,9p "$0"; exit 2 ;;
+    sed -n 2,10p "$0"; exit 2 ;;
 esac
