@@ -27,16 +27,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .channel import connect, socket_path
+from .channel import socket_path
 from .contract import Completion, Done, Failure, Hello, Op, Order, TierStats
 from .disk_index import DiskIndex, scan
 from .disk_io import RecordFiles
+from .rank_links import RankLinks, drain
 from .record import HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
 NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
-RECONNECT_S = 0.2
 DEADLINE_CHECK_S = 0.02
 RATE_WINDOW_BYTES = 256 << 20  # one sample of the live read rate
 RATE_WEIGHT = 0.25  # of a new sample in the read rate
@@ -110,7 +110,6 @@ class DiskTier:
         self.writable = False
         self._hellos: dict[int, Hello] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._conns: list = [None] * cfg.world_size
         self._pending: dict[int, _Pending] = {}
         self._reads: dict[bytes, int] = {}  # key -> seq
         self._writes: dict[bytes, int] = {}
@@ -123,31 +122,10 @@ class DiskTier:
         self._warned: set[str] = set()
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
-        self._addresses = [socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)]
-        self._connector = threading.Thread(target=self._connect_all, name="npu-kv-disk-connect", daemon=True)
-        self._connector.start()
+        self._links = RankLinks([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)],
+                                self._events, "disk")
 
     # -- background threads ------------------------------------------------------------------
-    def _connect_all(self) -> None:
-        while not self._closed.is_set():
-            for rank, addr in enumerate(self._addresses):
-                if self._conns[rank] is not None:
-                    continue
-                try:
-                    conn = connect(addr)
-                except OSError:
-                    continue
-                self._conns[rank] = conn
-                threading.Thread(target=self._receive, args=(rank, conn), name=f"npu-kv-disk-recv-r{rank}",
-                                 daemon=True).start()
-            self._closed.wait(RECONNECT_S)
-
-    def _receive(self, rank: int, conn) -> None:
-        try:
-            while True:
-                self._events.put(conn.recv())
-        except (EOFError, OSError):
-            self._events.put(("down", rank))
 
     def _janitor(self) -> None:
         assert self.files is not None
@@ -167,7 +145,7 @@ class DiskTier:
     # -- state ---------------------------------------------------------------------------
     @property
     def up(self) -> bool:
-        return self.index is not None and all(c is not None for c in self._conns)
+        return self.index is not None and self._links.all_up
 
     def _on_hello(self, h: Hello) -> None:
         self._hellos[h.rank] = h
@@ -214,7 +192,7 @@ class DiskTier:
             elif ev[0] == "scan" and self.index is not None:
                 self.index.merge(ev[1])
             elif ev[0] == "down":
-                self._conns[ev[1]] = None
+                self._links.lost(ev[1])
                 self._warn_once(f"down{ev[1]}", "disk tier: rank %d's worker went away; the tier is off", ev[1])
         now = time.monotonic()
         if self._reads and now >= self._next_deadline_check:  # poll runs on every lookup: look now and then
@@ -336,14 +314,7 @@ class DiskTier:
         seq = self._seq
         order = Order(seq, op, key, chunk)
         self._pending[seq] = _Pending(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
-        sent = 0
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send(order)
-                sent += 1
-            except (OSError, AttributeError):
-                self._conns[rank] = None
-        if sent == 0:
+        if self._links.send(order) == 0:
             del self._pending[seq]
             return False
         # a rank that did not get the order answers nothing; the order then never ends (see poll)
@@ -373,22 +344,11 @@ class DiskTier:
         return len(self._pending)
 
     def drain(self, timeout_s: float) -> list[Completion]:
-        """Wait (blocking) until no order is in flight, at most ``timeout_s``; for resets only."""
-        out = self.poll()
-        end = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < end:
-            time.sleep(0.005)
-            out += self.poll()
-        return out
+        return drain(self, timeout_s)
 
     def close(self) -> None:
         self._closed.set()
-        for c in self._conns:
-            if c is not None:
-                try:
-                    c.close()
-                except OSError:
-                    pass
+        self._links.close()
 
 
 __all__ = ["DiskTier", "DiskTierConfig", "ReadRate"]

@@ -36,9 +36,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .channel import connect, listen, socket_path
+from .channel import listen, socket_path
 from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
 from .disk_tier import ReadRate
+from .rank_links import RankLinks, drain
 from .record import HEADER_BYTES, RecordError, check_header, checksum, pack_header
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ MAX_BATCH = 32  # orders in one batched store call
 MAX_KNOWN = 1 << 20  # keys remembered present (least recently used forgotten first)
 MAX_QUEUED = 8192  # keys waiting for an existence check
 CHECK_BATCH = 256  # keys per batch_is_exist
-RECONNECT_S = 0.2
 DEADLINE_CHECK_S = 0.02
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -531,7 +531,6 @@ class MooncakeTier:
         self._names: list[tuple[str, str]] = []  # per rank: (prefix, suffix) of a record's name
         self._hellos: dict[int, Hello] = {}
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._conns: list = [None] * cfg.world_size
         self._pending: dict[int, _Pending] = {}
         self._reads: dict[bytes, int] = {}
         self._writes: dict[bytes, int] = {}
@@ -558,9 +557,9 @@ class MooncakeTier:
         self._call_started: float | None = None
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._addresses = [tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)]
-        self._threads = [threading.Thread(target=self._connect_all, name="npu-kv-mooncake-connect", daemon=True),
-                         threading.Thread(target=self._check_loop, name="npu-kv-mooncake-check", daemon=True)]
+        self._links = RankLinks([tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)],
+                                self._events, "mooncake")
+        self._threads = [threading.Thread(target=self._check_loop, name="npu-kv-mooncake-check", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -577,7 +576,7 @@ class MooncakeTier:
 
     @property
     def up(self) -> bool:
-        return self.identity is not None and all(c is not None for c in self._conns) and not self.down
+        return self.identity is not None and self._links.all_up and not self.down
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
@@ -708,27 +707,6 @@ class MooncakeTier:
             self._present.popitem(last=False)
 
     # -- ranks -----------------------------------------------------------------------------
-    def _connect_all(self) -> None:
-        while not self._closed.is_set():
-            for rank, addr in enumerate(self._addresses):
-                if self._conns[rank] is not None:
-                    continue
-                try:
-                    conn = connect(addr)
-                except OSError:
-                    continue
-                self._conns[rank] = conn
-                threading.Thread(target=self._receive, args=(rank, conn), name=f"npu-kv-mooncake-recv-r{rank}",
-                                 daemon=True).start()
-            self._closed.wait(RECONNECT_S)
-
-    def _receive(self, rank: int, conn) -> None:
-        try:
-            while True:
-                self._events.put(conn.recv())
-        except (EOFError, OSError):
-            self._events.put(("gone", rank))
-
     def _on_hello(self, h: Hello) -> None:
         self._hellos[h.rank] = h
         if len(self._hellos) < self.cfg.world_size or self.identity is not None:
@@ -761,8 +739,8 @@ class MooncakeTier:
                 c = self._on_done(ev)
                 if c is not None:
                     out.append(c)
-            elif ev[0] == "gone":
-                self._conns[ev[1]] = None
+            elif ev[0] == "down":
+                self._links.lost(ev[1])
                 self._warn_once(f"gone{ev[1]}", "mooncake tier: rank %d's worker went away; the tier is off", ev[1])
         self._check_deadlines()
         self.stats.keys_now = len(self._present)
@@ -926,14 +904,7 @@ class MooncakeTier:
         self._seq += 1
         order = Order(self._seq, op, key, chunk)
         self._pending[self._seq] = _Pending(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
-        sent = 0
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send(order)
-                sent += 1
-            except (OSError, AttributeError):
-                self._conns[rank] = None
-        if sent == 0:
+        if self._links.send(order) == 0:
             del self._pending[self._seq]
             return False
         return True
@@ -961,25 +932,14 @@ class MooncakeTier:
         return len(self._pending)
 
     def drain(self, timeout_s: float) -> list[Completion]:
-        """Wait (blocking) until no order is in flight, at most ``timeout_s``; for resets only."""
-        out = self.poll()
-        end = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < end:
-            time.sleep(0.005)
-            out += self.poll()
-        return out
+        return drain(self, timeout_s)
 
     def close(self) -> None:
         self._closed.set()
         self._wake.set()
-        for c in self._conns:
-            if c is not None:
-                try:
-                    c.close()
-                except OSError:
-                    pass
+        self._links.close()
         self._connected = False
-        self._threads[1].join(timeout=self.cfg.store.timeout_s)  # it closes its client as it ends
+        self._threads[0].join(timeout=self.cfg.store.timeout_s)  # it closes its client as it ends
 
 
 __all__ = ["MooncakeConfig", "MooncakeMissing", "MooncakeRankServer", "MooncakeTier", "MooncakeTierConfig",
