@@ -24,14 +24,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .channel import socket_path
-from .contract import Completion, Done, Failure, Hello, Op, Order, TierStats
+from .contract import Completion, Done, Failure, Hello, Op, TierStats
 from .disk_index import DiskIndex, scan
 from .disk_io import RecordFiles
-from .rank_links import RankLinks, drain
+from .rank_links import OrderedTier, PendingOrder
 from .record import HEADER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -82,20 +82,7 @@ class DiskTierConfig:
     max_write_backlog_bytes: int = 1 << 30
 
 
-@dataclass
-class _Pending:
-    key: bytes
-    op: Op
-    chunk: int
-    ranks_left: set[int]
-    started: float
-    ok: bool = True
-    nbytes: int = 0
-    seconds: float = 0.0
-    failures: list[Failure] = field(default_factory=list)
-
-
-class DiskTier:
+class DiskTier(OrderedTier):
     """A ``LowerTier`` (contract.py) over every rank's ``DiskTierServer``."""
 
     name = "disk"
@@ -109,21 +96,11 @@ class DiskTier:
         self.rate = ReadRate(0.0)
         self.writable = False
         self._hellos: dict[int, Hello] = {}
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, _Pending] = {}
-        self._reads: dict[bytes, int] = {}  # key -> seq
-        self._writes: dict[bytes, int] = {}
-        self.abandoned: set[bytes] = set()
-        self._seq = 0
-        self._read_backlog = 0
-        self._write_backlog = 0
+        self._init_orders([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
         self._next_deadline_check = 0.0
-        self._warned: set[str] = set()
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
-        self._links = RankLinks([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)],
-                                self._events, "disk")
 
     # -- background threads ------------------------------------------------------------------
 
@@ -170,11 +147,6 @@ class DiskTier:
             self.cfg.read_timeout_s, "" if self.writable else ", read-only",
         )
 
-    def _warn_once(self, what: str, msg: str, *args) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(msg, *args)
-
     def poll(self) -> list[Completion]:
         """Take in everything the ranks said; returns the orders that ended on every rank."""
         out: list[Completion] = []
@@ -210,16 +182,7 @@ class DiskTier:
 
     def _on_done(self, d: Done) -> Completion | None:
         p = self._pending.get(d.seq)
-        if p is None:
-            return None
-        p.ranks_left.discard(d.rank)
-        p.nbytes += d.nbytes
-        p.seconds = max(p.seconds, d.seconds)
-        if not d.ok:
-            p.ok = False
-            p.failures.append(d.failure or Failure.IO_ERROR)
-            logger.debug("disk tier: %s of %s failed on rank %d: %s", d.op.value, p.key.hex()[:16], d.rank, d.detail)
-        if p.ranks_left:
+        if p is None or not p.answered(d, self.name):
             return None
         del self._pending[d.seq]
         size = self.index.key_bytes if self.index else 0
@@ -235,7 +198,7 @@ class DiskTier:
             self._finish_write(p)
         return Completion(p.key, p.op, p.ok, p.chunk)
 
-    def _finish_read(self, p: _Pending) -> None:
+    def _finish_read(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
             s.count_done(Op.READ, p.nbytes, p.seconds)
@@ -250,7 +213,7 @@ class DiskTier:
         if self.index is not None and self.index.remove(p.key):
             self._to_delete.put(p.key)  # the other ranks' records of it are useless now
 
-    def _finish_write(self, p: _Pending) -> None:
+    def _finish_write(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
             s.count_done(Op.WRITE, p.nbytes, p.seconds)
@@ -276,17 +239,11 @@ class DiskTier:
     def has(self, key: bytes) -> bool:
         return self.up and self.index is not None and key in self.index
 
-    def reading(self, key: bytes) -> bool:
-        return key in self._reads
-
     def looking_up(self, key: bytes) -> bool:
         return False  # the index is local: known at once
 
     def describe_rate(self) -> str:
         return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s"
-
-    def writing(self, key: bytes) -> bool:
-        return key in self._writes
 
     def worth_reading(self) -> bool:
         """The cost rule (module docstring) for one more key now."""
@@ -309,42 +266,15 @@ class DiskTier:
         return (self.up and self.writable and time.monotonic() >= self._stores_paused_until
                 and self._write_backlog < self.cfg.max_write_backlog_bytes)
 
-    def _send(self, op: Op, key: bytes, chunk: int) -> bool:
-        self._seq += 1
-        seq = self._seq
-        order = Order(seq, op, key, chunk)
-        self._pending[seq] = _Pending(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
-        if self._links.send(order) == 0:
-            del self._pending[seq]
-            return False
-        # a rank that did not get the order answers nothing; the order then never ends (see poll)
-        return True
+    @property
+    def key_bytes(self) -> int:
+        return self.index.key_bytes if self.index is not None else 0
 
     def start_read(self, key: bytes, chunk: int) -> bool:
-        if not self._send(Op.READ, key, chunk):
+        if not super().start_read(key, chunk):
             return False
-        self._reads[key] = self._seq
-        self.rate.started(self._read_backlog, time.monotonic())
-        self._read_backlog += self.index.key_bytes
         self.index.touch(key)
         return True
-
-    def start_write(self, key: bytes, chunk: int) -> bool:
-        sent = self._send(Op.WRITE, key, chunk)
-        if sent:
-            self._writes[key] = self._seq
-            self._write_backlog += self.index.key_bytes
-        return sent
-
-    def drop_store(self, failure: Failure = Failure.BUSY) -> None:
-        self.stats.dropped_stores += 1
-        self.stats.count_failure(failure)
-
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    def drain(self, timeout_s: float) -> list[Completion]:
-        return drain(self, timeout_s)
 
     def close(self) -> None:
         self._closed.set()

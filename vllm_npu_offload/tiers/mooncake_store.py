@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import numpy as np
@@ -39,7 +39,7 @@ import numpy as np
 from .channel import listen, socket_path
 from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
 from .disk_tier import ReadRate
-from .rank_links import RankLinks, drain
+from .rank_links import OrderedTier, PendingOrder
 from .record import HEADER_BYTES, RecordError, check_header, checksum, pack_header
 
 logger = logging.getLogger(__name__)
@@ -499,20 +499,7 @@ class MooncakeRankServer:
 
 
 # -- the scheduler's side ----------------------------------------------------------------------
-@dataclass
-class _Pending:
-    key: bytes
-    op: Op
-    chunk: int
-    ranks_left: set[int]
-    started: float
-    ok: bool = True
-    nbytes: int = 0
-    seconds: float = 0.0
-    failures: list[Failure] = field(default_factory=list)
-
-
-class MooncakeTier:
+class MooncakeTier(OrderedTier):
     """The scheduler side, a ``LowerTier`` (contract.py) over the pool; every call returns at once."""
 
     name = "mooncake"
@@ -527,19 +514,11 @@ class MooncakeTier:
         self.writable = True
         self.identity: RecordIdentity | None = None
         self.key_bytes = 0
-        self.abandoned: set[bytes] = set()
         self._names: list[tuple[str, str]] = []  # per rank: (prefix, suffix) of a record's name
         self._hellos: dict[int, Hello] = {}
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, _Pending] = {}
-        self._reads: dict[bytes, int] = {}
-        self._writes: dict[bytes, int] = {}
-        self._seq = 0
-        self._read_backlog = 0
-        self._write_backlog = 0
+        self._init_orders([tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
         self._next_deadline_check = 0.0
-        self._warned: set[str] = set()
         # what the checker thread and the scheduler share, under _lock
         self._lock = threading.Lock()
         self._present: OrderedDict[bytes, None] = OrderedDict()
@@ -557,8 +536,6 @@ class MooncakeTier:
         self._call_started: float | None = None
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._links = RankLinks([tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)],
-                                self._events, "mooncake")
         self._threads = [threading.Thread(target=self._check_loop, name="npu-kv-mooncake-check", daemon=True)]
         for t in self._threads:
             t.start()
@@ -577,11 +554,6 @@ class MooncakeTier:
     @property
     def up(self) -> bool:
         return self.identity is not None and self._links.all_up and not self.down
-
-    def _warn_once(self, what: str, msg: str, *args) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(msg, *args)
 
     def names(self, key: bytes) -> list[str]:
         """Every rank's record name of ``key``."""
@@ -761,17 +733,7 @@ class MooncakeTier:
 
     def _on_done(self, d: Done) -> Completion | None:
         p = self._pending.get(d.seq)
-        if p is None:
-            return None
-        p.ranks_left.discard(d.rank)
-        p.nbytes += d.nbytes
-        p.seconds = max(p.seconds, d.seconds)
-        if not d.ok:
-            p.ok = False
-            p.failures.append(d.failure or Failure.IO_ERROR)
-            logger.debug("mooncake tier: %s of %s failed on rank %d: %s", d.op.value, p.key.hex()[:16], d.rank,
-                         d.detail)
-        if p.ranks_left:
+        if p is None or not p.answered(d, self.name):
             return None
         del self._pending[d.seq]
         if p.op is Op.READ:
@@ -801,7 +763,7 @@ class MooncakeTier:
             self._probe = True
         self._wake.set()
 
-    def _finish_read(self, p: _Pending) -> None:
+    def _finish_read(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
             s.count_done(Op.READ, p.nbytes, p.seconds)
@@ -821,7 +783,7 @@ class MooncakeTier:
         if Failure.IO_ERROR in p.failures:
             self._suspect()
 
-    def _finish_write(self, p: _Pending) -> None:
+    def _finish_write(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
             s.count_done(Op.WRITE, p.nbytes, p.seconds)
@@ -869,12 +831,6 @@ class MooncakeTier:
     def describe_rate(self) -> str:
         return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s{', master down' if self.down else ''}"
 
-    def reading(self, key: bytes) -> bool:
-        return key in self._reads
-
-    def writing(self, key: bytes) -> bool:
-        return key in self._writes
-
     def worth_reading(self) -> bool:
         """The disk tier's cost rule, at the rate reads from the pool deliver."""
         if not self.up or self.rate.value <= 0:
@@ -899,40 +855,7 @@ class MooncakeTier:
                 and self._write_backlog < self.cfg.max_write_backlog_bytes)
 
     def _send(self, op: Op, key: bytes, chunk: int) -> bool:
-        if not self.up:
-            return False
-        self._seq += 1
-        order = Order(self._seq, op, key, chunk)
-        self._pending[self._seq] = _Pending(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
-        if self._links.send(order) == 0:
-            del self._pending[self._seq]
-            return False
-        return True
-
-    def start_read(self, key: bytes, chunk: int) -> bool:
-        if not self._send(Op.READ, key, chunk):
-            return False
-        self._reads[key] = self._seq
-        self.rate.started(self._read_backlog, time.monotonic())
-        self._read_backlog += self.key_bytes
-        return True
-
-    def start_write(self, key: bytes, chunk: int) -> bool:
-        if not self._send(Op.WRITE, key, chunk):
-            return False
-        self._writes[key] = self._seq
-        self._write_backlog += self.key_bytes
-        return True
-
-    def drop_store(self, failure: Failure = Failure.BUSY) -> None:
-        self.stats.dropped_stores += 1
-        self.stats.count_failure(failure)
-
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    def drain(self, timeout_s: float) -> list[Completion]:
-        return drain(self, timeout_s)
+        return self.up and super()._send(op, key, chunk)
 
     def close(self) -> None:
         self._closed.set()

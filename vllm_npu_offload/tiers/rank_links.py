@@ -8,14 +8,45 @@ its read misses its deadline.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 from .channel import connect
-from .contract import Order
+from .contract import Done, Failure, Op, Order
+
+logger = logging.getLogger(__name__)
 
 RECONNECT_S = 0.2
+
+
+@dataclass
+class PendingOrder:
+    """An order sent to every rank, until each has answered."""
+
+    key: bytes
+    op: Op
+    chunk: int
+    ranks_left: set[int]
+    started: float
+    ok: bool = True
+    nbytes: int = 0
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+
+    def answered(self, d: Done, tier: str) -> bool:
+        """Take one rank's answer; True once every rank has answered."""
+        self.ranks_left.discard(d.rank)
+        self.nbytes += d.nbytes
+        self.seconds = max(self.seconds, d.seconds)
+        if not d.ok:
+            self.ok = False
+            self.failures.append(d.failure or Failure.IO_ERROR)
+            logger.debug("%s tier: %s of %s failed on rank %d: %s", tier, d.op.value, self.key.hex()[:16], d.rank,
+                         d.detail)
+        return not self.ranks_left
 
 
 class RankLinks:
@@ -76,6 +107,72 @@ class RankLinks:
             self.events.put(("down", rank))
 
 
+class OrderedTier:
+    """What the disk and Mooncake tiers' scheduler sides share: orders to every rank, their
+    bookkeeping, the read and write queues in bytes. A subclass sets ``name``, ``cfg`` (with
+    ``world_size``), ``stats``, ``rate`` and ``key_bytes``, and calls ``_init_orders`` first."""
+
+    name = "tier"
+
+    def _init_orders(self, addresses: list[str]) -> None:
+        self.abandoned: set[bytes] = set()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._links = RankLinks(addresses, self._events, self.name)
+        self._pending: dict[int, PendingOrder] = {}
+        self._reads: dict[bytes, int] = {}  # key -> seq
+        self._writes: dict[bytes, int] = {}
+        self._seq = 0
+        self._read_backlog = 0
+        self._write_backlog = 0
+        self._warned: set[str] = set()
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(msg, *args)
+
+    def reading(self, key: bytes) -> bool:
+        return key in self._reads
+
+    def writing(self, key: bytes) -> bool:
+        return key in self._writes
+
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def drain(self, timeout_s: float) -> list:
+        return drain(self, timeout_s)
+
+    def drop_store(self, failure: Failure = Failure.BUSY) -> None:
+        self.stats.dropped_stores += 1
+        self.stats.count_failure(failure)
+
+    def _send(self, op: Op, key: bytes, chunk: int) -> bool:
+        self._seq += 1
+        order = Order(self._seq, op, key, chunk)
+        self._pending[self._seq] = PendingOrder(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
+        if self._links.send(order) == 0:
+            del self._pending[self._seq]
+            return False
+        # a rank that did not get the order answers nothing; the order then never ends (its deadline)
+        return True
+
+    def start_read(self, key: bytes, chunk: int) -> bool:
+        if not self._send(Op.READ, key, chunk):
+            return False
+        self._reads[key] = self._seq
+        self.rate.started(self._read_backlog, time.monotonic())
+        self._read_backlog += self.key_bytes
+        return True
+
+    def start_write(self, key: bytes, chunk: int) -> bool:
+        if not self._send(Op.WRITE, key, chunk):
+            return False
+        self._writes[key] = self._seq
+        self._write_backlog += self.key_bytes
+        return True
+
+
 def drain(tier, timeout_s: float) -> list:
     """Wait (blocking) until ``tier`` has no order in flight, at most ``timeout_s``; for resets only."""
     out = tier.poll()
@@ -86,4 +183,4 @@ def drain(tier, timeout_s: float) -> list:
     return out
 
 
-__all__ = ["RankLinks", "drain"]
+__all__ = ["OrderedTier", "PendingOrder", "RankLinks", "drain"]
