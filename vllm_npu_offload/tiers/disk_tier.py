@@ -37,7 +37,6 @@ from .record import HEADER_BYTES
 logger = logging.getLogger(__name__)
 
 NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
-DEADLINE_CHECK_S = 0.02
 RATE_WINDOW_BYTES = 256 << 20  # one sample of the live read rate
 RATE_WEIGHT = 0.25  # of a new sample in the read rate
 
@@ -98,7 +97,6 @@ class DiskTier(OrderedTier):
         self._hellos: dict[int, Hello] = {}
         self._init_orders([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
-        self._next_deadline_check = 0.0
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -149,36 +147,15 @@ class DiskTier(OrderedTier):
 
     def poll(self) -> list[Completion]:
         """Take in everything the ranks said; returns the orders that ended on every rank."""
-        out: list[Completion] = []
-        while True:
-            try:
-                ev = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(ev, Hello):
-                self._on_hello(ev)
-            elif isinstance(ev, Done):
-                c = self._on_done(ev)
-                if c is not None:
-                    out.append(c)
-            elif ev[0] == "scan" and self.index is not None:
-                self.index.merge(ev[1])
-            elif ev[0] == "down":
-                self._links.lost(ev[1])
-                self._warn_once(f"down{ev[1]}", "disk tier: rank %d's worker went away; the tier is off", ev[1])
-        now = time.monotonic()
-        if self._reads and now >= self._next_deadline_check:  # poll runs on every lookup: look now and then
-            self._next_deadline_check = now + DEADLINE_CHECK_S
-            for key, seq in self._reads.items():
-                if key not in self.abandoned and now - self._pending[seq].started > self.cfg.read_timeout_s:
-                    self.abandoned.add(key)
-                    self.stats.timeouts += 1
-                    self._warn_once("timeout", "disk tier: a read took over %.1f s; its request recomputes",
-                                    self.cfg.read_timeout_s)
+        out = self._take_events()
         if self.index is not None:
             self.stats.used_bytes_now = self.index.used_bytes
             self.stats.keys_now = len(self.index)
         return out
+
+    def _on_event(self, ev) -> None:
+        if ev[0] == "scan" and self.index is not None:
+            self.index.merge(ev[1])
 
     def _on_done(self, d: Done) -> Completion | None:
         p = self._pending.get(d.seq)

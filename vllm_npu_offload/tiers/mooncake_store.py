@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import re
 import socket
 import threading
@@ -60,7 +59,6 @@ MAX_BATCH = 32  # orders in one batched store call
 MAX_KNOWN = 1 << 20  # keys remembered present (least recently used forgotten first)
 MAX_QUEUED = 8192  # keys waiting for an existence check
 CHECK_BATCH = 256  # keys per batch_is_exist
-DEADLINE_CHECK_S = 0.02
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -518,7 +516,6 @@ class MooncakeTier(OrderedTier):
         self._hellos: dict[int, Hello] = {}
         self._init_orders([tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
-        self._next_deadline_check = 0.0
         # what the checker thread and the scheduler share, under _lock
         self._lock = threading.Lock()
         self._present: OrderedDict[bytes, None] = OrderedDict()
@@ -699,37 +696,10 @@ class MooncakeTier(OrderedTier):
     # -- completions -----------------------------------------------------------------------
     def poll(self) -> list[Completion]:
         """Take in everything the ranks said; returns the orders that ended on every rank."""
-        out: list[Completion] = []
-        while True:
-            try:
-                ev = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(ev, Hello):
-                self._on_hello(ev)
-            elif isinstance(ev, Done):
-                c = self._on_done(ev)
-                if c is not None:
-                    out.append(c)
-            elif ev[0] == "down":
-                self._links.lost(ev[1])
-                self._warn_once(f"gone{ev[1]}", "mooncake tier: rank %d's worker went away; the tier is off", ev[1])
-        self._check_deadlines()
+        out = self._take_events()
         self.stats.keys_now = len(self._present)
         self.stats.used_bytes_now = self.stats.keys_now * self.key_bytes
         return out
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        if not self._reads or now < self._next_deadline_check:
-            return
-        self._next_deadline_check = now + DEADLINE_CHECK_S
-        for key, seq in self._reads.items():
-            if key not in self.abandoned and now - self._pending[seq].started > self.cfg.read_timeout_s:
-                self.abandoned.add(key)
-                self.stats.timeouts += 1
-                self._warn_once("timeout", "mooncake tier: a read took over %.1f s; its request recomputes",
-                                self.cfg.read_timeout_s)
 
     def _on_done(self, d: Done) -> Completion | None:
         p = self._pending.get(d.seq)

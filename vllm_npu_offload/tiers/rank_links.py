@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 from .channel import connect
-from .contract import Done, Failure, Op, Order
+from .contract import Completion, Done, Failure, Hello, Op, Order
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_S = 0.2
+DEADLINE_CHECK_S = 0.02
 
 
 @dataclass
@@ -125,6 +126,42 @@ class OrderedTier:
         self._read_backlog = 0
         self._write_backlog = 0
         self._warned: set[str] = set()
+        self._next_deadline_check = 0.0
+
+    def _take_events(self) -> list[Completion]:
+        """Everything the ranks said since the last call: hellos, answers (the orders that ended on
+        every rank come back), ranks gone; other events go to ``_on_event``. Then the read deadlines."""
+        out: list[Completion] = []
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, Hello):
+                self._on_hello(ev)
+            elif isinstance(ev, Done):
+                c = self._on_done(ev)
+                if c is not None:
+                    out.append(c)
+            elif ev[0] == "down":
+                self._links.lost(ev[1])
+                self._warn_once(f"down{ev[1]}", "%s tier: rank %d's worker went away; the tier is off", self.name,
+                                ev[1])
+            else:
+                self._on_event(ev)
+        now = time.monotonic()
+        if self._reads and now >= self._next_deadline_check:  # poll runs on every lookup: look now and then
+            self._next_deadline_check = now + DEADLINE_CHECK_S
+            for key, seq in self._reads.items():
+                if key not in self.abandoned and now - self._pending[seq].started > self.cfg.read_timeout_s:
+                    self.abandoned.add(key)
+                    self.stats.timeouts += 1
+                    self._warn_once("timeout", "%s tier: a read took over %.1f s; its request recomputes", self.name,
+                                    self.cfg.read_timeout_s)
+        return out
+
+    def _on_event(self, ev) -> None:
+        pass
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
