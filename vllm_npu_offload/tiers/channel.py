@@ -35,9 +35,21 @@ def listen(path: str) -> Listener:
         os.umask(old)
 
 
+def unlisten(listener: Listener, path: str) -> None:
+    """Stop accepting and remove the socket file (a rank server's shutdown)."""
+    try:
+        listener.close()
+    except OSError:
+        pass
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def connect(path: str) -> Connection:
     """Connect to a rank's worker; raises OSError while it is not listening yet."""
     return Client(path, family="AF_UNIX")
 
 
-__all__ = ["connect", "listen", "socket_path"]
+__all__ = ["connect", "listen", "socket_path", "unlisten"]

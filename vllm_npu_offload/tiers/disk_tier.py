@@ -94,7 +94,6 @@ class DiskTier(OrderedTier):
         self.files: RecordFiles | None = None
         self.rate = ReadRate(0.0)
         self.writable = False
-        self._hellos: dict[int, Hello] = {}
         self._init_orders([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
         self._closed = threading.Event()
@@ -123,14 +122,9 @@ class DiskTier(OrderedTier):
         return self.index is not None and self._links.all_up
 
     def _on_hello(self, h: Hello) -> None:
-        self._hellos[h.rank] = h
-        if len(self._hellos) < self.cfg.world_size or self.index is not None:
+        ident = self._identity_of(h, ready=self.index is not None)
+        if ident is None:
             return
-        ids = {x.identity for x in self._hellos.values()}
-        if len(ids) != 1:
-            logger.error("disk tier off: the ranks disagree on the record identity (%s)", ids)
-            return
-        ident = ids.pop()
         self.files = RecordFiles(Path(self.cfg.root), ident.fingerprint())
         self.index = DiskIndex(self.cfg.budget_bytes, (ident.chunk_bytes + HEADER_BYTES) * self.cfg.world_size)
         self.rate = ReadRate(min(x.read_bytes_per_s for x in self._hellos.values()))

@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 
 from .. import faults
-from .channel import listen
+from .channel import listen, unlisten
 from .contract import Done, Failure, Hello, Op, Order, RecordIdentity
 from .disk_io import RecordFiles, TierIOError, page_buffer, probe_rates, remove_stale_temporaries
 from .record import HEADER_BYTES, RecordError
@@ -182,14 +182,7 @@ class DiskTierServer:
 
     def shutdown(self) -> None:
         self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        try:
-            os.unlink(self.address)
-        except OSError:
-            pass
+        unlisten(self._listener, self.address)
         with self._cv:
             self._cv.notify_all()
         for t in self._io:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import socket
 import threading
@@ -35,7 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .channel import listen, socket_path
+from .channel import listen, socket_path, unlisten
 from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
 from .disk_tier import ReadRate
 from .rank_links import OrderedTier, PendingOrder
@@ -473,14 +472,7 @@ class MooncakeRankServer:
 
     def shutdown(self) -> None:
         self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        try:
-            os.unlink(self.address)
-        except OSError:
-            pass
+        unlisten(self._listener, self.address)
         with self._cv:
             self._cv.notify_all()
         for t in self._threads[1:]:
@@ -513,7 +505,6 @@ class MooncakeTier(OrderedTier):
         self.identity: RecordIdentity | None = None
         self.key_bytes = 0
         self._names: list[tuple[str, str]] = []  # per rank: (prefix, suffix) of a record's name
-        self._hellos: dict[int, Hello] = {}
         self._init_orders([tier_address(cfg.store, cfg.engine_id, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
         # what the checker thread and the scheduler share, under _lock
@@ -677,14 +668,9 @@ class MooncakeTier(OrderedTier):
 
     # -- ranks -----------------------------------------------------------------------------
     def _on_hello(self, h: Hello) -> None:
-        self._hellos[h.rank] = h
-        if len(self._hellos) < self.cfg.world_size or self.identity is not None:
+        ident = self._identity_of(h, ready=self.identity is not None)
+        if ident is None:
             return
-        ids = {x.identity for x in self._hellos.values()}
-        if len(ids) != 1:
-            logger.error("mooncake tier off: the ranks disagree on the record identity (%s)", ids)
-            return
-        ident = ids.pop()
         fp = ident.fingerprint()
         self._names = [(f"{self.cfg.store.tenant}/{fp}/", f"/r{r}") for r in range(self.cfg.world_size)]
         self.key_bytes = (ident.chunk_bytes + HEADER_BYTES) * self.cfg.world_size

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from .channel import connect
-from .contract import Completion, Done, Failure, Hello, Op, Order
+from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,19 @@ class OrderedTier:
         self._write_backlog = 0
         self._warned: set[str] = set()
         self._next_deadline_check = 0.0
+        self._hellos: dict[int, Hello] = {}
+
+    def _identity_of(self, h: Hello, ready: bool) -> RecordIdentity | None:
+        """Take ``h``; the ranks' common record identity once every rank has said hello (None before,
+        when the tier is ``ready`` already, or when the ranks disagree: then the tier stays off)."""
+        self._hellos[h.rank] = h
+        if ready or len(self._hellos) < self.cfg.world_size:
+            return None
+        ids = {x.identity for x in self._hellos.values()}
+        if len(ids) != 1:
+            logger.error("%s tier off: the ranks disagree on the record identity (%s)", self.name, ids)
+            return None
+        return ids.pop()
 
     def _take_events(self) -> list[Completion]:
         """Everything the ranks said since the last call: hellos, answers (the orders that ended on
