@@ -35,6 +35,25 @@ def listen(path: str) -> Listener:
         os.umask(old)
 
 
+def serve(listener: Listener, hello, take, closed) -> None:
+    """A rank server's accept loop: one scheduler at a time; each gets ``hello()`` first, then every
+    order it sends goes to ``take(conn, order)``; a scheduler that goes away leaves the server waiting
+    for the next one. Ends when the listener is closed or ``closed()`` says so."""
+    while not closed():
+        try:
+            conn = listener.accept()
+        except OSError:
+            return
+        try:
+            conn.send(hello())
+            while not closed():
+                take(conn, conn.recv())
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+
+
 def unlisten(listener: Listener, path: str) -> None:
     """Stop accepting and remove the socket file (a rank server's shutdown)."""
     try:
@@ -52,4 +71,4 @@ def connect(path: str) -> Connection:
     return Client(path, family="AF_UNIX")
 
 
-__all__ = ["connect", "listen", "socket_path", "unlisten"]
+__all__ = ["connect", "listen", "serve", "socket_path", "unlisten"]

@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 
 from .. import faults
-from .channel import listen, unlisten
+from .channel import listen, serve, unlisten
 from .contract import Done, Failure, Hello, Op, Order, RecordIdentity
 from .disk_io import RecordFiles, TierIOError, page_buffer, probe_rates, remove_stale_temporaries
 from .record import HEADER_BYTES, RecordError
@@ -87,22 +87,12 @@ class DiskTierServer:
 
     # -- serving -------------------------------------------------------------------------
     def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return
-            try:
-                conn.send(self.hello())
-                while not self._closed:
-                    order = conn.recv()
-                    with self._cv:
-                        (self._reads if order.op is Op.READ else self._writes).append((conn, order))
-                        self._cv.notify()
-            except (EOFError, OSError):
-                pass  # the scheduler went away; wait for the next one
-            finally:
-                conn.close()
+        serve(self._listener, self.hello, self._enqueue, lambda: self._closed)
+
+    def _enqueue(self, conn, order: Order) -> None:
+        with self._cv:
+            (self._reads if order.op is Op.READ else self._writes).append((conn, order))
+            self._cv.notify()
 
     def _next(self):
         """The next order for an I/O thread: a read if any, else a write if a write slot is free."""

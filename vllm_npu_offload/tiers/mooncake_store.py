@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .channel import listen, socket_path, unlisten
+from .channel import listen, serve, socket_path, unlisten
 from .contract import Completion, Done, Failure, Hello, Op, Order, RecordIdentity, TierStats
 from .disk_tier import ReadRate
 from .rank_links import OrderedTier, PendingOrder
@@ -302,22 +302,12 @@ class MooncakeRankServer:
 
     # -- serving ---------------------------------------------------------------------------
     def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return
-            try:
-                conn.send(self.hello())
-                while not self._closed:
-                    order = conn.recv()
-                    with self._cv:
-                        self._queues[order.op].append((conn, order))
-                        self._cv.notify_all()
-            except (EOFError, OSError):
-                pass  # the scheduler went away; wait for the next one
-            finally:
-                conn.close()
+        serve(self._listener, self.hello, self._enqueue, lambda: self._closed)
+
+    def _enqueue(self, conn, order: Order) -> None:
+        with self._cv:
+            self._queues[order.op].append((conn, order))
+            self._cv.notify_all()
 
     def _take(self, op: Op) -> list:
         """Every order queued for ``op`` (at most ``max_batch``), waiting for one; [] when closed."""
