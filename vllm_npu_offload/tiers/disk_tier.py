@@ -213,29 +213,14 @@ class DiskTier(OrderedTier):
     def looking_up(self, key: bytes) -> bool:
         return False  # the index is local: known at once
 
-    def describe_rate(self) -> str:
-        return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s"
-
-    def worth_reading(self) -> bool:
-        """The cost rule (module docstring) for one more key now."""
-        if self.index is None or self.rate.value <= 0:
-            return False
-        seconds = (self._read_backlog + self.index.key_bytes) / self.rate.value
-        ok = seconds < self.cfg.read_queue_s
-        if ok and self.cfg.prefill_tokens_per_s > 0:
-            ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
-        if not ok:
-            self.stats.misses_cost += 1
-        return ok
+    def _readable(self) -> bool:
+        return self.index is not None
 
     def wants_write(self, key: bytes) -> bool:
         """Whether a write of ``key`` should start now (not on disk, not moving, room in the queue)."""
         return (self.may_write() and self.index is not None and key not in self.index
                 and key not in self._writes and key not in self._reads)
 
-    def may_write(self) -> bool:
-        return (self.up and self.writable and time.monotonic() >= self._stores_paused_until
-                and self._write_backlog < self.cfg.max_write_backlog_bytes)
 
     @property
     def key_bytes(self) -> int:

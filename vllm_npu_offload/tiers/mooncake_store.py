@@ -775,19 +775,10 @@ class MooncakeTier(OrderedTier):
         return self.checking(key)
 
     def describe_rate(self) -> str:
-        return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s{', master down' if self.down else ''}"
+        return super().describe_rate() + (", master down" if self.down else "")
 
-    def worth_reading(self) -> bool:
-        """The disk tier's cost rule, at the rate reads from the pool deliver."""
-        if not self.up or self.rate.value <= 0:
-            return False
-        seconds = (self._read_backlog + self.key_bytes) / self.rate.value
-        ok = seconds < self.cfg.read_queue_s
-        if ok and self.cfg.prefill_tokens_per_s > 0:
-            ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
-        if not ok:
-            self.stats.misses_cost += 1
-        return ok
+    def _readable(self) -> bool:
+        return self.up
 
     def wants_write(self, key: bytes) -> bool:
         """Whether a write of ``key`` should start now (not known present, not moving, room in the queue)."""
@@ -796,9 +787,6 @@ class MooncakeTier(OrderedTier):
         with self._lock:
             return key not in self._present
 
-    def may_write(self) -> bool:
-        return (self.up and self.writable and time.monotonic() >= self._stores_paused_until
-                and self._write_backlog < self.cfg.max_write_backlog_bytes)
 
     def _send(self, op: Op, key: bytes, chunk: int) -> bool:
         return self.up and super()._send(op, key, chunk)

@@ -110,8 +110,10 @@ class RankLinks:
 
 class OrderedTier:
     """What the disk and Mooncake tiers' scheduler sides share: orders to every rank, their
-    bookkeeping, the read and write queues in bytes. A subclass sets ``name``, ``cfg`` (with
-    ``world_size``), ``stats``, ``rate`` and ``key_bytes``, and calls ``_init_orders`` first."""
+    bookkeeping, the read and write queues in bytes, the cost rule. A subclass sets ``name``, ``cfg``
+    (``world_size``, ``read_queue_s``, ``prefill_tokens_per_s``, ``tokens_per_key``,
+    ``max_write_backlog_bytes``), ``stats``, ``rate``, ``key_bytes``, ``up``, ``writable`` and
+    ``_stores_paused_until``, and calls ``_init_orders`` first."""
 
     name = "tier"
 
@@ -175,6 +177,30 @@ class OrderedTier:
 
     def _on_event(self, ev) -> None:
         pass
+
+    def _readable(self) -> bool:
+        """Whether the tier can take reads at all now (subclasses say)."""
+        return True
+
+    def worth_reading(self) -> bool:
+        """The cost rule for one more key now: the queued reads, this key included, drain within
+        ``read_queue_s`` at the measured rate and, with a prefill rate, beat recomputing the key."""
+        if not self._readable() or self.rate.value <= 0:
+            return False
+        seconds = (self._read_backlog + self.key_bytes) / self.rate.value
+        ok = seconds < self.cfg.read_queue_s
+        if ok and self.cfg.prefill_tokens_per_s > 0:
+            ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
+        if not ok:
+            self.stats.misses_cost += 1
+        return ok
+
+    def may_write(self) -> bool:
+        return (self.up and self.writable and time.monotonic() >= self._stores_paused_until
+                and self._write_backlog < self.cfg.max_write_backlog_bytes)
+
+    def describe_rate(self) -> str:
+        return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s"
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
