@@ -11,6 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
+from tier_engine import TierEngine as Engine  # noqa: E402
+
 TURNS = 4
 OFFLOAD_BLOCK = 32  # tokens per host chunk (32 KiB of the tiny model's KV)
 HOST_BYTES = 12 * (32 << 10)  # 12 host chunks: the conversation needs ~15
@@ -40,26 +42,6 @@ def _disk_config(path: Path, admit: str = "all") -> dict:
     cfg["kv_connector_extra_config"] |= {"disk_path": str(path), "disk_bytes_to_use": 256 << 20,
                                          "disk_admit": admit}
     return cfg
-
-
-class Engine:
-    def __init__(self, model: str, cfg: dict):
-        from vllm_npu_offload.demo.run import make_llm
-        from vllm_npu_offload.integration.tiered_manager import live_tier_managers
-
-        before = set(map(id, live_tier_managers()))
-        self.llm = make_llm(model, 32, cfg, 2048)
-        mine = [m for m in live_tier_managers() if id(m) not in before]
-        assert len(mine) == 1, "the spec did not build a tier manager"
-        self.manager = mine[0]
-
-    def close(self) -> None:
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-        self.manager.settle(30)
-        ensure_kv_transfer_shutdown()
-        del self.llm
-        gc.collect()
 
 
 def _records(path: Path) -> list[Path]:

@@ -21,6 +21,7 @@ except MooncakeMissing as e:
     pytest.skip(f"Mooncake is not importable here: {e}", allow_module_level=True)
 
 from mooncake_master import Master  # noqa: E402
+from tier_engine import TierEngine as Engine  # noqa: E402
 
 TURNS = 3
 OFFLOAD_BLOCK = 32
@@ -64,24 +65,6 @@ def _config(m: Master, tenant: str = "default") -> dict:
     cfg["kv_connector_extra_config"] |= {f"mooncake_{k}": v for k, v in m.extra(segment_bytes=0).items()}
     cfg["kv_connector_extra_config"]["mooncake_tenant"] = tenant
     return cfg
-
-
-class Engine:
-    def __init__(self, model: str, cfg: dict):
-        from vllm_npu_offload.demo.run import make_llm
-        from vllm_npu_offload.integration.tiered_manager import live_tier_managers
-
-        before = set(map(id, live_tier_managers()))
-        self.llm = make_llm(model, 32, cfg, 2048)
-        (self.manager,) = [m for m in live_tier_managers() if id(m) not in before]
-
-    def close(self) -> None:
-        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-        self.manager.settle(30)
-        ensure_kv_transfer_shutdown()
-        del self.llm
-        gc.collect()
 
 
 def test_another_engine_serves_a_conversation_from_the_pool(tiny_model, pool):
