@@ -10,9 +10,10 @@ from typing import Any
 from benchmarks.multiturn.report import _fmt, _table
 
 from .engine import layerwise_extra
+from .pair import pair_table
 from .timeline import HOST_COLUMNS
 
-PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn")
+PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "pair", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the tables need (not the smoke, not the
 # project's own multi-turn client)
 
@@ -832,7 +833,8 @@ def serve_table(res: dict) -> str:
 
 
 FORMATTERS = {"smoke": smoke_table, "smoke-serve": lambda res: serve_table(res), "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
-              "miss": per_layout(miss_table), "serve": serve_table, "multiturn": multiturn_table}
+              "miss": per_layout(miss_table), "serve": serve_table, "pair": pair_table,
+              "multiturn": multiturn_table}
 
 
 def write_part(out_dir: str | Path, part: str, res: dict) -> str:
