@@ -353,6 +353,24 @@ def test_read_rate_follows_what_the_disk_delivers_while_busy():
     assert rate.value == pytest.approx(0.75 * before + 0.25 * 640 * mib)
 
 
+def test_read_rate_of_completions_that_arrive_together():
+    """A batch of reads that finish in one poll after 1 s in flight is 1 s of work however the windows
+    fall: every sample counts from the start of the busy period, so the rate stays near 512 MiB/s (the
+    first window, half the bytes by the same time, errs low) instead of a window over microseconds."""
+    mib = 1 << 20
+    rate = ReadRate(0)
+    rate.started(0, now=0.0)
+    for i in range(64):
+        rate.started(8 * mib * (i + 1), now=0.0)  # 64 reads of 8 MiB queued at once
+    for i in range(64):
+        rate.ended(8 * mib, backlog_after=8 * mib * (63 - i), now=1.0 + i * 1e-6)
+    first = 0.75 * 256 * mib + 0.25 * 512 * mib  # windows of 256 then 512 MiB, both over ~1 s
+    assert rate.value == pytest.approx(first, rel=1e-3)
+    rate.started(0, now=5.0)  # a new busy period starts its own clock
+    rate.ended(64 * mib, backlog_after=0, now=5.5)
+    assert rate.value == pytest.approx(0.75 * first + 0.25 * 128 * mib, rel=1e-3)
+
+
 def test_reads_go_before_queued_writes(root, monkeypatch):
     """A burst of stores never makes a waiting request's read queue behind it; writes hold at most
     half the I/O threads."""

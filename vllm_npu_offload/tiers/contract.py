@@ -113,6 +113,7 @@ class TierStats:
     used_bytes_now: int = 0
     keys_now: int = 0
     by_failure: dict[str, int] = field(default_factory=dict)
+    where: str = "on disk"  # how the log line names what the tier holds now
 
     def count_done(self, op: "Op", nbytes: int, seconds: float) -> None:
         """One key read (a hit) or written, on every rank."""
@@ -133,7 +134,7 @@ class TierStats:
                 f"recomputed: {self.misses_cost} by cost, {self.misses_no_chunk} no host chunk, "
                 f"{self.timeouts} late, {self.read_failures} failed ({self.checksum_failures} checksum); "
                 f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores}, "
-                f"evictions {self.evictions}, on disk {self.used_bytes_now / gb:.2f} GB")
+                f"evictions {self.evictions}, {self.where} {self.used_bytes_now / gb:.2f} GB")
 
     def count_failure(self, failure: Failure | None) -> None:
         name = failure.value if failure is not None else "unknown"

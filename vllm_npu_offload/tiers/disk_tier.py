@@ -42,26 +42,33 @@ RATE_WEIGHT = 0.25  # of a new sample in the read rate
 
 
 class ReadRate:
-    """Bytes per second the disk delivers while reads are queued: start-up probe, then live samples."""
+    """Bytes per second the tier delivers while reads are queued: start-up probe, then live samples.
+
+    A sample is the bytes over the time since the busy period began (reads queued without a pause),
+    taken each time another window of bytes has finished: completions that arrive together (a
+    batch, or a poll that collects many) then never count against a window that just began, which
+    once read 210 GB/s off a pool that delivered 0.3."""
 
     def __init__(self, probed: float):
         self.value = probed
         self._t0: float | None = None
         self._bytes = 0
+        self._sampled = 0
 
     def started(self, backlog_before: int, now: float) -> None:
         if backlog_before == 0:
-            self._t0, self._bytes = now, 0
+            self._t0, self._bytes, self._sampled = now, 0, 0
 
     def ended(self, nbytes: int, backlog_after: int, now: float) -> None:
         if self._t0 is None:
             return
         self._bytes += nbytes
-        if self._bytes >= RATE_WINDOW_BYTES or (backlog_after == 0 and self._bytes >= RATE_WINDOW_BYTES // 8):
+        new = self._bytes - self._sampled
+        if new >= RATE_WINDOW_BYTES or (backlog_after == 0 and new >= RATE_WINDOW_BYTES // 8):
             if now > self._t0:
                 sample = self._bytes / (now - self._t0)
                 self.value = sample if self.value <= 0 else (1 - RATE_WEIGHT) * self.value + RATE_WEIGHT * sample
-            self._t0, self._bytes = now, 0
+            self._sampled = self._bytes
         if backlog_after == 0:
             self._t0 = None
 

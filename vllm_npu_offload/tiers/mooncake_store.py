@@ -489,7 +489,7 @@ class MooncakeTier(OrderedTier):
             store_class()  # fail now, naming the install
         self.cfg = cfg
         self.admit = cfg.admit
-        self.stats = TierStats()
+        self.stats = TierStats(where="in the pool")
         self.rate = ReadRate(cfg.read_bytes_per_s)
         self.writable = True
         self.identity: RecordIdentity | None = None
