@@ -376,6 +376,14 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.0f}" if isinstance(x, (int, float)) else str(x)
 
 
+def _same(p: dict, ref: dict) -> bool:
+    """``Probe.same_as`` of two probes as the JSON holds them."""
+    def probe(d: dict) -> Probe:
+        return Probe(**{"label": "", **{k: v for k, v in d.items() if k in Probe.__dataclass_fields__}})
+
+    return probe(p).same_as(probe(ref)) if p and ref else False
+
+
 def table(res: dict) -> str:
     """Checks (PASS/FAIL/n/a), the soak's samples and passes, the faults counted, the kill -9 stage."""
     meta = res.get("meta") or {}
@@ -384,6 +392,15 @@ def table(res: dict) -> str:
            f"{res.get('mode', '')}"]
     checks = res.get("checks", {})
     out.append(_table(["check", "result"], [[k, _mark(v)] for k, v in checks.items()]))
+    probes = {**res.get("probes", {}), **({"restarted": res["restart"]["probe"]}
+                                          if (res.get("restart") or {}).get("probe") else {})}
+    if probes:
+        ref = probes.get("off") or {}
+        out.append("probes (device / external hit tokens: where the probe's prefix came from):")
+        out.append(_table(["probe", "tokens = off", "device hit tok", "external hit tok", "error"],
+                          [[k, "-" if k == "off" else "yes" if _same(p, ref) else "NO",
+                            _num(p.get("device_hit_tokens")), _num(p.get("external_hit_tokens")),
+                            (p.get("error") or "")[:60]] for k, p in probes.items()]))
     samples = res.get("samples", [])
     if samples:
         keys = [k for k in SAMPLE_KEYS if any(k in s for s in samples)]
@@ -405,9 +422,11 @@ def table(res: dict) -> str:
                    f"{d.get('hits', '-')}, stores {d.get('stores', '-')}")
     k = res.get("kill") or {}
     if k:
+        kp = res.get("kill_pass") or {}
         out.append(f"kill -9: {len(k.get('pids', []))} processes, gone after {k.get('wait_s', 0):.1f}s; temporaries "
                    f"left by the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
-                   f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}")
+                   f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: "
+                   f"{kp.get('ok', '-')} ok, {kp.get('failed', '-')} failed of {kp.get('planned', '-')}")
     r = res.get("restart") or {}
     if r:
         out.append(f"restart: up in {_num(r.get('start_s'))}s, disk tier up after {_num(r.get('tier_up_s'))}s, "
@@ -454,6 +473,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         return res
     off_plan, ours_plan = plans
     res["servers"] = [asdict(p) for p in plans]
+    work.mkdir(parents=True, exist_ok=True)
     model = build_shape_model(work / f"{lay.shape}-serve", lay.shape, SERVE_VOCAB)
     tmpl = work / "plain_chat_template.jinja"
     tmpl.write_text(PLAIN_CHAT_TEMPLATE)
@@ -476,7 +496,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
             return ""
 
     prompt = probe_prompt()
-    schedule = Schedule(budget.seconds)
+    schedule = Schedule(budget.seconds, SOAK_SHARE, KILL_AFTER_S)
     shm_before_start = shm_entries()
     cms: dict = {}
     started: list[str] = []
@@ -506,7 +526,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
         # 2. the soak
         root = listening_pid(url)
-        sampler = Sampler(root, disk).start()
+        sampler = Sampler(root, disk, SAMPLE_EVERY_S).start()
         r = 0
         try:
             while schedule.another_pass(budget.seconds - budget.left(), budget.left(),
