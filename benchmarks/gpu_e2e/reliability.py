@@ -384,6 +384,34 @@ def _same(p: dict, ref: dict) -> bool:
     return probe(p).same_as(probe(ref)) if p and ref else False
 
 
+def _faults_line(f: dict | None) -> str:
+    if not f:
+        return ""
+    d = f.get("disk_tier") or {}
+    return (f"faults seen in the log: hook warning {'yes' if f.get('hook_on') else 'NO'}; copy jobs failed by the hook "
+            f"and retried {f.get('copy_injected_retried', 0)}, reported failed to vLLM {f.get('copy_failed', 0)}; "
+            f"disk tier: failed reads {d.get('read_failures', '-')} (checksum {d.get('checksum_failures', '-')}), "
+            f"dropped stores {d.get('dropped_stores', '-')}, hits {d.get('hits', '-')}, stores {d.get('stores', '-')}")
+
+
+def _kill_line(k: dict | None, kp: dict | None) -> str:
+    if not k:
+        return ""
+    kp = kp or {}
+    return (f"kill -9: {len(k.get('pids', []))} processes, gone after {k.get('wait_s', 0):.1f}s; temporaries left by "
+            f"the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
+            f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: {kp.get('ok', '-')} ok, "
+            f"{kp.get('failed', '-')} failed of {kp.get('planned', '-')}")
+
+
+def _restart_line(r: dict | None) -> str:
+    if not r:
+        return ""
+    return (f"restart: up in {_num(r.get('start_s'))}s, disk tier up after {_num(r.get('tier_up_s'))}s, probe "
+            f"external hit tokens {_num((r.get('probe') or {}).get('external_hit_tokens'))}, tier counters "
+            f"{r.get('disk_tier')}{', error ' + r['error'][-300:] if r.get('error') else ''}")
+
+
 def table(res: dict) -> str:
     """Checks (PASS/FAIL/n/a), the soak's samples and passes, the faults counted, the kill -9 stage."""
     meta = res.get("meta") or {}
@@ -412,26 +440,8 @@ def table(res: dict) -> str:
                           [[p.get("pass"), p.get("planned"), p.get("ok"), p.get("failed"), p.get("unanswered"),
                             _num(p.get("wall_s")), _num(p.get("metrics", {}).get("external_hits")),
                             (p.get("error") or "")[:60]] for p in res["passes"]]))
-    f = res.get("faults_seen") or {}
-    if f:
-        d = f.get("disk_tier") or {}
-        out.append(f"faults seen in the log: hook warning {'yes' if f.get('hook_on') else 'NO'}; copy jobs failed by "
-                   f"the hook and retried {f.get('copy_injected_retried', 0)}, reported failed to vLLM "
-                   f"{f.get('copy_failed', 0)}; disk tier: failed reads {d.get('read_failures', '-')} (checksum "
-                   f"{d.get('checksum_failures', '-')}), dropped stores {d.get('dropped_stores', '-')}, hits "
-                   f"{d.get('hits', '-')}, stores {d.get('stores', '-')}")
-    k = res.get("kill") or {}
-    if k:
-        kp = res.get("kill_pass") or {}
-        out.append(f"kill -9: {len(k.get('pids', []))} processes, gone after {k.get('wait_s', 0):.1f}s; temporaries "
-                   f"left by the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
-                   f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: "
-                   f"{kp.get('ok', '-')} ok, {kp.get('failed', '-')} failed of {kp.get('planned', '-')}")
-    r = res.get("restart") or {}
-    if r:
-        out.append(f"restart: up in {_num(r.get('start_s'))}s, disk tier up after {_num(r.get('tier_up_s'))}s, "
-                   f"probe external hit tokens {_num((r.get('probe') or {}).get('external_hit_tokens'))}, tier "
-                   f"counters {r.get('disk_tier')}")
+    out += [line for line in (_faults_line(res.get("faults_seen")), _kill_line(res.get("kill"), res.get("kill_pass")),
+                              _restart_line(res.get("restart"))) if line]
     for c in res.get("cut", []):
         out.append(f"cut: {c}")
     for e in res.get("errors", []):
