@@ -37,6 +37,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -251,6 +252,12 @@ def shm_of(pids: list[int]) -> set[str]:
     return out
 
 
+def tier_sockets() -> set[str]:
+    """The tier workers' Unix sockets (named by vllm_npu_offload/tiers/channel.py's socket_path)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return {str(p) for p in Path(base).glob("npu-kv-*.sock")}
+
+
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
@@ -335,6 +342,7 @@ class KillReport:
     gpu_before_mib: float | None = None  # the tree's
     gpu_after_mib: float | None = None
     wait_s: float = 0.0
+    sockets_left: list[str] = field(default_factory=list)  # tier workers' sockets (info: a restart makes new ones)
 
     def checks(self) -> dict[str, bool | None]:
         ours = [n for n in self.shm_left if any(w in n.lower() for w in OURS_SHM)]
@@ -401,7 +409,7 @@ def _kill_line(k: dict | None, kp: dict | None) -> str:
     return (f"kill -9: {len(k.get('pids', []))} processes, gone after {k.get('wait_s', 0):.1f}s; temporaries left by "
             f"the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
             f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: {kp.get('ok', '-')} ok, "
-            f"{kp.get('failed', '-')} failed of {kp.get('planned', '-')}")
+            f"{kp.get('failed', '-')} failed of {kp.get('planned', '-')}; tier sockets left {k.get('sockets_left', [])}")
 
 
 def _restart_line(r: dict | None) -> str:
@@ -507,7 +515,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
     prompt = probe_prompt()
     schedule = Schedule(budget.seconds, SOAK_SHARE, KILL_AFTER_S)
-    shm_before_start = shm_entries()
+    shm_before_start, sockets_before_start = shm_entries(), tier_sockets()
     cms: dict = {}
     started: list[str] = []
     try:
@@ -526,68 +534,69 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         res["restart_estimate_s"] = restart_s
         print(f"[reliability] servers up in {res['start_s']:.0f}s; restart estimated {restart_s:.0f}s", flush=True)
 
-        # 1. the probe: off's tokens are the reference
-        ref = run_probe(off_url, served, "off", prompt)
-        first = run_probe(url, served, "ours-disk", prompt)
-        res["probes"] = {"off": asdict(ref), "first": asdict(first)}
-        res["checks"]["probe: off answered"] = ref.error is None
-        res["checks"]["probe before the soak = off"] = first.same_as(ref)
-        save()
+        st = _State(ref=run_probe(off_url, served, "off", prompt))
+        res["probes"]["off"] = asdict(st.ref)
+        res["checks"]["probe: off answered"] = st.ref.error is None
 
-        # 2. the soak
-        root = listening_pid(url)
-        sampler = Sampler(root, disk, SAMPLE_EVERY_S).start()
-        r = 0
-        try:
-            while schedule.another_pass(budget.seconds - budget.left(), budget.left(),
-                                        [p["wall_s"] for p in res["passes"]], restart_s):
-                res["passes"].append(_pass(r, url, model, served, load, a, work, layout, write_corpus,
-                                           timeout=max(30.0, budget.left() - schedule.kill_reserve(restart_s))))
-                res["faults_seen"] = fault_log(log_text(ours_plan.label))
-                res["passes"][-1]["disk_tier"] = res["faults_seen"]["disk_tier"]
-                p = res["passes"][-1]
-                print(f"[reliability] pass {r}: {p['ok']}/{p['planned']} ok, {p['failed']} failed, "
-                      f"{p['unanswered']} unanswered, {p['wall_s']:.0f}s", flush=True)
-                r += 1
-                res["samples"] = list(sampler.samples)
-                save()
-        finally:
-            res["samples"] = sampler.stop()
-        if not res["passes"]:
-            res["cut"].append({"stage": "soak", "left_s": budget.left(), "why": "the kill -9 stage needs the time"})
+        def one_pass(timeout: float) -> dict:
+            st.passes += 1
+            return _pass(st.passes - 1, url, model, served, load, a, work, layout, write_corpus, timeout)
+
+        def probe_stage(name: str, check: str) -> None:
+            got = run_probe(url, served, "ours-disk", prompt)
+            res["probes"][name] = asdict(got)
+            res["checks"][check] = got.same_as(st.ref)
+
+        def soak_stage() -> None:
+            sampler = Sampler(listening_pid(url), disk, SAMPLE_EVERY_S).start()
+            try:
+                while schedule.another_pass(budget.seconds - budget.left(), budget.left(),
+                                            [p["wall_s"] for p in res["passes"]], restart_s):
+                    p = one_pass(max(30.0, budget.left() - schedule.kill_reserve(restart_s)))
+                    p["disk_tier"] = tier_counters(log_text(ours_plan.label))
+                    res["passes"].append(p)
+                    print(f"[reliability] pass {p['pass']}: {p['ok']}/{p['planned']} ok, {p['failed']} failed, "
+                          f"{p['unanswered']} unanswered, {p['wall_s']:.0f}s", flush=True)
+                    res["samples"] = [x for x in sampler.samples if "error" not in x]
+                    save()
+            finally:
+                res["samples"] = sampler.stop()
+            if not res["passes"]:
+                res["cut"].append({"stage": "soak", "left_s": budget.left(), "why": "the kill -9 stage needs the time"})
+
+        def kill_stage() -> None:
+            _settle_records(disk)
+            kill, client = _kill_during_pass(listening_pid(url), disk, shm_before_start, sockets_before_start,
+                                             one_pass)
+            res["kill"], res["kill_pass"] = asdict(kill), client
+            res["checks"].update(kill.checks())
+            cms.pop(ours_plan.label).__exit__(None, None, None)  # reaps the killed API server
+            started.remove(ours_plan.label)
+            save()
+            left = budget.left() - 45
+            if left < 60:
+                res["cut"].append({"stage": "restart", "left_s": budget.left()})
+                res["checks"]["restart: server up"] = None
+                return
+            res["restart"] = _restart(without_faults(ours_plan), make_cm, log_of["restart"], cms, started, served,
+                                      prompt, st.ref, disk, budget, left)
+            res["checks"].update(res["restart"].pop("checks"))
+
+        # 1. the probe (off's tokens are the reference); 2. the soak; 3. the probe again; 4. kill -9 and restart:
+        # a stage that raises is an error in the result, and the next stages still run
+        _stage(res, "probe", lambda: probe_stage("first", "probe before the soak = off"))
+        save()
+        _stage(res, "soak", soak_stage)
         res["checks"].update(soak_checks(res["samples"], res["passes"], DISK_BYTES))
         res["faults_seen"] = fault_log(log_text(ours_plan.label))
         if faults:
             res["checks"]["faults: the hook's warning in the log"] = res["faults_seen"]["hook_on"]
             res["checks"]["faults: injected failures counted"] = injected_counted(res["faults_seen"])
         res["checks"]["faults: no copy job reported failed to vLLM"] = res["faults_seen"]["copy_failed"] == 0
-
-        # 3. the probe again
-        again = run_probe(url, served, "ours-disk", prompt)
-        res["probes"]["after_soak"] = asdict(again)
-        res["checks"]["probe after the soak = off"] = again.same_as(ref)
+        _stage(res, "probe after the soak", lambda: probe_stage("after_soak", "probe after the soak = off"))
         save()
-
-        # 4. kill -9 while a pass runs, then the restart on the same folder
-        _settle_records(disk)
-        kill, client = _kill_during_pass(url, root, disk, shm_before_start, model, served, load, a, work, layout,
-                                         write_corpus, r)
-        res["kill"] = asdict(kill)
-        res["kill_pass"] = client
-        res["checks"].update(kill.checks())
-        res["faults_seen"] = fault_log(log_text(ours_plan.label))
-        cms.pop(ours_plan.label).__exit__(None, None, None)  # reaps the killed API server
-        started.remove(ours_plan.label)
-        save()
-        restart = without_faults(ours_plan)
-        left = budget.left() - 45
-        if left < 60:
-            res["cut"].append({"stage": "restart", "left_s": budget.left()})
-            res["checks"]["restart: server up"] = None
-        else:
-            res["restart"] = _restart(restart, make_cm, log_of["restart"], cms, started, served, prompt, ref,
-                                      disk, budget, left)
-            res["checks"].update(res["restart"].pop("checks"))
+        _stage(res, "kill -9", kill_stage)
+        res["faults_seen"] = fault_log(log_text(ours_plan.label))  # the killed server's log, to its end
         save()
     except Exception as e:  # noqa: BLE001 - recorded as a failed part, the servers still stop
         import traceback
@@ -600,6 +609,26 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         res["stop_s"] = time.perf_counter() - t2
         res["ok"] = all(v is not False for v in res["checks"].values()) and not res["errors"]
     return res
+
+
+@dataclass
+class _State:
+    ref: Probe
+    passes: int = 0
+
+
+def _stage(res: dict, name: str, fn) -> bool:
+    """Run one stage; an exception is recorded (error and traceback), not raised."""
+    import traceback
+
+    try:
+        fn()
+        return True
+    except Exception as e:  # noqa: BLE001 - the next stages and the servers' stop still run
+        res["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        res.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+        print(res["tracebacks"][name], flush=True)
+        return False
 
 
 def part(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
@@ -645,13 +674,12 @@ def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
     return seen
 
 
-def _kill_during_pass(url: str, root: int, disk: Path, shm_before_start: set[str], model: str, served: str,
-                      load: Load, a, work: Path, layout: str, write_corpus, r: int) -> tuple[KillReport, dict]:
-    """A pass starts; KILL_AFTER_S later the whole tree gets SIGKILL; what it left."""
+def _kill_during_pass(root: int, disk: Path, shm_before_start: set[str], sockets_before_start: set[str],
+                      one_pass) -> tuple[KillReport, dict]:
+    """A pass (``one_pass(timeout)``) starts; KILL_AFTER_S later the whole tree gets SIGKILL; what it left."""
     box: dict = {}
-    th = threading.Thread(target=lambda: box.update(_pass(r, url, model, served, load, a, work, layout, write_corpus,
-                                                          timeout=KILL_AFTER_S + 120)),
-                          name="reliability-kill-pass", daemon=True)
+    th = threading.Thread(target=lambda: box.update(one_pass(KILL_AFTER_S + 120)), name="reliability-kill-pass",
+                          daemon=True)
     th.start()
     time.sleep(KILL_AFTER_S)
     pids = tree_pids(root)
@@ -669,6 +697,7 @@ def _kill_during_pass(url: str, root: int, disk: Path, shm_before_start: set[str
     rep.temporaries_after_kill = temporaries(disk)
     rep.mlocked_after_mib = mlocked_mib()
     rep.gpu_after_mib = gpu_mib(pids)
+    rep.sockets_left = sorted(tier_sockets() - sockets_before_start)
     client = {k: v for k, v in box.items() if k in ("planned", "ok", "failed", "unanswered", "wall_s", "error")}
     return rep, client
 

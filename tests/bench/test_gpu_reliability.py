@@ -311,8 +311,11 @@ def fake_vllm():
     srv.shutdown()
 
 
-def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_path, monkeypatch, fake_vllm):
-    """A stand-in tree (a sleeping process) is killed for real; the servers are fakes."""
+@pytest.mark.parametrize("broken_client", [False, True])
+def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_path, monkeypatch, fake_vllm,
+                                                                          broken_client):
+    """A stand-in tree (a sleeping process) is killed for real; the servers are fakes. A client that
+    raises is an error of its stage: the kill -9 stage and the restart still run."""
     from benchmarks.gpu_e2e import models
     from benchmarks.multiturn import launcher
 
@@ -362,6 +365,8 @@ def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_pa
     monkeypatch.setattr(launcher, "vllm_server", fake_server)
 
     def fake_run_one(label, url, model, served, wl, load, a, run_dir, seed, timeout):
+        if broken_client:
+            raise OSError("the client could not start")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "client.log").write_text("Client 0 is done (num_successes=160, num_failures=0)\n")
         time.sleep(0.3)
@@ -376,11 +381,16 @@ def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(tree.pid, 9)
         tree.wait(10)
-    assert not res["errors"], res.get("traceback")
-    assert len(res["passes"]) == 2 and res["passes"][0]["ok"] == 160 and "rows" not in res["passes"][0]
-    assert res["samples"] and "rss_mib" in res["samples"][0]
     c = res["checks"]
-    for k in ("probe before the soak = off", "probe after the soak = off", "soak: no failed requests",
+    if broken_client:
+        assert res["errors"] == ["soak: OSError: the client could not start"] and not res["passes"]
+        assert c["soak: no failed requests"] is None and res["ok"] is False and res["kill_pass"] == {}
+    else:
+        assert not res["errors"], res.get("tracebacks")
+        assert len(res["passes"]) == 2 and res["passes"][0]["ok"] == 160 and "rows" not in res["passes"][0]
+        assert res["samples"] and "rss_mib" in res["samples"][0] and c["soak: no failed requests"] is True
+        assert res["kill_pass"]["ok"] == 160
+    for k in ("probe before the soak = off", "probe after the soak = off",
               "kill: no process of the tree left", "restart: server up", "restart: disk tier up",
               "restart: no temporary record after start-up", "restart: probe = off",
               "restart: probe served from disk", "restart: no record failed its checks"):
