@@ -198,11 +198,15 @@ def injected_counted(seen: dict) -> bool:
     return seen.get("copy_injected_retried", 0) + d.get("read_failures", 0) + d.get("dropped_stores", 0) > 0
 
 
-def client_counts(log_text: str, ok: int, planned: int) -> dict:
-    """A pass's requests: ``ok`` (the client's stats rows), failed (its clients' ``num_failures=``
-    as they end), unanswered (neither: a conversation dropped after a failure, a client that died)."""
-    failed = sum(int(x) for x in re.findall(r"num_failures=(\d+)", log_text))
-    return {"planned": planned, "ok": ok, "failed": failed, "unanswered": max(0, planned - ok - failed)}
+def client_counts(log_text: str, ok: int, planned: int, clients: int) -> dict:
+    """A pass's requests from vLLM's client: ``ok`` (its stats rows), failed (its clients'
+    ``num_failures=`` as each ends), unanswered (successes it counted without a stats row), and how
+    many of ``clients`` ended (one that died says nothing of its requests). ``planned`` is an upper
+    bound only: a client whose queue runs dry abandons its open conversations (docs/gpu_e2e.md, serve)."""
+    done = re.findall(r"is done \(num_successes=(\d+), num_failures=(\d+)\)", log_text)
+    successes = sum(int(x) for x, _ in done)
+    return {"planned": planned, "ok": ok, "failed": sum(int(y) for _, y in done),
+            "unanswered": max(0, successes - ok), "clients": clients, "clients_done": len(done)}
 
 
 # ---------------------------------------------------------------------------- resources
@@ -317,6 +321,8 @@ def soak_checks(samples: list[dict], passes: list[dict], disk_budget: int, warm:
     out: dict[str, bool | None] = {
         "soak: no failed requests": sum(p["failed"] for p in passes) == 0 if passes else None,
         "soak: no unanswered requests": sum(p["unanswered"] for p in passes) == 0 if passes else None,
+        "soak: every client ran to its end": (all(p["clients_done"] == p["clients"] and not p.get("error")
+                                                  for p in passes) if passes else None),
     }
     enough = len(samples) >= warm + 3
     for k in FLAT_KEYS:
@@ -444,9 +450,10 @@ def table(res: dict) -> str:
         out.append(_table(["t_s"] + keys, [[_num(s.get("t_s"))] + [_num(s.get(k)) for k in keys] for s in samples]))
     if res.get("passes"):
         out.append("passes (vLLM's multi-turn client against ours-disk):")
-        out.append(_table(["pass", "planned", "ok", "failed", "unanswered", "wall s", "external hit tok", "error"],
+        out.append(_table(["pass", "at most", "ok", "failed", "unanswered", "clients ended", "wall s",
+                           "external hit tok", "error"],
                           [[p.get("pass"), p.get("planned"), p.get("ok"), p.get("failed"), p.get("unanswered"),
-                            _num(p.get("wall_s")), _num(p.get("metrics", {}).get("external_hits")),
+                            f"{p.get('clients_done')}/{p.get('clients')}", _num(p.get("wall_s")), _num(p.get("metrics", {}).get("external_hits")),
                             (p.get("error") or "")[:60]] for p in res["passes"]]))
     out += [line for line in (_faults_line(res.get("faults_seen")), _kill_line(res.get("kill"), res.get("kill_pass")),
                               _restart_line(res.get("restart"))) if line]
@@ -658,7 +665,8 @@ def _pass(r: int, url: str, model: str, served: str, load: Load, a, work: Path, 
         log = (run_dir / "client.log").read_text(errors="replace")
     except OSError:
         log = ""
-    counts = client_counts(log, run.get("summary", {}).get("requests", 0), load.conversations * load.user_turns)
+    counts = client_counts(log, run.get("summary", {}).get("requests", 0), load.conversations * load.user_turns,
+                           load.clients)
     run.pop("rows", None)  # per-request rows: the serve part's business, not this table's
     return {"pass": r, **counts, "wall_s": time.perf_counter() - t1, **run}
 
@@ -698,7 +706,8 @@ def _kill_during_pass(root: int, disk: Path, shm_before_start: set[str], sockets
     rep.mlocked_after_mib = mlocked_mib()
     rep.gpu_after_mib = gpu_mib(pids)
     rep.sockets_left = sorted(tier_sockets() - sockets_before_start)
-    client = {k: v for k, v in box.items() if k in ("planned", "ok", "failed", "unanswered", "wall_s", "error")}
+    client = {k: v for k, v in box.items() if k in ("planned", "ok", "failed", "unanswered", "clients_done", "wall_s",
+                                                    "error")}
     return rep, client
 
 

@@ -118,11 +118,13 @@ def test_fault_log_counts_the_hooks_warning_and_injected_copy_failures(monkeypat
     assert not rel.fault_log("plain log")["hook_on"]
 
 
-def test_client_counts_failed_and_unanswered():
-    log = ("Client 0 is done (num_successes=10, num_failures=2)\n"
+def test_client_counts_failed_unanswered_and_clients_that_ended():
+    log = ("01-12 [INFO] - Client 0 is done (num_successes=10, num_failures=2)\n"
            "\x1b[36mClient 1 is done (num_successes=8, num_failures=0)\x1b[0m\n")
-    assert rel.client_counts(log, 18, 24) == {"planned": 24, "ok": 18, "failed": 2, "unanswered": 4}
-    assert rel.client_counts("", 0, 24)["unanswered"] == 24  # a client that died says nothing
+    assert rel.client_counts(log, 18, 24, 2) == {"planned": 24, "ok": 18, "failed": 2, "unanswered": 0,
+                                                 "clients": 2, "clients_done": 2}
+    assert rel.client_counts(log, 16, 24, 3)["unanswered"] == 2  # counted as answered, no stats row
+    assert rel.client_counts("", 0, 24, 2)["clients_done"] == 0  # a client that died says nothing
 
 
 # ---------------------------------------------------------------------------- the soak's checks
@@ -137,7 +139,7 @@ def _samples(n: int, grow: str = "", gpu: float | None = 100.0, disk_mib: float 
     return out
 
 
-PASS_OK = {"planned": 160, "ok": 160, "failed": 0, "unanswered": 0}
+PASS_OK = {"planned": 160, "ok": 140, "failed": 0, "unanswered": 0, "clients": 32, "clients_done": 32}
 
 
 def test_soak_checks_pass_on_flat_resources_and_fail_on_growth_or_lost_requests():
@@ -145,8 +147,12 @@ def test_soak_checks_pass_on_flat_resources_and_fail_on_growth_or_lost_requests(
     assert all(v is True for v in ok.values()), ok
     grown = rel.soak_checks(_samples(12, grow="rss_mib"), [PASS_OK], DISK_BYTES)
     assert grown["soak: rss_mib flat"] is False and grown["soak: threads flat"] is True
-    lost = rel.soak_checks(_samples(12), [PASS_OK, {**PASS_OK, "ok": 150, "failed": 4, "unanswered": 6}], DISK_BYTES)
+    lost = rel.soak_checks(_samples(12), [PASS_OK, {**PASS_OK, "ok": 130, "failed": 4, "unanswered": 6}], DISK_BYTES)
     assert lost["soak: no failed requests"] is False and lost["soak: no unanswered requests"] is False
+    died = rel.soak_checks(_samples(12), [{**PASS_OK, "clients_done": 31}], DISK_BYTES)
+    assert died["soak: every client ran to its end"] is False and died["soak: no failed requests"] is True
+    broke = rel.soak_checks(_samples(12), [{**PASS_OK, "error": "client exit 1"}], DISK_BYTES)
+    assert broke["soak: every client ran to its end"] is False
     over = rel.soak_checks(_samples(12, disk_mib=(DISK_BYTES >> 20) + 1000), [PASS_OK], DISK_BYTES)
     assert over["soak: disk tier within its budget"] is False
 
@@ -368,7 +374,8 @@ def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_pa
         if broken_client:
             raise OSError("the client could not start")
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "client.log").write_text("Client 0 is done (num_successes=160, num_failures=0)\n")
+        (run_dir / "client.log").write_text("".join(f"Client {i} is done (num_successes=5, num_failures=0)\n"
+                                                    for i in range(32)))
         time.sleep(0.3)
         return {"summary": {"requests": 160}, "metrics": {"external_hits": 1000.0}, "rows": [[1]], "io": {}}
 
