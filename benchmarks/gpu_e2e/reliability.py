@@ -1,6 +1,6 @@
 """The reliability part: injected faults under real serving, resources over a soak, kill -9 and restart.
 
-One device command (``--budget-s``), one layout at one load (``--loads cap``: the disk tier's case).
+One device command (``--budget-s``), one layout at the capacity load (serve.CAPACITY: the disk tier's case).
 An ``off`` server (the reference tokens) and ``ours-disk`` with the fault hook on (``--faults`` is
 its ``NPU_OFFLOAD_FAULTS``) start together; then, on ours-disk:
 
@@ -65,7 +65,7 @@ PROBE_TOKENS = 32
 FLAT_KEYS = ("rss_mib", "locked_mib", "threads", "open_files", "shm_entries", "gpu_mib")
 SAMPLE_KEYS = FLAT_KEYS + ("disk_records", "disk_tmp", "disk_mib")
 OURS_SHM = ("npu", "offload")  # in the name of a /dev/shm entry of ours (the CPU kill -9 test's rule)
-LOCKED_SLACK_MIB = 64.0
+LOCKED_SLACK_MIB = 256.0
 
 HOOK_ON = f"{FAULTS_VAR} is set"  # faults.py's start-up warning
 COPY_RETRIED = re.compile(r"KV offload job \d+ \(\w+\) failed \(injected fault")  # workers.Retries
@@ -222,6 +222,16 @@ def gpu_mib(pids: list[int]) -> float | None:
     return gpu_mib_of(q.stdout, pids)
 
 
+def gpu_used_mib() -> float | None:
+    """Memory used on the GPU(s), every process (nvidia-smi); None without nvidia-smi."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return sum(float(x) for x in q.stdout.split()) if q.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+
+
 def gpu_mib_of(table: str, pids: list[int]) -> float:
     want, total = set(pids), 0.0
     for line in table.splitlines():
@@ -342,22 +352,28 @@ class KillReport:
     shm_of_tree: list[str] = field(default_factory=list)  # held by the tree before the kill
     shm_left: list[str] = field(default_factory=list)  # of those, or new since before the start, still there
     temporaries_after_kill: list[str] = field(default_factory=list)  # a record being written when it died
-    tree_locked_mib: float = 0.0  # VmLck of the tree before the kill
-    mlocked_before_mib: float | None = None
-    mlocked_after_mib: float | None = None
-    gpu_before_mib: float | None = None  # the tree's
-    gpu_after_mib: float | None = None
-    wait_s: float = 0.0
     sockets_left: list[str] = field(default_factory=list)  # tier workers' sockets (info: a restart makes new ones)
+    tree_locked_mib: float = 0.0  # VmLck of the tree before the kill
+    others_locked_mib: float = 0.0  # VmLck of the servers still up (off)
+    mlocked_start_mib: float | None = None  # the machine's Mlocked before the servers started
+    mlocked_after_mib: float | None = None
+    gpu_before_mib: float | None = None  # the tree's (nvidia-smi's compute apps)
+    gpu_after_mib: float | None = None
+    gpu_used_before_mib: float | None = None  # the GPU's, all processes (where the tree's pids are not visible)
+    gpu_used_after_mib: float | None = None
+    planned_gpu_mib: float = 0.0  # what the plan gave the killed server
+    wait_s: float = 0.0
 
     def checks(self) -> dict[str, bool | None]:
         ours = [n for n in self.shm_left if any(w in n.lower() for w in OURS_SHM)]
         locked = None
-        if self.mlocked_before_mib is not None and self.mlocked_after_mib is not None:
-            locked = self.mlocked_after_mib <= self.mlocked_before_mib - self.tree_locked_mib + LOCKED_SLACK_MIB
+        if self.mlocked_start_mib is not None and self.mlocked_after_mib is not None:
+            locked = self.mlocked_after_mib <= self.mlocked_start_mib + self.others_locked_mib + LOCKED_SLACK_MIB
         gpu = None
         if self.gpu_before_mib and self.gpu_after_mib is not None:
             gpu = self.gpu_after_mib == 0
+        elif self.planned_gpu_mib and self.gpu_used_before_mib is not None and self.gpu_used_after_mib is not None:
+            gpu = self.gpu_used_before_mib - self.gpu_used_after_mib >= 0.5 * self.planned_gpu_mib
         return {"kill: no process of the tree left": not self.alive_after,
                 "kill: no /dev/shm entry of ours left": not ours,
                 "kill: locked memory released": locked,
@@ -522,7 +538,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
     prompt = probe_prompt()
     schedule = Schedule(budget.seconds, SOAK_SHARE, KILL_AFTER_S)
-    shm_before_start, sockets_before_start = shm_entries(), tier_sockets()
+    before = {"shm": shm_entries(), "sockets": tier_sockets(), "mlocked_mib": mlocked_mib()}
     cms: dict = {}
     started: list[str] = []
     try:
@@ -573,8 +589,8 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
         def kill_stage() -> None:
             _settle_records(disk)
-            kill, client = _kill_during_pass(listening_pid(url), disk, shm_before_start, sockets_before_start,
-                                             one_pass)
+            kill, client = _kill_during_pass(listening_pid(url), disk, before, [listening_pid(off_url)],
+                                             ours_plan.gpu_bytes / 2**20, one_pass)
             res["kill"], res["kill_pass"] = asdict(kill), client
             res["checks"].update(kill.checks())
             cms.pop(ours_plan.label).__exit__(None, None, None)  # reaps the killed API server
@@ -682,18 +698,21 @@ def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
     return seen
 
 
-def _kill_during_pass(root: int, disk: Path, shm_before_start: set[str], sockets_before_start: set[str],
+def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], planned_gpu_mib: float,
                       one_pass) -> tuple[KillReport, dict]:
-    """A pass (``one_pass(timeout)``) starts; KILL_AFTER_S later the whole tree gets SIGKILL; what it left."""
+    """A pass (``one_pass(timeout)``) starts; KILL_AFTER_S later the whole tree gets SIGKILL; what it left.
+    ``before``: /dev/shm entries, tier sockets and Mlocked before the servers started; ``others``: the
+    roots of the servers still up (their locked memory stays)."""
     box: dict = {}
     th = threading.Thread(target=lambda: box.update(one_pass(KILL_AFTER_S + 120)), name="reliability-kill-pass",
                           daemon=True)
     th.start()
     time.sleep(KILL_AFTER_S)
     pids = tree_pids(root)
-    st = sample(pids, None)
-    rep = KillReport(pids=pids, shm_of_tree=sorted(shm_of(pids)), tree_locked_mib=st["locked_mib"],
-                     mlocked_before_mib=mlocked_mib(), gpu_before_mib=gpu_mib(pids))
+    rep = KillReport(pids=pids, shm_of_tree=sorted(shm_of(pids)), tree_locked_mib=sample(pids, None)["locked_mib"],
+                     others_locked_mib=sum(sample(tree_pids(o), None)["locked_mib"] for o in others),
+                     mlocked_start_mib=before["mlocked_mib"], gpu_before_mib=gpu_mib(pids),
+                     gpu_used_before_mib=gpu_used_mib(), planned_gpu_mib=planned_gpu_mib)
     t0 = time.monotonic()
     kill_tree(pids)
     while any(alive(p) for p in pids) and time.monotonic() - t0 < 30:
@@ -701,11 +720,12 @@ def _kill_during_pass(root: int, disk: Path, shm_before_start: set[str], sockets
     rep.wait_s = time.monotonic() - t0
     th.join(timeout=60)
     time.sleep(2.0)  # the driver frees the GPU memory of a dead process shortly after
-    rep.alive_after, rep.shm_left = leftovers(pids, set(rep.shm_of_tree), shm_before_start, shm_entries())
+    rep.alive_after, rep.shm_left = leftovers(pids, set(rep.shm_of_tree), before["shm"], shm_entries())
     rep.temporaries_after_kill = temporaries(disk)
+    rep.sockets_left = sorted(tier_sockets() - before["sockets"])
     rep.mlocked_after_mib = mlocked_mib()
     rep.gpu_after_mib = gpu_mib(pids)
-    rep.sockets_left = sorted(tier_sockets() - sockets_before_start)
+    rep.gpu_used_after_mib = gpu_used_mib()
     client = {k: v for k, v in box.items() if k in ("planned", "ok", "failed", "unanswered", "clients_done", "wall_s",
                                                     "error")}
     return rep, client

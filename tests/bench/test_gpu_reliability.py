@@ -189,17 +189,23 @@ def test_disk_records_and_temporaries(tmp_path):
 def test_leftovers_and_kill_report_checks():
     live, shm = rel.leftovers([], {"psm_1", "gone"}, {"a"}, {"a", "psm_1", "npu-kv-x", "other"})
     assert live == [] and shm == ["npu-kv-x", "psm_1"]  # the tree's still there, and any new one of ours
-    rep = rel.KillReport(pids=[1], shm_left=["psm_1"], tree_locked_mib=8192, mlocked_before_mib=9000,
-                         mlocked_after_mib=850, gpu_before_mib=30000, gpu_after_mib=0)
+    rep = rel.KillReport(pids=[1], shm_left=["psm_1"], tree_locked_mib=8192, others_locked_mib=100,
+                         mlocked_start_mib=50, mlocked_after_mib=300, gpu_before_mib=30000, gpu_after_mib=0)
     assert all(rep.checks().values()), rep.checks()
     rep.shm_left = ["psm_1", "npu-kv-x"]
-    rep.mlocked_after_mib = 9000
+    rep.mlocked_after_mib = 8000  # the killed tree's pinned memory still locked
     rep.gpu_after_mib = 30000
     rep.alive_after = [1]
     assert not any(rep.checks().values())
-    na = rel.KillReport(pids=[1], mlocked_before_mib=None, gpu_before_mib=0.0, gpu_after_mib=0.0)
+    na = rel.KillReport(pids=[1], mlocked_start_mib=None, gpu_before_mib=0.0, gpu_after_mib=0.0)
     c = na.checks()
     assert c["kill: locked memory released"] is None and c["kill: GPU memory released"] is None
+    # pids hidden from nvidia-smi: the GPU's used memory must drop by half of what the server was planned
+    hidden = rel.KillReport(pids=[1], gpu_before_mib=0.0, gpu_after_mib=0.0, planned_gpu_mib=24000,
+                            gpu_used_before_mib=50000, gpu_used_after_mib=30000)
+    assert hidden.checks()["kill: GPU memory released"] is True
+    hidden.gpu_used_after_mib = 45000
+    assert hidden.checks()["kill: GPU memory released"] is False
 
 
 def test_kill_tree_kills_every_process_and_shm_of_sees_mapped_entries(tmp_path):
