@@ -592,6 +592,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
             kill, client = _kill_during_pass(listening_pid(url), disk, before, [listening_pid(off_url)],
                                              ours_plan.gpu_bytes / 2**20, one_pass)
             res["kill"], res["kill_pass"] = asdict(kill), client
+            res["server_logs"][ours_plan.label] = server_log_info(log_text(ours_plan.label))  # to its end
             res["checks"].update(kill.checks())
             cms.pop(ours_plan.label).__exit__(None, None, None)  # reaps the killed API server
             started.remove(ours_plan.label)
@@ -781,6 +782,7 @@ def _restart(p: ServerPlan, make_cm, log: Path, cms: dict, started: list[str], s
         time.sleep(2.0)
     counters = tier_counters(text())
     out["disk_tier"] = counters
+    out["log"] = server_log_info(text())
     hits = probe.external_hit_tokens > 0 or bool(counters and counters["hits"] > 0)
     c["restart: probe served from disk"] = hits  # host KV is empty after a restart: an external hit is the disk's
     c["restart: no record failed its checks"] = (CORRUPT_WARNING not in text()
