@@ -907,7 +907,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "ours/VARIANT (ours with run-time variables: serve.VARIANTS), ours-disk/VARIANT "
                          "(serve.DISK_VARIANTS); default per layout: "
                          + "; ".join(f"{k}: {v}" for k, v in DEFAULT_SERVERS.items()))
-    ap.add_argument("--passes", type=int, default=3, help="serve: passes (servers take turns, new texts each)")
+    ap.add_argument("--passes", type=int, default=3, help="serve, pair: passes (servers take turns, new texts each)")
+    ap.add_argument("--pair-kill-at-s", type=float, default=8.0,
+                    help="pair: seconds into the outage pass when mooncake_master is killed")
+    ap.add_argument("--pair-down-s", type=float, default=12.0, help="pair: seconds the master stays down")
+    ap.add_argument("--no-pair-outage", dest="pair_outage", action="store_false",
+                    help="pair: no pass with the master killed (nor the pass after it)")
     ap.add_argument("--seed", type=int, default=0, help="serve: seed of the corpora (new texts per pass)")
     ap.add_argument("--client-dir", default=str(Path(__file__).resolve().parents[2] / "vllm_multi_turn"),
                     help="serve: vLLM's benchmarks/multi_turn files (put there by `gpu_e2e.sh prepare`)")
@@ -1012,6 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
                     res = part_correctness(work, a, budget)
                 elif part == "serve":
                     res = part_serve(work, a, out, budget, meta)
+                elif part == "pair":
+                    from .pair import part_pair
+
+                    res = part_pair(work, a, out, budget, meta, write=lambda r: write_part(out, "pair", r))
                 elif part == "reliability":
                     res = reliability.part(work, a, out, budget, meta)
                 else:

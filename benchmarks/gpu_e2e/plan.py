@@ -46,6 +46,8 @@ RUNS = (
          "serve --layouts multigroup --loads 32 --servers native,ours", 330, 2),
     Call("serving, MLA, 8 clients", "serve --layouts mla --loads 8", 330, 2),
     Call("serving, MLA, 32 clients", "serve --layouts mla --loads 32", 360, 2),
+    Call("two instances behind a round-robin router: host-only vs the Mooncake tier, its master killed mid-pass",
+         "pair --passes 2", 480, 2),
     Call("serving, 8 clients: Simple connectors (ours, vLLM's)",
          "serve --layouts uniform --loads 8 --servers off,native,simple,vsimple", 400, 3),
     Call("serving, 32 clients: Simple connectors", "serve --layouts uniform --loads 32 --servers off,native,simple,vsimple",

@@ -400,9 +400,10 @@ def server_log_info(text: str) -> dict:
         if m:
             out[key] = conv(m[-1])
     out["hma_off"] = "Turning off hybrid kv cache manager" in text
-    tier = re.findall(r"disk tier: (hits \d+ .*)", text)
-    if tier:
-        out["disk_tier"] = tier[-1].strip()  # the counters over every pass, as last logged
+    for name in ("disk", "mooncake"):
+        tier = re.findall(rf"{name} tier: (hits \d+ .*)", text)
+        if tier:
+            out[f"{name}_tier"] = tier[-1].strip()  # the counters over every pass, as last logged
     if "LMCache" in text:
         out["lmcache"] = lmcache_log_info(text)  # every lookup so far (warm-up included); degraded
     return out
@@ -807,16 +808,27 @@ def _du(d: Path | None) -> int:
     return total
 
 
+def scrape_all(urls: list[str]) -> dict[str, float]:
+    """``scrape`` of several servers, summed."""
+    out: dict[str, float] = {}
+    for u in urls:
+        for k, v in scrape(u).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load, a, run_dir: Path, seed: int,
-            timeout: float) -> dict:
-    """One client run against one server: its stats, summary and /metrics delta."""
+            timeout: float, servers: list[str] | None = None) -> dict:
+    """One client run against ``url``: its stats, summary and /metrics delta. ``servers``: the servers
+    behind ``url`` when it is a router (their /metrics and processes summed; default ``[url]``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     stats = run_dir / "stats.json"
     cmd = client_command(Path(a.client_dir), wl, model, served, url, load, seed, stats)
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    before = scrape(url)
-    pids = _server_pids(url)
+    servers = servers or [url]
+    before = scrape_all(servers)
+    pids = [p for u in servers for p in _server_pids(u)]
     io0 = io_bytes(pids)
     out: dict = {}
     try:
@@ -830,7 +842,7 @@ def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load,
     except subprocess.TimeoutExpired as e:
         out["error"] = f"client timed out after {timeout:.0f}s"
         (run_dir / "client.log").write_text(str(e.stdout or "") + str(e.stderr or ""))
-    after = scrape(url)
+    after = scrape_all(servers)
     io1 = io_bytes(pids)
     out["io"] = {k: io1[k] - io0[k] for k in io0}  # the server's processes' storage reads and writes
     out["metrics"] = metrics_delta(before, after)

@@ -31,6 +31,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from . import mooncake_stage
+
 VLLM_VERSION = "0.23.0"
 VLLM_WHEEL = "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
 # The sdist holds benchmarks/multi_turn/ (vLLM's multi-turn client), which the wheel does not.
@@ -312,9 +314,15 @@ def build_tree(wheel: Path, tree: Path, strip: tuple[str, ...] = STRIP) -> None:
         p.write_text(text.replace(old, new, 1))
 
 
-def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True, lmcache_dir: Path | None = None) -> dict:
-    """The parts in ``out``; ``lmcache_dir``: LMCache's pinned wheels (None or absent: none staged)."""
+def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True, lmcache_dir: Path | None = None,
+            mooncake_dir: Path | None = None) -> dict:
+    """The parts in ``out``; ``lmcache_dir``: LMCache's pinned wheels, ``mooncake_dir``: Mooncake's pinned
+    wheel and system packages (None or absent: not staged)."""
     lmc = lmcache_wheels(lmcache_dir)
+    mc_files = mooncake_stage.pinned_files(mooncake_dir)
+    mc_wheel = next((f for f in mc_files if f.suffix == ".whl"), None)
+    mc_trim = mooncake_stage.trimmed_tar(mc_wheel, cache) if mc_wheel else None
+    mc_debs = [f for f in mc_files if f.suffix == ".deb"]
     vllm, wheels = download(cache)
     strip = STRIP if fa3 else STRIP + (FA3,)
     # The tarball depends only on the wheel, the stripped paths and EDITS: cache it by that key.
@@ -332,13 +340,17 @@ def prepare(out: Path, cache: Path, part_bytes: int, fa3: bool = True, lmcache_d
                 raise StageError("tar failed")
         tmp.rename(tar)
         shutil.rmtree(tree)
-    items = [(TAR_NAME, tar.stat().st_size, True)] + [(w.name, w.stat().st_size, False) for w in wheels + lmc]
-    src = {TAR_NAME: tar, **{w.name: w for w in wheels + lmc}}
+    whole = {w.name: w for w in wheels + lmc + mc_debs}
+    if mc_trim is not None:
+        whole[mooncake_stage.TRIM_NAME] = mc_trim
+    items = [(TAR_NAME, tar.stat().st_size, True)] + [(n, f.stat().st_size, False) for n, f in whole.items()]
+    src = {TAR_NAME: tar, **whole}
     parts = balanced_parts(items, part_bytes)
     manifest = {
         "vllm": VLLM_VERSION, "tar": TAR_NAME, "tar_sha256": _sha256(tar), "tar_bytes": tar.stat().st_size,
         "pieces": [], "wheels": [w.name for w in wheels], "parts": len(parts), "fa3": fa3, "stripped": list(strip),
         "lmcache": lmcache_manifest(lmc),
+        "mooncake": mooncake_stage.manifest_entry(mc_debs, mc_trim) if mc_trim is not None else None,
     }
     for i, part in enumerate(parts, 1):
         for name, off, n in part:
@@ -392,7 +404,8 @@ def stage(part_dir: Path, stage_dir: Path = STAGE_DIR) -> list[str]:
 
 
 def missing_pieces(man: dict, stage_dir: Path) -> list[str]:
-    need = [p["file"] for p in man["pieces"]] + man["wheels"] + ((man.get("lmcache") or {}).get("wheels") or [])
+    need = ([p["file"] for p in man["pieces"]] + man["wheels"] + ((man.get("lmcache") or {}).get("wheels") or [])
+            + mooncake_stage.staged_names(man.get("mooncake")))
     return [n for n in need if not (stage_dir / n).exists()]
 
 
@@ -462,6 +475,10 @@ def install(stage_dir: Path = STAGE_DIR, site: Path = SITE_DIR, lmcache_site: Pa
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
     lmc = install_lmcache(man, stage_dir, lmcache_site)
+    try:
+        mooncake_stage.install(man.get("mooncake"), stage_dir)
+    except (mooncake_stage.MooncakeStageError, OSError, subprocess.SubprocessError) as e:
+        print(f"warning: Mooncake not installed ({e}): no pair part", file=sys.stderr, flush=True)
     (site / READY).write_text(json.dumps({"vllm": man["vllm"], "tar_sha256": man["tar_sha256"]}))
     return lmc
 
@@ -472,7 +489,8 @@ def is_ready(site: Path = SITE_DIR) -> bool:
 
 def check(site: Path = SITE_DIR, lmcache_site: Path = LMCACHE_SITE) -> int:
     if is_ready(site):
-        print(f"[check] vLLM {VLLM_VERSION} in {site}; {lmcache_status(lmcache_site)}", flush=True)
+        print(f"[check] vLLM {VLLM_VERSION} in {site}; {lmcache_status(lmcache_site)}; {mooncake_stage.status()}",
+              flush=True)
         return 0
     print(COLD_MSG.format(site=site), file=sys.stderr)
     return 3
@@ -496,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder of LMCache's pinned wheels (lmcache_wheels.txt; default .cache/lmcache, "
                         "skipped when absent)")
     p.add_argument("--no-lmcache", action="store_true", help="stage without LMCache")
+    p.add_argument("--mooncake-files", default=os.environ.get("MOONCAKE_FILES", str(mooncake_stage.DEFAULT_DIR)),
+                   help="folder of Mooncake's pinned wheel and system packages (mooncake_files.txt; default "
+                        ".cache/mooncake, skipped when absent)")
+    p.add_argument("--no-mooncake", action="store_true", help="stage without Mooncake")
     s = sub.add_parser("stage", help="device: copy one part into the stage folder")
     s.add_argument("part_dir")
     sub.add_parser("install", help="device: unpack vLLM + install wheels into the site folder")
@@ -506,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(a.out)
             out.mkdir(parents=True, exist_ok=True)
             lmc_dir = None if a.no_lmcache else Path(a.lmcache_wheels)
-            man = prepare(out, Path(a.cache), a.part_bytes, a.fa3, lmc_dir)
+            mc_dir = None if a.no_mooncake else Path(a.mooncake_files)
+            man = prepare(out, Path(a.cache), a.part_bytes, a.fa3, lmc_dir, mc_dir)
             sizes = part_sizes(out)
             for name, n in sizes.items():
                 print(f"{out / name}: {n / 1e6:.1f} MB")
@@ -514,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{man['parts']} parts; vLLM tarball {man['tar_bytes'] / 1e6:.1f} MB "
                   f"({'with' if a.fa3 else 'without'} FlashAttention 3), {len(man['wheels'])} wheels"
                   + (f", LMCache {lmc['version']} ({len(lmc['wheels'])} wheels, {lmc['bytes'] / 1e6:.1f} MB)" if lmc
-                     else ""))
+                     else "")
+                  + (f", Mooncake {man['mooncake']['version']} ({man['mooncake']['bytes'] / 1e6:.1f} MB)"
+                     if man["mooncake"] else ", no Mooncake (no pair part)"))
             print(f"server kinds: {', '.join(server_kinds(man))}"
                   + ("" if lmc else f" (no lmcache, lmcache-disk: no LMCache wheels in {lmc_dir or '(--no-lmcache)'}; "
                                     f"{LMCACHE_PINS.name} says how to fetch them)"))
@@ -533,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"; LMCache {LMCACHE_VERSION} in {LMCACHE_SITE}" if lmc else "; no LMCache staged"))
             return 0
         return check()
-    except (StageError, subprocess.CalledProcessError, OSError) as e:
+    except (StageError, mooncake_stage.MooncakeStageError, subprocess.CalledProcessError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

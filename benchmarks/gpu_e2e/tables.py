@@ -10,9 +10,11 @@ from typing import Any
 from benchmarks.multiturn.report import _fmt, _table
 
 from .engine import layerwise_extra
+from .pair import pair_table
+from .reliability import table as reliability_table
 from .timeline import HOST_COLUMNS
 
-PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "multiturn", "reliability")
+PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "pair", "reliability", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the tables need (not the smoke, not the
 # project's own multi-turn client)
 
@@ -831,15 +833,9 @@ def serve_table(res: dict) -> str:
     return "\n\n".join(out) if out else "(no serving runs)"
 
 
-def reliability_table(res: dict) -> str:
-    from .reliability import table  # the part's own module (it writes through write_part)
-
-    return table(res)
-
-
 FORMATTERS = {"smoke": smoke_table, "smoke-serve": lambda res: serve_table(res), "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
-              "miss": per_layout(miss_table), "serve": serve_table, "multiturn": multiturn_table,
-              "reliability": reliability_table}
+              "miss": per_layout(miss_table), "serve": serve_table, "pair": pair_table,
+              "reliability": reliability_table, "multiturn": multiturn_table}
 
 
 def write_part(out_dir: str | Path, part: str, res: dict) -> str:

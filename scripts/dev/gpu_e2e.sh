@@ -17,6 +17,7 @@ GPU_E2E_DIR=${GPU_E2E_DIR:-/work/main/.gpu}
 SITE=${GPU_E2E_SITE:-/tmp/site}
 NATIVE=${GPU_E2E_NATIVE:-/tmp/gpu_e2e/native}
 LMCACHE_SITE=/tmp/site_lmcache  # = benchmarks/gpu_e2e/stage.py LMCACHE_SITE (only LMCache engines/servers use it)
+MOONCAKE_SITE=${GPU_E2E_MOONCAKE_SITE:-/tmp/site_mooncake}  # = benchmarks/gpu_e2e/mooncake_stage.py MOONCAKE_SITE
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cmd=${1:-help}; shift || true
 
@@ -69,6 +70,13 @@ import lmcache.c_ops
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 print('[install] LMCache', version('lmcache'), 'imports (c_ops, vllm_v1_adapter) beside vLLM', version('vllm'))" 2>&1 | tail -4 \
         || echo "warning: LMCache does not import (above): lmcache servers will fail"
+    fi
+    # Mooncake, when staged: the store extension must import and the master start with the libraries given
+    if [ -f "$MOONCAKE_SITE/.gpu_e2e_ready" ]; then
+      PYTHONPATH="$ROOT:$SITE:$MOONCAKE_SITE" LD_LIBRARY_PATH="$MOONCAKE_SITE/syslib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        timeout 120 "$PY" -c "from mooncake.store import MooncakeDistributedStore
+print('[install] Mooncake store imports:', MooncakeDistributedStore.__name__)" 2>&1 | tail -3 \
+        || echo "warning: mooncake.store does not import (above): no pair part"
     fi
     # our CUDA copy library (cuMemcpyBatchAsync): built here, outside the carried tree
     "$PY" csrc_cuda/build.py --out "$NATIVE" >/tmp/gpu_e2e/native_build.log 2>&1 \

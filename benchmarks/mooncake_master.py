@@ -1,0 +1,60 @@
+"""A ``mooncake_master`` on loopback with its HTTP metadata server, on ports of its own: started, killed and
+started again by the tests and by the GPU yardstick's pair part."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+# What a full pool does (docs/mooncake_tier.md): evict the oldest 5% once 90% is used.
+EVICTION_FLAGS = ("--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.05")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """One ``mooncake_master`` process (``binary``); ``start`` again after ``kill`` reuses the ports."""
+
+    def __init__(self, binary: str, log: Path, *flags: str, env: dict[str, str] | None = None):
+        self.binary, self.log, self.flags, self.env = binary, log, flags, env
+        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
+                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                 f"--http_metadata_server_port={self.http}", f"--metrics_port={self.metrics}", *self.flags],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        end = time.monotonic() + timeout_s
+        for port in (self.rpc, self.http):
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mooncake_master exited: {self.log.read_text(errors='replace')[-2000:]}")
+                if time.monotonic() > end:
+                    raise RuntimeError(f"mooncake_master did not listen within {timeout_s:.0f} s")
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def extra(self, **kw) -> dict:
+        """The tier's settings for this master (``MooncakeConfig`` fields; ``segment_bytes`` required)."""
+        return dict(master=f"127.0.0.1:{self.rpc}", metadata_server=f"http://127.0.0.1:{self.http}/metadata", **kw)
