@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -33,38 +32,9 @@ from .multiturn.driver import DriverConfig, run_load
 from .multiturn.generate import Conversation, generate
 from .multiturn.launcher import tiny_server_setup, vllm_server
 from .multiturn.procs import listening_pid, tree_pids
+from .multiturn.resources import disk_within_budget, flat, sample
 
 PROBE = "the quick brown fox " * 60  # ~240 tokens: several offloaded blocks
-
-
-def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
-    s = {"rss_mib": 0.0, "locked_mib": 0.0, "threads": 0, "open_files": 0}
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    k, _, v = line.partition(":")
-                    if k == "VmRSS":
-                        s["rss_mib"] += int(v.split()[0]) / 1024
-                    elif k == "VmLck":
-                        s["locked_mib"] += int(v.split()[0]) / 1024
-                    elif k == "Threads":
-                        s["threads"] += int(v)
-            s["open_files"] += len(os.listdir(f"/proc/{p}/fd"))
-        except OSError:
-            continue
-    s["shm_entries"] = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
-    if disk is not None:
-        n, size = 0, 0
-        for p in disk.rglob("*.r*"):
-            try:
-                size += p.stat().st_size  # the janitor may delete it meanwhile
-                n += 1
-            except OSError:
-                continue
-        s["disk_records"] = n
-        s["disk_mib"] = size / 2**20
-    return s
 
 
 def probe(url: str) -> list[int] | str:
@@ -74,15 +44,6 @@ def probe(url: str) -> list[int] | str:
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return choice.get("token_ids") or choice["text"]
-
-
-def flat(series: list[float], warm: int, slack: float) -> bool:
-    rest = series[warm:]
-    if len(rest) < 3:
-        return True
-    third = max(1, len(rest) // 3)
-    first, last = max(rest[:third]), max(rest[-third:])
-    return last <= first * (1 + slack) + 1
 
 
 def main(argv=None) -> int:
@@ -146,8 +107,7 @@ def main(argv=None) -> int:
     flatness = {f"{k} flat": flat([s[k] for s in samples], a.warmup_samples, a.slack)
                 for k in keys if not k.startswith("disk_")}
     # the disk tier fills up to its budget and stays there (headers add 4 KiB per record)
-    flatness["disk tier within its budget"] = all(
-        s["disk_mib"] * 2**20 <= (a.disk_mib << 20) + 4096 * s["disk_records"] for s in samples)
+    flatness["disk tier within its budget"] = disk_within_budget(samples, a.disk_mib << 20)
     failed = sum(p["failed"] for p in passes)
     unanswered = sum(p["planned"] - p["ok"] - p["failed"] for p in passes)
     checks = {"no failed requests": failed == 0, "no unanswered requests": unanswered == 0,

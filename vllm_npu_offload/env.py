@@ -19,7 +19,7 @@ from typing import Any
 FAULT_KINDS = ("load", "store", "disk_read", "disk_corrupt", "disk_write")
 
 
-def _faults(raw: str) -> dict[str, float] | None:
+def parse_faults(raw: str) -> dict[str, float] | None:
     """``KIND=P,KIND=P`` with KIND in FAULT_KINDS and 0 <= P <= 1; None if malformed."""
     out: dict[str, float] = {}
     for part in raw.split(","):
@@ -73,7 +73,7 @@ class Knob:
                 raise bad
             return raw
         if self.kind == "faults":
-            val = _faults(raw)
+            val = parse_faults(raw)
             if val is None:
                 raise bad
             return val
@@ -143,4 +143,4 @@ def describe() -> list[tuple[str, str, str]]:
     return out
 
 
-__all__ = ["FAULT_KINDS", "KNOBS", "Knob", "describe", "get"]
+__all__ = ["FAULT_KINDS", "KNOBS", "Knob", "describe", "get", "parse_faults"]

@@ -4,6 +4,7 @@
   python -m benchmarks.gpu_e2e.device correctness --layouts all
   python -m benchmarks.gpu_e2e.device ttft miss --layouts uniform
   python -m benchmarks.gpu_e2e.device serve --layouts uniform --loads 8 --servers off,native,ours,upper
+  python -m benchmarks.gpu_e2e.device reliability --layouts uniform
 
 Every part runs in vLLM's default execution mode (torch.compile + CUDA graphs) unless ``--eager``,
 for each layout of ``--layouts`` (kv_layouts.py). Each part writes ``<part>.json`` and
@@ -36,6 +37,7 @@ from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
 from .serve import GPU_HEADROOM, LOADS, Budget, Load, PlanError, engine_gpu_bytes, parse_loads, run_serve
 from .tables import parse_parts, spread, unique_prompts, write_part
+from . import reliability
 
 os.environ.update(ENV)
 
@@ -824,7 +826,7 @@ def _cpus(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gpu_e2e.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", help="smoke smoke-serve correctness ttft miss serve multiturn, or all "
+    ap.add_argument("parts", nargs="*", help="smoke smoke-serve correctness ttft miss serve multiturn reliability, or all "
                                              "(= correctness ttft miss serve; the default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_e2e_out"))
     ap.add_argument("--work", default="/tmp/gpu_e2e/work")
@@ -914,6 +916,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="serve: seed of the corpora (new texts per pass)")
     ap.add_argument("--client-dir", default=str(Path(__file__).resolve().parents[2] / "vllm_multi_turn"),
                     help="serve: vLLM's benchmarks/multi_turn files (put there by `gpu_e2e.sh prepare`)")
+    ap.add_argument("--faults", type=reliability.faults_arg, default=reliability.DEFAULT_FAULTS,
+                    help="reliability: NPU_OFFLOAD_FAULTS of the ours-disk server (KIND=P,...; none: the hook off)")
     ap.add_argument("--smoke-layers", type=int, default=4, help="smoke: layers of each model (same per-layer shapes)")
     # the project's own multi-turn client (part multiturn)
     ap.add_argument("--mt-conversations", type=int, default=32)
@@ -1017,6 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
                     from .pair import part_pair
 
                     res = part_pair(work, a, out, budget, meta, write=lambda r: write_part(out, "pair", r))
+                elif part == "reliability":
+                    res = reliability.part(work, a, out, budget, meta)
                 else:
                     res = part_multiturn(work, a, out)
             except Exception as e:  # noqa: BLE001 - the other parts still run

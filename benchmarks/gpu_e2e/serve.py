@@ -554,11 +554,13 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 # ---------------------------------------------------------------------------- the part
-def _complete(url: str, name: str, prompt: str, max_tokens: int, timeout: float = 120.0) -> None:
-    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}).encode()
+def complete(url: str, name: str, prompt: str, max_tokens: int, timeout: float = 120.0, **extra) -> dict:
+    """One greedy completion (``extra``: more request fields); the server's JSON answer."""
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       **extra}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        r.read()
+        return json.loads(r.read())
 
 
 def _warm(url: str, name: str, device_tokens: int = 0, words: int = 600, chunk: int = 4000) -> float:
@@ -570,12 +572,12 @@ def _warm(url: str, name: str, device_tokens: int = 0, words: int = 600, chunk: 
 
     t0 = time.perf_counter()
     first = " ".join(f"w{i % 700}" for i in range(words))
-    _complete(url, name, first, 8)
+    complete(url, name, first, 8)
     if device_tokens:
         rng = random.Random(device_tokens)
         for _ in range(device_tokens // chunk + 2):
-            _complete(url, name, " ".join(f"w{rng.randrange(700)}" for _ in range(chunk)), 1)
-        _complete(url, name, first, 8)
+            complete(url, name, " ".join(f"w{rng.randrange(700)}" for _ in range(chunk)), 1)
+        complete(url, name, first, 8)
     return time.perf_counter() - t0
 
 
@@ -853,4 +855,4 @@ def run_one(label: str, url: str, model: str, served: str, wl: Path, load: Load,
 
 __all__ = ["Budget", "LOADS", "Load", "PlanError", "ServerPlan", "client_command", "client_sources",
            "load_for", "metrics_delta", "parse_loads", "parse_metrics", "percentile", "plan_servers", "run_serve",
-           "server_args", "server_log_info", "summarize", "workload"]
+           "server_args", "server_log_info", "summarize", "workload", "complete"]

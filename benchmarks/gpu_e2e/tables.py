@@ -11,9 +11,10 @@ from benchmarks.multiturn.report import _fmt, _table
 
 from .engine import layerwise_extra
 from .pair import pair_table
+from .reliability import table as reliability_table
 from .timeline import HOST_COLUMNS
 
-PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "pair", "multiturn")
+PARTS = ("smoke", "smoke-serve", "correctness", "ttft", "miss", "serve", "pair", "reliability", "multiturn")
 ALL = ("correctness", "ttft", "miss", "serve")  # "all": what the tables need (not the smoke, not the
 # project's own multi-turn client)
 
@@ -834,7 +835,7 @@ def serve_table(res: dict) -> str:
 
 FORMATTERS = {"smoke": smoke_table, "smoke-serve": lambda res: serve_table(res), "correctness": per_layout(correctness_table), "ttft": per_layout(ttft_table),
               "miss": per_layout(miss_table), "serve": serve_table, "pair": pair_table,
-              "multiturn": multiturn_table}
+              "reliability": reliability_table, "multiturn": multiturn_table}
 
 
 def write_part(out_dir: str | Path, part: str, res: dict) -> str:

@@ -22,15 +22,6 @@ def _disk_hits(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:kv_offload_disk_hits(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M))
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _load(url: str, stop: threading.Event) -> None:
     i = 0
     with httpx.Client(trust_env=False, timeout=60) as http:
@@ -48,6 +39,7 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
     from benchmarks.multiturn.cli import TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN
     from benchmarks.multiturn.launcher import tiny_server_setup, vllm_server
     from benchmarks.multiturn.procs import listening_pid, tree_pids
+    from benchmarks.multiturn.resources import alive, sample, temporaries
     from benchmarks.soak import probe
 
     model, args, env = tiny_server_setup(tmp_path, TINY_MAX_MODEL_LEN, TINY_GPU_BLOCKS)
@@ -66,7 +58,7 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
         # the probe's prefix (7 blocks of 32 tokens) on disk, whole, before the load and the kill
         end, seen, still = time.monotonic() + 60, -1, 0
         while still < 5:
-            n = len([p for p in disk.rglob("*.r0") if ".tmp." not in p.name])
+            n = sample([], disk)["disk_records"]
             still = still + 1 if n == seen and n >= 7 else 0
             seen = n
             assert time.monotonic() < end, f"the probe's records did not reach the disk tier ({n} records)"
@@ -80,7 +72,7 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
         stop.set()
         load.join(60)
         end = time.monotonic() + 30
-        while any(_alive(p) for p in pids):
+        while any(alive(p) for p in pids):
             assert time.monotonic() < end, "processes of the killed server are still there"
             time.sleep(0.2)
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -99,7 +91,7 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
         time.sleep(1.0)
         httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "warm", "max_tokens": 1},
                    timeout=60, trust_env=False)
-        left = [p.name for p in disk.rglob("*") if ".tmp." in p.name]
+        left = temporaries(disk)
         assert not left, f"temporary records left after the restart: {left[:5]}"
         assert probe(url) == reference  # the probe's prefix: host empty, so it comes from disk
         end = time.monotonic() + 30
