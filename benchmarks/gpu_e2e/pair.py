@@ -31,7 +31,7 @@ from . import mooncake_stage
 from .engine import CACHE_ENV, ENV
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
-from .serve import (GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _f, _warm,
+from .serve import (CAPACITY, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _f, _warm,
                     client_sources, corpus_words_needed, hash_seed, plan_servers, run_one, server_args,
                     server_log_info, start_servers, stop_servers, workload)
 
@@ -41,6 +41,9 @@ LAYOUT = "uniform"
 # of KV at the 8B shape in all): each server's 8 GiB of host KV holds its own turns of most of them.
 PAIR_LOAD = Load(clients=16, active=24, conversations=24, user_turns=6, device_tokens=65536, host_tokens=65536,
                  common_prefix=1500, prefix_avg=1500, prefix_max=3000, capacity=True)
+# ``--pair-load``: these turns, or the disk tier's capacity load (serve.CAPACITY: 32 clients, 40 conversations
+# of ~5k tokens, 4 GiB device and 8 GiB host KV per server: each server's host KV holds a third of them)
+PAIR_LOADS = ("turns", "cap")
 SEGMENT_BYTES = 12 * GiB  # each mooncake server lends this to the pool: 24 GiB, the whole working set
 TENANT = "pair"
 PAIRS = ("host", "mooncake")
@@ -140,7 +143,7 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
 
     from .models import build_shape_model, write_corpus
 
-    load, lay = PAIR_LOAD, LAYOUTS[LAYOUT]
+    load, lay = (CAPACITY if getattr(a, "pair_load", "turns") == "cap" else PAIR_LOAD), LAYOUTS[LAYOUT]
     res: dict = {"layout": LAYOUT, "model": lay.model.what, "load": asdict(load), "segment_bytes": SEGMENT_BYTES,
                  "passes": a.passes, "runs": [], "errors": [], "events": [], "mooncake": mooncake_stage.ready()}
     if res["mooncake"] is None:
@@ -157,7 +160,7 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
         src = client_sources(Path(a.client_dir))
         res["client"] = {"sdist": src.get("sdist"), "files": src["files"]}
         master.start()
-        plans = pair_plans(meta.get("gpu_bytes", 0), meta.get("host_bytes", 0), master.extra())
+        plans = pair_plans(meta.get("gpu_bytes", 0), meta.get("host_bytes", 0), master.extra(), load)
         res["servers"] = [asdict(p) for p in plans]
         model = build_shape_model(work / f"{lay.shape}-serve", lay.shape, SERVE_VOCAB)
         tmpl = work / "plain_chat_template.jinja"

@@ -168,6 +168,29 @@ def run_probe(url: str, served: str, label: str, prompt: str, timeout: float = 1
     return out
 
 
+@dataclass
+class References:
+    """off's answers to the probe computed from scratch and with the whole prefix reused from its
+    device cache. In bf16 a prompt's tokens may differ with how much of it was reused (other kernels,
+    other rounding), so a probe of ours is compared with off's for the same reuse: none (scratch) or
+    the whole prefix (PROBE_WORDS + BOS - 1 tokens, a whole number of 64-token blocks); a partial
+    reuse (a record the fault hook damaged or the LRU evicted midway) has no reference: n/a."""
+
+    scratch: Probe
+    reuse: Probe
+
+    def compare(self, got: Probe) -> tuple[bool | None, str]:
+        if got.error:
+            return False, f"error: {got.error}"
+        reused = got.device_hit_tokens + got.external_hit_tokens
+        whole = self.reuse.device_hit_tokens
+        if reused == 0:
+            return got.same_as(self.scratch), "off from scratch"
+        if whole and reused == whole:
+            return got.same_as(self.reuse), f"off reusing {whole:.0f} tokens"
+        return None, f"reused {reused:.0f} of {whole:.0f} tokens: no reference with that reuse"
+
+
 # ---------------------------------------------------------------------------- logs and counters
 def tier_counters(text: str) -> dict | None:
     """The disk tier's counters as last logged (TierStats.line), or None before its first line."""
@@ -406,14 +429,6 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.0f}" if isinstance(x, (int, float)) else str(x)
 
 
-def _same(p: dict, ref: dict) -> bool:
-    """``Probe.same_as`` of two probes as the JSON holds them."""
-    def probe(d: dict) -> Probe:
-        return Probe(**{"label": "", **{k: v for k, v in d.items() if k in Probe.__dataclass_fields__}})
-
-    return probe(p).same_as(probe(ref)) if p and ref else False
-
-
 def _faults_line(f: dict | None) -> str:
     if not f:
         return ""
@@ -453,12 +468,11 @@ def table(res: dict) -> str:
     probes = {**res.get("probes", {}), **({"restarted": res["restart"]["probe"]}
                                           if (res.get("restart") or {}).get("probe") else {})}
     if probes:
-        ref = probes.get("off") or {}
-        out.append("probes (device / external hit tokens: where the probe's prefix came from):")
-        out.append(_table(["probe", "tokens = off", "device hit tok", "external hit tok", "error"],
-                          [[k, "-" if k == "off" else "yes" if _same(p, ref) else "NO",
-                            _num(p.get("device_hit_tokens")), _num(p.get("external_hit_tokens")),
-                            (p.get("error") or "")[:60]] for k, p in probes.items()]))
+        out.append("probes (device / external hit tokens: where the probe's prefix came from; the checks above "
+                   "compare each with off's answer for the same reuse):")
+        out.append(_table(["probe", "compared with", "device hit tok", "external hit tok", "error"],
+                          [[k, p.get("compared_with", "-"), _num(p.get("device_hit_tokens")),
+                            _num(p.get("external_hit_tokens")), (p.get("error") or "")[:60]] for k, p in probes.items()]))
     samples = res.get("samples", [])
     if samples:
         keys = [k for k in SAMPLE_KEYS if any(k in s for s in samples)]
@@ -557,9 +571,12 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         res["restart_estimate_s"] = restart_s
         print(f"[reliability] servers up in {res['start_s']:.0f}s; restart estimated {restart_s:.0f}s", flush=True)
 
-        st = _State(ref=run_probe(off_url, served, "off", prompt))
-        res["probes"]["off"] = asdict(st.ref)
-        res["checks"]["probe: off answered"] = st.ref.error is None
+        refs = References(run_probe(off_url, served, "off", prompt), run_probe(off_url, served, "off reusing", prompt))
+        st = _State(ref=refs)
+        res["probes"]["off"], res["probes"]["off_reusing"] = asdict(refs.scratch), asdict(refs.reuse)
+        res["checks"]["probe: off answered"] = refs.scratch.error is None and refs.reuse.error is None
+        # information: whether bf16 gives other tokens when off reuses the prefix
+        res["off_scratch_equals_reuse"] = refs.reuse.same_as(refs.scratch)
 
         def one_pass(timeout: float) -> dict:
             st.passes += 1
@@ -568,7 +585,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         def probe_stage(name: str, check: str) -> None:
             got = run_probe(url, served, "ours-disk", prompt)
             res["probes"][name] = asdict(got)
-            res["checks"][check] = got.same_as(st.ref)
+            res["checks"][check], res["probes"][name]["compared_with"] = st.ref.compare(got)
 
         def soak_stage() -> None:
             sampler = Sampler(listening_pid(url), disk, SAMPLE_EVERY_S).start()
@@ -637,7 +654,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
 @dataclass
 class _State:
-    ref: Probe
+    ref: References
     passes: int = 0
 
 
@@ -733,7 +750,7 @@ def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], pl
 
 
 def _restart(p: ServerPlan, make_cm, log: Path, cms: dict, started: list[str], served: str, prompt: str,
-             ref: Probe, disk: Path, budget: Budget, timeout_s: float) -> dict:
+             ref: References, disk: Path, budget: Budget, timeout_s: float) -> dict:
     """Start ``p`` again on its folder; wait for its disk tier to come up and scan; probe; its checks."""
     out: dict = {"checks": {}}
     c = out["checks"]
@@ -774,7 +791,7 @@ def _restart(p: ServerPlan, make_cm, log: Path, cms: dict, started: list[str], s
     out["temporaries"] = temporaries(disk)[:20]
     probe = run_probe(url, served, "ours-disk restarted", prompt)
     out["probe"] = asdict(probe)
-    c["restart: probe = off"] = probe.same_as(ref)
+    c["restart: probe = off"], out["probe"]["compared_with"] = ref.compare(probe)
     # the tier's counters reach the log every 30 s, on a lookup: nudge until they do while time allows
     t2 = time.monotonic()
     while tier_counters(text()) is None and time.monotonic() - t2 < 40 and budget.left() > 25:
@@ -797,6 +814,6 @@ def _nudge(url: str, served: str) -> None:
         pass
 
 
-__all__ = ["DEFAULT_FAULTS", "KillReport", "Probe", "Sampler", "Schedule", "client_counts", "fault_log", "faults_arg",
+__all__ = ["DEFAULT_FAULTS", "KillReport", "Probe", "References", "Sampler", "Schedule", "client_counts", "fault_log", "faults_arg",
            "injected_counted", "leftovers", "part", "plan", "run_reliability", "soak_checks", "table",
            "tier_counters", "without_faults"]

@@ -63,6 +63,18 @@ def test_probe_prompt_is_fixed_and_spans_many_offloaded_blocks():
     assert len(words) == rel.PROBE_WORDS and len(words) // 64 >= 60 and set(words) <= set(corpus_words())
 
 
+def test_probes_are_compared_with_off_for_the_same_reuse():
+    """bf16: a probe that reused nothing is compared with off from scratch, one that reused the whole
+    prefix with off reusing it; a partial reuse has no reference (n/a), an error fails."""
+    refs = rel.References(rel.Probe("off", "a", [1]), rel.Probe("off reusing", "b", [2], device_hit_tokens=4032.0))
+    assert refs.compare(rel.Probe("x", "a", [1])) == (True, "off from scratch")
+    assert refs.compare(rel.Probe("x", "b", [2], external_hit_tokens=4032.0))[0] is True
+    assert refs.compare(rel.Probe("x", "b", [2], device_hit_tokens=32.0, external_hit_tokens=4000.0))[0] is True
+    assert refs.compare(rel.Probe("x", "a", [1], external_hit_tokens=4032.0))[0] is False  # reused, scratch's tokens
+    assert refs.compare(rel.Probe("x", "a", [1], external_hit_tokens=1024.0))[0] is None
+    assert refs.compare(rel.Probe("x", error="boom")) == (False, "error: boom")
+
+
 def test_probe_equality_needs_text_and_ids():
     ref = rel.Probe("off", "w1 w2", [1, 2])
     assert rel.Probe("x", "w1 w2", [1, 2]).same_as(ref)
@@ -276,7 +288,7 @@ def test_table_and_json_of_a_result(tmp_path):
            "cut": [{"stage": "soak"}], "errors": []}
     text = tables.write_part(tmp_path, "reliability", res)
     for word in ("PASS", "FAIL", "n/a", "rss_mib", "hook warning yes", "retried 3", "checksum 2", "kill -9: 2",
-                 "restart: up in 80s", "cut:", "| first ", "| after_soak ", "NO", "restarted"):
+                 "restart: up in 80s", "cut:", "| first ", "| after_soak ", "compared with", "restarted"):
         assert word in text, word
     got = json.loads((tmp_path / "reliability.json").read_text())
     assert got["checks"]["soak: rss_mib flat"] is False and got["faults"] == rel.DEFAULT_FAULTS
@@ -299,7 +311,8 @@ class _FakeVllm(BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802
         n = type(self).requests
-        self._send(f"vllm:prefix_cache_hits_total {16.0 * n}\nvllm:external_prefix_cache_hits_total {64.0 * n}\n",
+        # the first request computes from scratch, every later one reuses the probe's whole prefix
+        self._send(f"vllm:prefix_cache_hits_total {4032.0 * max(0, n - 1)}\nvllm:external_prefix_cache_hits_total 0\n",
                    "text/plain")
 
     def _send(self, body: str, kind: str) -> None:
