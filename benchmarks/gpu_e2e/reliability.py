@@ -54,6 +54,7 @@ from .serve import (DISK_BYTES, Budget, Load, ServerPlan, check_disk, complete, 
 
 DEFAULT_FAULTS = "load=0.01,store=0.01,disk_read=0.02,disk_corrupt=0.02,disk_write=0.02"
 FAULTS_VAR = "NPU_OFFLOAD_FAULTS"
+HASH_SEED = (("PYTHONHASHSEED", "0"),)
 SERVERS = ("off", "ours-disk")
 SOAK_SHARE = 0.55  # of the budget used when the last soak pass may start
 SAMPLE_EVERY_S = 10.0
@@ -93,8 +94,11 @@ def faults_arg(text: str) -> str:
 
 
 def plan(layout: str, load: Load, gpu_bytes: int, host_bytes: int, faults: str) -> list[ServerPlan]:
-    """off and ours-disk (the fault hook on with ``faults``), sized as the serve part sizes them."""
-    off, ours = plan_servers(layout, list(SERVERS), load, gpu_bytes, host_bytes)
+    """off and ours-disk (the fault hook on with ``faults``), sized as the serve part sizes them; both
+    with ``PYTHONHASHSEED`` set: vLLM 0.22-0.28 seed block hashes per process otherwise, and the
+    restarted server could never find its records (docs/disk_tier.md)."""
+    off, ours = (replace(p, env=p.env + HASH_SEED) for p in plan_servers(layout, list(SERVERS), load, gpu_bytes,
+                                                                          host_bytes))
     if faults:
         ours = replace(ours, env=ours.env + ((FAULTS_VAR, faults),))
     return [off, ours]
@@ -808,8 +812,11 @@ def _restart(p: ServerPlan, make_cm, log: Path, cms: dict, started: list[str], s
 
 
 def _nudge(url: str, served: str) -> None:
+    """A request long enough to be looked up in the tiers (one whole offloaded block and more): on
+    vLLM 0.23 the scheduler takes in its tiers' state only in a lookup."""
+    rng = random.Random()
     try:
-        complete(url, served, "w1 w2 w3", 1, timeout=30)
+        complete(url, served, " ".join(f"w{rng.randrange(700)}" for _ in range(160)), 1, timeout=30)
     except (OSError, ValueError):
         pass
 

@@ -44,6 +44,7 @@ def test_plan_puts_the_fault_hook_on_ours_disk_only():
     off, ours = rel.plan("uniform", CAPACITY, 139 * GiB, 128 * GiB, rel.DEFAULT_FAULTS)
     assert (off.kind, ours.kind) == ("off", "ours-disk")
     assert rel.FAULTS_VAR not in dict(off.env)
+    assert dict(off.env)["PYTHONHASHSEED"] == dict(ours.env)["PYTHONHASHSEED"] == "0"  # 0.23: hashes survive a restart
     assert dict(ours.env)[rel.FAULTS_VAR] == rel.DEFAULT_FAULTS
     assert serve.server_env(ours, {"A": "1"})[rel.FAULTS_VAR] == rel.DEFAULT_FAULTS
     assert ours.kv_config()["kv_connector_extra_config"]["disk_path"] == str(ours.disk_dir)

@@ -50,9 +50,10 @@ class DiskIndex:
             self._lru.move_to_end(k, last=False)
         return len(new)
 
-    def over_budget(self, protected=()) -> list[bytes]:
-        """Least recently used keys to drop so that the index fits its budget again."""
-        excess = self.used_bytes - self.budget_bytes
+    def over_budget(self, protected=(), reserve: int = 0) -> list[bytes]:
+        """Least recently used keys to drop so that the index, plus ``reserve`` bytes about to be
+        written, fits its budget again."""
+        excess = self.used_bytes + reserve - self.budget_bytes
         out: list[bytes] = []
         if excess <= 0:
             return out

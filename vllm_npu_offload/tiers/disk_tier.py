@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 NO_SPACE_BACKOFF_S = 10.0  # stores pause this long after ENOSPC, then try again
 RATE_WINDOW_BYTES = 256 << 20  # one sample of the live read rate
 RATE_WEIGHT = 0.25  # of a new sample in the read rate
+# The longest a lookup waits for a starting tier (ranks' hello, the first scan of the records); a
+# rank that never answers leaves the tier down and lookups miss after it.
+STARTUP_WAIT_S = 10.0
 
 
 class ReadRate:
@@ -105,6 +108,7 @@ class DiskTier(OrderedTier):
         self._stores_paused_until = 0.0
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
+        self._started, self._scanned = time.monotonic(), False
 
     # -- background threads ------------------------------------------------------------------
 
@@ -157,13 +161,14 @@ class DiskTier(OrderedTier):
     def _on_event(self, ev) -> None:
         if ev[0] == "scan" and self.index is not None:
             self.index.merge(ev[1])
+            self._scanned = self._links.all_up
 
     def _on_done(self, d: Done) -> Completion | None:
         p = self._pending.get(d.seq)
         if p is None or not p.answered(d, self.name):
             return None
         del self._pending[d.seq]
-        size = self.index.key_bytes if self.index else 0
+        size = self.key_bytes
         if p.op is Op.READ:
             self._reads.pop(p.key, None)
             self._read_backlog -= size
@@ -197,9 +202,7 @@ class DiskTier(OrderedTier):
             s.count_done(Op.WRITE, p.nbytes, p.seconds)
             if self.index is not None:
                 self.index.add(p.key)
-                for key in self.index.over_budget(protected=self._reads):
-                    s.evictions += 1
-                    self._to_delete.put(key)
+                self._evict(reserve=self._write_backlog)
             return
         s.dropped_stores += 1
         for f in p.failures:
@@ -213,12 +216,28 @@ class DiskTier(OrderedTier):
                             self.cfg.root, NO_SPACE_BACKOFF_S)
         self._to_delete.put(p.key)  # a partial write: no rank's record may stay alone
 
+    def _evict(self, reserve: int) -> None:
+        """Drop least recently used records so that what is on disk and ``reserve`` (writes under way)
+        fit the budget: a record is made room for before it is written, never after."""
+        assert self.index is not None
+        for key in self.index.over_budget(protected=self._reads, reserve=reserve):
+            self.stats.evictions += 1
+            self._to_delete.put(key)
+
+    def start_write(self, key: bytes, chunk: int) -> bool:
+        if self.index is not None:
+            self._evict(reserve=self._write_backlog + self.index.key_bytes)
+        return super().start_write(key, chunk)
+
     # -- decisions -------------------------------------------------------------------------
     def has(self, key: bytes) -> bool:
         return self.up and self.index is not None and key in self.index
 
     def looking_up(self, key: bytes) -> bool:
-        return False  # the index is local: known at once
+        """Whether the disk may hold ``key`` but the tier cannot say yet: right after start-up, until
+        every rank has said hello and the first scan of the folder is in (at most STARTUP_WAIT_S), so
+        that a restarted server's first requests find their records instead of recomputing."""
+        return not self._scanned and time.monotonic() < self._started + STARTUP_WAIT_S
 
     def _readable(self) -> bool:
         return self.index is not None
