@@ -14,7 +14,6 @@ use Mooncake get that folder on ``LD_LIBRARY_PATH``, so nothing the image has is
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -24,6 +23,9 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from . import pins
+from .pins import sha256
 
 MOONCAKE_VERSION = "0.3.13.post1"
 PINS = Path(__file__).with_name("mooncake_files.txt")
@@ -42,40 +44,14 @@ class MooncakeStageError(RuntimeError):
     pass
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
 def read_pins(path: Path = PINS) -> dict[str, str]:
-    """{relative file name: sha256} ("SHA256  NAME" lines; comments dropped)."""
-    out = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            digest, name = line.split()
-            out[name] = digest.lower()
-    return out
+    return pins.read_pins(path)
 
 
-def pinned_files(folder: Path | None, pins: dict[str, str] | None = None) -> list[Path]:
+def pinned_files(folder: Path | None, pinned: dict[str, str] | None = None) -> list[Path]:
     """The pinned wheel and packages in ``folder``, each sha256 checked; [] when ``folder`` is None or
     absent (no Mooncake staged). A missing file or another hash is an error naming it."""
-    if folder is None or not folder.is_dir():
-        return []
-    pins = read_pins() if pins is None else pins
-    out, bad = [], []
-    for name, digest in pins.items():
-        f = folder / name
-        if not f.is_file():
-            bad.append(f"{name} missing")
-        elif sha256(f) != digest:
-            bad.append(f"{name}: sha256 {sha256(f)}, pinned {digest}")
-        else:
-            out.append(f)
+    out, bad = pins.pinned_files(folder, read_pins() if pinned is None else pinned)
     if bad:
         raise MooncakeStageError(f"Mooncake files in {folder}: {'; '.join(bad[:4])} ({PINS.name} says how to "
                                  f"fetch them; --no-mooncake stages without Mooncake)")

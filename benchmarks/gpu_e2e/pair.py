@@ -31,9 +31,9 @@ from . import mooncake_stage
 from .engine import CACHE_ENV, ENV
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
-from .serve import (CAPACITY, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _f, _warm,
+from .serve import (CAPACITY, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _warm,
                     client_sources, corpus_words_needed, hash_seed, plan_servers, run_one, server_args,
-                    server_log_info, start_servers, stop_servers, workload)
+                    run_line, server_log_info, start_servers, stop_servers, workload)
 
 GiB = 1 << 30
 LAYOUT = "uniform"
@@ -219,9 +219,7 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
             res["runs"].append(run)
             walls.append(run["wall_s"])
             s = run.get("summary", {})
-            print(f"[pair] {kind} {r} {pair}: {s.get('requests_per_s', 0):.2f} req/s, later-turn TTFT p50 "
-                  f"{_f(s.get('ttft_later_ms', {}).get('p50'))} p99 {_f(s.get('ttft_later_ms', {}).get('p99'))} ms, "
-                  f"{s.get('requests', 0)}/{run['planned']} requests, connector tok "
+            print(f"[pair] {kind} {r} {pair}: {run_line(s)}, {s.get('requests', 0)}/{run['planned']} requests, connector tok "
                   f"{run.get('metrics', {}).get('external_hits', 0):.0f}, routed {run['routed']}, {run['wall_s']:.0f}s"
                   + (f", events {events}" if events else "") + (f" ERROR {run['error'][:300]}" if run.get("error") else ""),
                   flush=True)

@@ -708,11 +708,10 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                 res["runs"].append(run)
                 walls.append(run["wall_s"])
                 s = run.get("summary", {})
-                print(f"[serve] {tag} pass {r} {label}: {s.get('requests_per_s', 0):.2f} req/s, later-turn TTFT "
-                      f"p50 {_f(s.get('ttft_later_ms', {}).get('p50'))} ms, TPOT p50 {_f(s.get('tpot_ms', {}).get('p50'))}"
+                print(f"[serve] {tag} pass {r} {label}: {run_line(s)}, TPOT p50 {_f(s.get('tpot_ms', {}).get('p50'))}"
                       f" ms, host-hit tok {run.get('metrics', {}).get('external_hits', 0):.0f}, "
                       f"io r/w {run['io']['read_bytes'] / 1e9:.1f}/{run['io']['write_bytes'] / 1e9:.1f} GB, "
-                      f"TTFT p99 {_f(s.get('ttft_later_ms', {}).get('p99'))} ms, {s.get('requests', 0)} requests, "
+                      f"{s.get('requests', 0)} requests, "
                       f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}"
                       + (f", LMCache hit/loaded tok {run['lmcache']['hit_tokens']}/{run['lmcache']['loaded_tokens']}"
                          if "lmcache" in run else "")
@@ -780,6 +779,12 @@ def stop_servers(cms: dict, labels: list[str]) -> None:
 
 def _f(x) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+def run_line(s: dict) -> str:
+    """A run's summary (``summarize``) for the progress lines: req/s, later-turn TTFT p50 and p99."""
+    t = s.get("ttft_later_ms", {})
+    return f"{s.get('requests_per_s', 0):.2f} req/s, later-turn TTFT p50 {_f(t.get('p50'))} p99 {_f(t.get('p99'))} ms"
 
 
 def hash_seed(layout: str, clients: int, r: int, seed: int) -> int:

@@ -31,7 +31,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from . import mooncake_stage
+from . import mooncake_stage, pins
+from .pins import sha256 as _sha256
 
 VLLM_VERSION = "0.23.0"
 VLLM_WHEEL = "vllm-0.23.0-2-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -96,44 +97,18 @@ def read_deps(path: Path = DEPS_FILE) -> list[str]:
 
 
 def read_lmcache_pins(path: Path = LMCACHE_PINS) -> dict[str, str]:
-    """{wheel file name: sha256} of lmcache_wheels.txt ("SHA256  NAME" lines; comments dropped)."""
-    out = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        digest, name = line.split()
-        out[name] = digest.lower()
-    return out
+    """{wheel file name: sha256} of lmcache_wheels.txt."""
+    return pins.read_pins(path)
 
 
-def lmcache_wheels(folder: Path | None, pins: dict[str, str] | None = None) -> list[Path]:
+def lmcache_wheels(folder: Path | None, pinned: dict[str, str] | None = None) -> list[Path]:
     """LMCache's pinned wheels in ``folder``, each sha256 checked; [] when ``folder`` is None or absent
     (no LMCache staged). A folder that lacks one, or holds one with another hash, is an error."""
-    if folder is None or not folder.is_dir():
-        return []
-    pins = read_lmcache_pins() if pins is None else pins
-    out, bad = [], []
-    for name, digest in pins.items():
-        w = folder / name
-        if not w.is_file():
-            bad.append(f"{name} missing")
-        elif _sha256(w) != digest:
-            bad.append(f"{name}: sha256 {_sha256(w)}, pinned {digest}")
-        else:
-            out.append(w)
+    out, bad = pins.pinned_files(folder, read_lmcache_pins() if pinned is None else pinned)
     if bad:
         raise StageError(f"LMCache wheels in {folder}: {'; '.join(bad)} (lmcache_wheels.txt says how to fetch them; "
                          f"--no-lmcache stages without LMCache)")
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for b in iter(lambda: f.read(1 << 20), b""):
-            h.update(b)
-    return h.hexdigest()
 
 
 def plan_parts(items: list[tuple[str, int, bool]], budget: int) -> list[list[tuple[str, int, int]]]:
