@@ -513,3 +513,29 @@ def test_kill_9_mid_write_leaves_only_whole_records(root, tmp_path):
         assert rig.tier.stats.checksum_failures == 0
     finally:
         rig.close()
+
+
+def test_sockets_left_by_a_killed_server_are_removed_at_the_next_start(tmp_path):
+    """A rank server killed with SIGKILL leaves its socket file (named after an engine id no later
+    server uses); the next one to listen in that folder removes every socket of ours nobody holds,
+    and keeps a live one."""
+    import socket
+
+    from vllm_npu_offload.tiers import channel
+
+    if channel.bound_sockets() is None:
+        pytest.skip("no /proc/net/unix here")
+    stale = tmp_path / "npu-kv-dead-r0.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()  # the file stays, as after SIGKILL
+    other = tmp_path / "someone-else.sock"
+    other.write_text("")
+    live = channel.listen(str(tmp_path / "npu-kv-live-r0.sock"))
+    try:
+        assert not stale.exists() and other.exists()
+        second = channel.listen(str(tmp_path / "npu-kv-second-r0.sock"))
+        assert (tmp_path / "npu-kv-live-r0.sock").exists()  # bound by a live listener: kept
+        second.close()
+    finally:
+        live.close()

@@ -22,12 +22,49 @@ def socket_path(engine_id: str, root: str, rank: int) -> str:
     return os.path.join(base, f"npu-kv-{tag}-r{rank}.sock")
 
 
+def bound_sockets() -> set[str] | None:
+    """Paths of the Unix sockets some process has bound (Linux's /proc/net/unix); None elsewhere."""
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            return {parts[7] for line in f if len(parts := line.split()) >= 8}
+    except OSError:
+        return None
+
+
+def remove_stale_sockets(directory: str) -> list[str]:
+    """Remove this package's socket files in ``directory`` that no process has bound any more: what
+    a server killed with SIGKILL leaves (its name has an engine id no later server uses again)."""
+    bound = bound_sockets()
+    if bound is None:
+        return []
+    gone = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("npu-kv-") and n.endswith(".sock")]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(directory, name)
+        if path in bound:
+            continue
+        try:
+            st = os.lstat(path)
+            if st.st_uid == os.getuid():  # never another user's
+                os.unlink(path)
+                gone.append(path)
+        except OSError:
+            continue
+    return gone
+
+
 def listen(path: str) -> Listener:
-    """Bind ``path`` owner-only (a stale socket of a killed server is replaced)."""
+    """Bind ``path`` owner-only (a stale socket of a killed server is replaced, and any other of ours
+    in the same folder that no process holds any more is removed)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    remove_stale_sockets(os.path.dirname(path))
     old = os.umask(0o077)
     try:
         return Listener(path, family="AF_UNIX")
