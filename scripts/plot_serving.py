@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = [
-    ("Ascend's layout, 32 clients", "docs/results/gpu_e2e_default_2026-11-27l/call9_serve.json.gz"),
+    ("Ascend's layout, 32 clients", "docs/results/gpu_e2e_default_2026-11-27l/run9_serve.json.gz"),
     ("3x host KV (ours + disk: reuse admission)", "docs/results/disk_tier_2026-11-28/serve_cap_b.json"),
     ("3x host KV (ours + disk: default admission)", "docs/results/disk_tier_2026-11-28/serve_cap_c.json"),
 ]
