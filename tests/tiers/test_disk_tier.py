@@ -539,3 +539,28 @@ def test_sockets_left_by_a_killed_server_are_removed_at_the_next_start(tmp_path)
         second.close()
     finally:
         live.close()
+
+
+def test_start_up_removes_only_temporaries_of_writers_that_are_gone(tmp_path):
+    """A server starting on a shared path leaves another server's write under way alone (it once
+    removed a rank's rate probe mid-write, and that rank served reads only); a dead writer's
+    temporaries on this host go, and any older than STALE_TMP_S (another host's writer)."""
+    import subprocess
+    import sys
+
+    from vllm_npu_offload.tiers import disk_io
+
+    sub = tmp_path / "fp" / "00"
+    sub.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = disk_io._HOST
+    names = {"live": f"aa.r0.tmp.{host}.{os.getpid()}.1", "dead": f"bb.r0.tmp.{host}.{dead.pid}.2",
+             "other-host": "cc.r0.tmp.elsewhere.1.3", "old": "dd.r0.tmp.elsewhere.1.4", "legacy-dead": f"ee.r0.tmp.{dead.pid}.5"}
+    for name in names.values():
+        (sub / name).write_bytes(b"x")
+    old = time.time() - disk_io.STALE_TMP_S - 5
+    os.utime(sub / names["old"], (old, old))
+    assert disk_io.remove_stale_temporaries(tmp_path / "fp") == 3
+    left = {p.name for p in sub.iterdir()}
+    assert left == {names["live"], names["other-host"]}

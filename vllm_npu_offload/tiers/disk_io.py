@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,11 @@ from .record import HEADER_BYTES, RecordError, check_header, checksum, pack_head
 
 DIRECT_ALIGN = 4096
 TMP_MARK = ".tmp."
+# A temporary record is a live write while its writer runs: ``<record>.tmp.<host>.<pid>.<ns>``. At
+# start-up only those of dead writers on this host go, and any older than this (another host's
+# writer, or a pid taken again), never a write another server sharing the path has under way.
+STALE_TMP_S = 600.0
+_HOST = socket.gethostname().replace("/", "_") or "host"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -111,7 +117,7 @@ class RecordFiles:
             return 0
         crc = checksum(src)
         header_buf[:] = pack_header(self.fingerprint, key, rank, world, src.nbytes, crc)
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}.{time.monotonic_ns()}")
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{_HOST}.{os.getpid()}.{time.monotonic_ns()}")
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, direct = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, aligned(src))
@@ -187,16 +193,45 @@ def page_buffer(nbytes: int = HEADER_BYTES) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def stale_temporary(name: str, age_s: float, host: str = _HOST) -> bool:
+    """Whether a temporary record's writer is gone: a dead pid on this host, or older than STALE_TMP_S."""
+    if age_s > STALE_TMP_S:
+        return True
+    parts = name.split(TMP_MARK, 1)[1].rsplit(".", 2)
+    writer_host, pid = (parts[0], parts[1]) if len(parts) == 3 else (host, parts[0])
+    if writer_host != host or not pid.isdigit():
+        return False  # another host's writer: only its age says it is gone
+    return not _pid_alive(int(pid))
+
+
 def remove_stale_temporaries(directory: Path) -> int:
-    """Delete temporary files a killed writer left under ``directory``; returns how many."""
+    """Delete the temporary files that killed writers left under ``directory`` (``stale_temporary``);
+    returns how many. Another server's write under way on a shared path is left alone."""
     n = 0
     if not directory.is_dir():
         return 0
+    now = time.time()
     for sub in directory.iterdir():
         if not sub.is_dir():
             continue
         for f in sub.iterdir():
-            if TMP_MARK in f.name:
+            if TMP_MARK not in f.name:
+                continue
+            try:
+                age = now - f.stat().st_mtime
+            except OSError:
+                continue
+            if stale_temporary(f.name, age):
                 _unlink_quiet(f)
                 n += 1
     return n
