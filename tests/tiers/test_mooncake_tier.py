@@ -277,6 +277,36 @@ def test_corrupt_record_is_a_miss_and_removed(master, client, damage):
         rig.close()
 
 
+def test_a_full_pool_keeps_taking_the_newest_records_with_the_recommended_eviction(tmp_path):
+    """With the master's eviction as docs/mooncake_tier.md sets it (from 80% full, 20% a round), a pool
+    written three times over as fast as the tier writes keeps taking every store, and the newest
+    records are there (at 90% / 5% a third of the puts failed with -200 at this rate)."""
+    from benchmarks.mooncake_master import EVICTION_FLAGS
+
+    m = Master(tmp_path / "master.log", *EVICTION_FLAGS)
+    m.start()
+    try:
+        rig = Rig(m, world=1, segment_bytes=64 << 20)  # 64 MiB: 25 records of 2.5 MiB
+        try:
+            keys = [f"n{i}".encode() for i in range(75)]
+            for i, key in enumerate(keys):
+                rig.fill(i % CHUNKS, seed=200 + i)
+                assert rig.tier.start_write(key, i % CHUNKS), f"store {i} refused: {rig.tier.stats.by_failure}"
+                (done,) = rig.wait()
+                assert done.ok, f"store {i} of a full pool failed: {rig.tier.stats.by_failure}"
+            assert rig.tier.stats.dropped_stores == 0
+            newest = keys[-10:]
+            for i, key in enumerate(newest):
+                chunk = (len(keys) - len(newest) + i) % CHUNKS
+                assert rig.tier.start_read(key, chunk)
+                (c,) = rig.wait()
+                assert c.ok, f"the newest record {key!r} is not in the pool"
+        finally:
+            rig.close()
+    finally:
+        m.kill()
+
+
 def test_full_pool_drops_stores_with_no_space_and_keeps_serving(master, client):
     """A full pool refuses puts (-200): stores are dropped and paused, and what the pool still holds
     reads back whole (what it evicted to make room is a plain miss)."""
