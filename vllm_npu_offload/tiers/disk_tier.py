@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .channel import socket_path
-from .contract import Completion, Done, Failure, Hello, Op, TierStats
+from .contract import Completion, Failure, Hello, Op, TierStats
 from .disk_index import DiskIndex, scan
 from .disk_io import RecordFiles
 from .rank_links import OrderedTier, PendingOrder
@@ -163,24 +163,6 @@ class DiskTier(OrderedTier):
             self.index.merge(ev[1])
             self._scanned = self._links.all_up
 
-    def _on_done(self, d: Done) -> Completion | None:
-        p = self._pending.get(d.seq)
-        if p is None or not p.answered(d, self.name):
-            return None
-        del self._pending[d.seq]
-        size = self.key_bytes
-        if p.op is Op.READ:
-            self._reads.pop(p.key, None)
-            self._read_backlog -= size
-            self.rate.ended(size, self._read_backlog, time.monotonic())
-            self.abandoned.discard(p.key)
-            self._finish_read(p)
-        else:
-            self._writes.pop(p.key, None)
-            self._write_backlog -= size
-            self._finish_write(p)
-        return Completion(p.key, p.op, p.ok, p.chunk)
-
     def _finish_read(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
@@ -202,7 +184,7 @@ class DiskTier(OrderedTier):
             s.count_done(Op.WRITE, p.nbytes, p.seconds)
             if self.index is not None:
                 self.index.add(p.key)
-                self._evict(reserve=self._write_backlog)
+                self._evict()
             return
         s.dropped_stores += 1
         for f in p.failures:
@@ -216,18 +198,20 @@ class DiskTier(OrderedTier):
                             self.cfg.root, NO_SPACE_BACKOFF_S)
         self._to_delete.put(p.key)  # a partial write: no rank's record may stay alone
 
-    def _evict(self, reserve: int) -> None:
-        """Drop least recently used records so that what is on disk and ``reserve`` (writes under way)
-        fit the budget: a record is made room for before it is written, never after."""
+    def _evict(self) -> None:
+        """Drop least recently used records so that what is on disk and the writes under way fit the
+        budget: a record is made room for when its write is sent, never after it is on disk."""
         assert self.index is not None
-        for key in self.index.over_budget(protected=self._reads, reserve=reserve):
+        for key in self.index.over_budget(protected=self._reads, reserve=self._write_backlog):
             self.stats.evictions += 1
             self._to_delete.put(key)
 
     def start_write(self, key: bytes, chunk: int) -> bool:
+        if not super().start_write(key, chunk):
+            return False
         if self.index is not None:
-            self._evict(reserve=self._write_backlog + self.index.key_bytes)
-        return super().start_write(key, chunk)
+            self._evict()
+        return True
 
     # -- decisions -------------------------------------------------------------------------
     def has(self, key: bytes) -> bool:

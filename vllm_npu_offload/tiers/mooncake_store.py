@@ -677,23 +677,6 @@ class MooncakeTier(OrderedTier):
         self.stats.used_bytes_now = self.stats.keys_now * self.key_bytes
         return out
 
-    def _on_done(self, d: Done) -> Completion | None:
-        p = self._pending.get(d.seq)
-        if p is None or not p.answered(d, self.name):
-            return None
-        del self._pending[d.seq]
-        if p.op is Op.READ:
-            self._reads.pop(p.key, None)
-            self._read_backlog -= self.key_bytes
-            self.rate.ended(self.key_bytes, self._read_backlog, time.monotonic())
-            self.abandoned.discard(p.key)
-            self._finish_read(p)
-        else:
-            self._writes.pop(p.key, None)
-            self._write_backlog -= self.key_bytes
-            self._finish_write(p)
-        return Completion(p.key, p.op, p.ok, p.chunk)
-
     def _forget(self, key: bytes, remove: bool) -> None:
         """``key`` is not (wholly) in the pool: ask again later; ``remove``: delete every rank's record."""
         with self._lock:

@@ -178,6 +178,25 @@ class OrderedTier:
     def _on_event(self, ev) -> None:
         pass
 
+    def _on_done(self, d: Done) -> Completion | None:
+        """One rank's answer; the order's completion once every rank has answered (then the queues in
+        bytes, the read rate and the subclass's ``_finish_read`` / ``_finish_write``)."""
+        p = self._pending.get(d.seq)
+        if p is None or not p.answered(d, self.name):
+            return None
+        del self._pending[d.seq]
+        if p.op is Op.READ:
+            self._reads.pop(p.key, None)
+            self._read_backlog -= self.key_bytes
+            self.rate.ended(self.key_bytes, self._read_backlog, time.monotonic())
+            self.abandoned.discard(p.key)
+            self._finish_read(p)
+        else:
+            self._writes.pop(p.key, None)
+            self._write_backlog -= self.key_bytes
+            self._finish_write(p)
+        return Completion(p.key, p.op, p.ok, p.chunk)
+
     def _readable(self) -> bool:
         """Whether the tier can take reads at all now (subclasses say)."""
         return True
