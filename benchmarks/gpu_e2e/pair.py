@@ -32,8 +32,8 @@ from .engine import CACHE_ENV, ENV
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
 from .serve import (CAPACITY, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _warm,
-                    client_sources, corpus_words_needed, hash_seed, plan_servers, run_one, server_args,
-                    run_line, server_log_info, start_servers, stop_servers, workload)
+                    client_sources, hash_seed, pass_workload, plan_servers, run_line, run_one, server_args,
+                    server_env, server_log_info, start_servers, stop_servers)
 
 GiB = 1 << 30
 LAYOUT = "uniform"
@@ -141,11 +141,11 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
     """The pair part (module docstring). ``write(res)`` after every run (partial results survive a cut)."""
     from benchmarks.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
 
-    from .models import build_shape_model, write_corpus
+    from .models import build_shape_model
 
     load, lay = (CAPACITY if getattr(a, "pair_load", "turns") == "cap" else PAIR_LOAD), LAYOUTS[LAYOUT]
     res: dict = {"layout": LAYOUT, "model": lay.model.what, "load": asdict(load), "segment_bytes": SEGMENT_BYTES,
-                 "passes": a.passes, "runs": [], "errors": [], "events": [], "mooncake": mooncake_stage.ready()}
+                 "passes": a.passes, "runs": [], "errors": [], "mooncake": mooncake_stage.ready()}
     if res["mooncake"] is None:
         res["errors"].append({"label": "-", "error": mooncake_stage.status()})
         res["ok"] = False
@@ -172,7 +172,7 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
         def make_cm(p: ServerPlan, timeout_s: float):
             return vllm_server(model, server_args(p, load, eager=a.eager, attention_backend=lay.backend(a.attention_backend),
                                                   chat_template=str(tmpl), served_name=lay.shape),
-                               env={**env, **dict(p.env)}, startup_timeout_s=timeout_s, log_path=logs / f"{p.label}.log",
+                               env=server_env(p, env), startup_timeout_s=timeout_s, log_path=logs / f"{p.label}.log",
                                label=p.label)
 
         t0 = time.perf_counter()
@@ -195,11 +195,7 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
             if not budget.allows(est + 30):
                 res.setdefault("cut", []).append({"pass": r, "pair": pair, "kind": kind, "left_s": budget.left()})
                 return None
-            corpus = write_corpus(work / "corpus" / f"pair-{r}.txt", corpus_words_needed(load),
-                                  seed=hash_seed("pair", load.clients, r, a.seed))
-            wl = work / "workloads" / f"pair-{r}.json"
-            wl.parent.mkdir(parents=True, exist_ok=True)
-            wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
+            wl = pass_workload(work, f"pair-{r}", load, hash_seed("pair", load.clients, r, a.seed))
             before = routers[pair].counts()
             done, events, t1 = threading.Event(), [], time.monotonic()
             killer = None

@@ -30,7 +30,6 @@ written after every stage (``reliability.json``/``.txt``), so a command cut off 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -48,9 +47,9 @@ from benchmarks.multiturn.resources import alive, disk_within_budget, flat, samp
 from benchmarks.multiturn.report import _table
 from vllm_npu_offload.env import KNOBS, parse_faults
 
-from .serve import (DISK_BYTES, Budget, Load, ServerPlan, check_disk, complete, corpus_words_needed, disk_need,
-                    hash_seed, plan_servers, run_one, scrape, server_args, server_env, server_log_info,
-                    start_servers, stop_servers, workload)
+from .serve import (DISK_BYTES, Budget, Load, ServerPlan, check_disk, complete, disk_need, hash_seed, pass_workload,
+                    plan_servers, run_one, scrape, server_args, server_env, server_log_info, start_servers,
+                    stop_servers)
 
 DEFAULT_FAULTS = "load=0.01,store=0.01,disk_read=0.02,disk_corrupt=0.02,disk_write=0.02"
 FAULTS_VAR = "NPU_OFFLOAD_FAULTS"
@@ -505,7 +504,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
     from benchmarks.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
 
     from .kv_layouts import LAYOUTS
-    from .models import SERVE_VOCAB, build_shape_model, write_corpus
+    from .models import SERVE_VOCAB, build_shape_model
     from .tables import write_part
     from .engine import CACHE_ENV, ENV
 
@@ -584,7 +583,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 
         def one_pass(timeout: float) -> dict:
             st.passes += 1
-            return _pass(st.passes - 1, url, model, served, load, a, work, layout, write_corpus, timeout)
+            return _pass(st.passes - 1, url, model, served, load, a, work, layout, timeout)
 
         def probe_stage(name: str, check: str) -> None:
             got = run_probe(url, served, "ours-disk", prompt)
@@ -687,14 +686,9 @@ def part(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
     return res
 
 
-def _pass(r: int, url: str, model: str, served: str, load: Load, a, work: Path, layout: str, write_corpus,
-          timeout: float) -> dict:
+def _pass(r: int, url: str, model: str, served: str, load: Load, a, work: Path, layout: str, timeout: float) -> dict:
     """One pass of vLLM's client against ours-disk (new texts), as the serve part runs it."""
-    corpus = write_corpus(work / "corpus" / f"reliability-pass{r}.txt", corpus_words_needed(load),
-                          seed=hash_seed(f"reliability-{layout}", load.clients, r, a.seed))
-    wl = work / "workloads" / f"reliability-pass{r}.json"
-    wl.parent.mkdir(parents=True, exist_ok=True)
-    wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
+    wl = pass_workload(work, f"reliability-pass{r}", load, hash_seed(f"reliability-{layout}", load.clients, r, a.seed))
     run_dir = work / "client" / f"reliability-{r}"
     shutil.rmtree(run_dir, ignore_errors=True)
     t1 = time.perf_counter()

@@ -443,6 +443,18 @@ def workload(load: Load, text_file: str) -> dict:
     }
 
 
+def pass_workload(work: Path, name: str, load: Load, corpus_seed: int) -> Path:
+    """One pass's workload for vLLM's client over a new corpus (``corpus_seed``): ``work/corpus/NAME.txt``
+    and ``work/workloads/NAME.json``; returns the latter."""
+    from .models import write_corpus
+
+    corpus = write_corpus(work / "corpus" / f"{name}.txt", corpus_words_needed(load), seed=corpus_seed)
+    wl = work / "workloads" / f"{name}.json"
+    wl.parent.mkdir(parents=True, exist_ok=True)
+    wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
+    return wl
+
+
 def corpus_words_needed(load: Load) -> int:
     """Words the client's generator reads from the corpus (bench_dataset.generate_conversations)."""
     turns = 2 * load.user_turns
@@ -600,7 +612,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
     after every run (partial results survive a call cut off by its time limit)."""
     from benchmarks.multiturn.launcher import PLAIN_CHAT_TEMPLATE, vllm_server
 
-    from .models import build_shape_model, write_corpus
+    from .models import build_shape_model
 
     lay = LAYOUTS[layout]
     backend = lay.backend(a.attention_backend)
@@ -679,11 +691,7 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
               + json.dumps(res["server_logs"]), flush=True)
         walls: list[float] = []  # the next run is expected to take the longest so far x 1.25 (90 s before any)
         for r in range(a.passes):
-            corpus = write_corpus(work / "corpus" / f"{tag}-pass{r}.txt", corpus_words_needed(load),
-                                  seed=hash_seed(layout, load.clients, r, a.seed))
-            wl = work / "workloads" / f"{tag}-pass{r}.json"
-            wl.parent.mkdir(parents=True, exist_ok=True)
-            wl.write_text(json.dumps(workload(load, str(corpus)), indent=1))
+            wl = pass_workload(work, f"{tag}-pass{r}", load, hash_seed(layout, load.clients, r, a.seed))
             order = live if r % 2 == 0 else live[::-1]
             for label in live:
                 if plan_by[label].kind == "native-fs" and r > 0:
