@@ -36,7 +36,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -46,6 +45,7 @@ from benchmarks.multiturn.procs import listening_pid, tree_pids
 from benchmarks.multiturn.resources import alive, disk_within_budget, flat, sample, temporaries
 from benchmarks.multiturn.report import _table
 from vllm_npu_offload.env import KNOBS, parse_faults
+from vllm_npu_offload.tiers.channel import tier_sockets
 
 from .serve import (DISK_BYTES, Budget, Load, ServerPlan, check_disk, complete, disk_need, hash_seed, pass_workload,
                     plan_servers, run_one, scrape, server_args, server_env, server_log_info, start_servers,
@@ -290,12 +290,6 @@ def shm_of(pids: list[int]) -> set[str]:
         except OSError:
             continue
     return out
-
-
-def tier_sockets() -> set[str]:
-    """The tier workers' Unix sockets (named by vllm_npu_offload/tiers/channel.py's socket_path)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return {str(p) for p in Path(base).glob("npu-kv-*.sock")}
 
 
 def shm_entries() -> set[str]:

@@ -14,20 +14,14 @@ import time
 import httpx
 import pytest
 
+from vllm_npu_offload.tiers.channel import bound_sockets, tier_sockets
+
 pytestmark = pytest.mark.vllm
 
 
 def _disk_hits(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
     return sum(float(v) for v in re.findall(r"^vllm:kv_offload_disk_hits(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M))
-
-
-def _our_sockets() -> set[str]:
-    import glob
-    import tempfile
-
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return set(glob.glob(os.path.join(base, "npu-kv-*.sock")))
 
 
 def _load(url: str, stop: threading.Event) -> None:
@@ -72,7 +66,7 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
             assert time.monotonic() < end, f"the probe's records did not reach the disk tier ({n} records)"
             time.sleep(0.2)
         pids = tree_pids(listening_pid(url))
-        sockets = _our_sockets()  # the killed server's tier sockets (a SIGKILL leaves their files)
+        sockets = tier_sockets()  # the killed server's tier sockets (a SIGKILL leaves their files)
         stop = threading.Event()
         load = threading.Thread(target=_load, args=(url, stop), daemon=True)
         load.start()
@@ -102,10 +96,8 @@ def test_kill_9_with_stores_in_flight_then_restart(tmp_path):
                    timeout=60, trust_env=False)
         left = temporaries(disk)
         assert not left, f"temporary records left after the restart: {left[:5]}"
-        from vllm_npu_offload.tiers.channel import bound_sockets
-
         held = bound_sockets() or set()  # any still bound belong to other live processes
-        assert not {p for p in sockets & _our_sockets() if p not in held}, "the killed server's tier sockets are left"
+        assert not {p for p in sockets & tier_sockets() if p not in held}, "the killed server's tier sockets are left"
         assert probe(url) == reference  # the probe's prefix: host empty, so it comes from disk
         end = time.monotonic() + 30
         while _disk_hits(url) <= 0:  # the counters are published with a later step's stats

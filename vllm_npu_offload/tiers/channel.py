@@ -15,11 +15,28 @@ import tempfile
 from multiprocessing.connection import Client, Connection, Listener
 
 
+SOCKET_PREFIX, SOCKET_SUFFIX = "npu-kv-", ".sock"
+
+
+def socket_dir() -> str:
+    """Where the tier workers' sockets are: XDG_RUNTIME_DIR, else the temporary folder."""
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
 def socket_path(engine_id: str, root: str, rank: int) -> str:
     """The socket of ``rank``'s tier worker (short enough for AF_UNIX's 108 bytes)."""
     tag = hashlib.sha256(f"{engine_id}\0{os.path.realpath(root)}".encode()).hexdigest()[:20]
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, f"npu-kv-{tag}-r{rank}.sock")
+    return os.path.join(socket_dir(), f"{SOCKET_PREFIX}{tag}-r{rank}{SOCKET_SUFFIX}")
+
+
+def tier_sockets(directory: str | None = None) -> set[str]:
+    """The socket files of tier workers in ``directory`` (default ``socket_dir()``), live or left behind."""
+    directory = socket_dir() if directory is None else directory
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    return {os.path.join(directory, n) for n in names if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX)}
 
 
 def bound_sockets() -> set[str] | None:
@@ -39,14 +56,7 @@ def remove_stale_sockets(directory: str) -> list[str]:
     if bound is None:
         return []
     gone = []
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith("npu-kv-") and n.endswith(".sock")]
-    except OSError:
-        return []
-    for name in names:
-        path = os.path.join(directory, name)
-        if path in bound:
-            continue
+    for path in sorted(tier_sockets(directory) - bound):
         try:
             st = os.lstat(path)
             if st.st_uid == os.getuid():  # never another user's
@@ -108,4 +118,5 @@ def connect(path: str) -> Connection:
     return Client(path, family="AF_UNIX")
 
 
-__all__ = ["connect", "listen", "serve", "socket_path", "unlisten"]
+__all__ = ["connect", "listen", "remove_stale_sockets", "serve", "socket_dir", "socket_path", "tier_sockets",
+           "unlisten"]
