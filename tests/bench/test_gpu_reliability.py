@@ -108,6 +108,8 @@ def test_fault_log_counts_the_hooks_warning_and_injected_copy_failures(monkeypat
     from vllm_npu_offload.integration import workers
 
     monkeypatch.setenv("NPU_OFFLOAD_FAULTS", "load=0.5")
+    # an engine test earlier in the run may have routed the package's logs to vLLM's (no propagation)
+    monkeypatch.setattr(logging.getLogger("vllm_npu_offload"), "propagate", True)
     with caplog.at_level(logging.WARNING):
         faults.reload()
         core = SimpleNamespace(num_groups=1, submit=lambda *a, **k: None)
