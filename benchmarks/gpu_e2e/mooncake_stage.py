@@ -63,7 +63,7 @@ def trimmed_tar(wheel: Path, cache: Path) -> Path:
     out = cache / f"{TRIM_NAME}.{sha256(wheel)[:16]}"
     if out.exists():
         return out
-    buf = io.BytesIO()
+    buf, names = io.BytesIO(), set()
     with zipfile.ZipFile(wheel) as z, tarfile.open(fileobj=buf, mode="w") as t:
         for info in sorted(z.infolist(), key=lambda i: i.filename):
             name = info.filename
@@ -74,7 +74,8 @@ def trimmed_tar(wheel: Path, cache: Path) -> Path:
             ti = tarfile.TarInfo(name)
             ti.size, ti.mode = len(data), (info.external_attr >> 16) & 0o777 or 0o644
             t.addfile(ti, io.BytesIO(data))
-    missing = [k for k in KEEP if f"mooncake/{k}" not in tarfile.open(fileobj=io.BytesIO(buf.getvalue())).getnames()]
+            names.add(name)
+    missing = [k for k in KEEP if f"mooncake/{k}" not in names]
     if missing:
         raise MooncakeStageError(f"{wheel.name} has no mooncake/{', mooncake/'.join(missing)}")
     tmp = out.with_suffix(".tmp")
@@ -85,9 +86,8 @@ def trimmed_tar(wheel: Path, cache: Path) -> Path:
     return out
 
 
-def manifest_entry(files: list[Path], trim: Path) -> dict:
+def manifest_entry(debs: list[Path], trim: Path) -> dict:
     """The manifest's ``mooncake`` entry: the trimmed tree and the packages, with their sha256."""
-    debs = [f for f in files if f.suffix == ".deb"]
     return {"version": MOONCAKE_VERSION, "tar": TRIM_NAME, "tar_sha256": sha256(trim),
             "debs": [d.name for d in debs], "sha256": {d.name: sha256(d) for d in debs},
             "bytes": trim.stat().st_size + sum(d.stat().st_size for d in debs)}
