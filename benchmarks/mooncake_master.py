@@ -8,9 +8,9 @@ import subprocess
 import time
 from pathlib import Path
 
-# What a full pool does (docs/mooncake_tier.md): evict 20% once 80% is used. At 90% / 5% a third of
-# the puts of a writer as fast as the tier failed with -200 (a 64 MiB pool written five times over,
-# 2026-11-29); at 80% / 20% none did, and the newest records were all there.
+# What a full pool does (docs/mooncake_tier.md): evict 20% once 80% is used. A 64 MiB pool written three
+# times over as fast as the tier writes took every store at 80% / 20%; at 90% / 5% its 24th store was
+# refused with -200 (tests/tiers/test_mooncake_tier.py, 2026-11-29).
 EVICTION_FLAGS = ("--eviction_high_watermark_ratio=0.8", "--eviction_ratio=0.2")
 
 

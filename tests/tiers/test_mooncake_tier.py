@@ -280,7 +280,7 @@ def test_corrupt_record_is_a_miss_and_removed(master, client, damage):
 def test_a_full_pool_keeps_taking_the_newest_records_with_the_recommended_eviction(tmp_path):
     """With the master's eviction as docs/mooncake_tier.md sets it (from 80% full, 20% a round), a pool
     written three times over as fast as the tier writes keeps taking every store, and the newest
-    records are there (at 90% / 5% a third of the puts failed with -200 at this rate)."""
+    records are there (at 90% / 5% the 24th store was refused with -200)."""
     from benchmarks.mooncake_master import EVICTION_FLAGS
 
     m = Master(tmp_path / "master.log", *EVICTION_FLAGS)
