@@ -714,8 +714,14 @@ def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], pl
     ``before``: /dev/shm entries, tier sockets and Mlocked before the servers started; ``others``: the
     roots of the servers still up (their locked memory stays)."""
     box: dict = {}
-    th = threading.Thread(target=lambda: box.update(one_pass(KILL_AFTER_S + 120)), name="reliability-kill-pass",
-                          daemon=True)
+
+    def killed_pass() -> None:
+        try:
+            box.update(one_pass(KILL_AFTER_S + 120))
+        except Exception as e:  # noqa: BLE001 - the client's failure is part of the report, not a crash
+            box["error"] = f"{type(e).__name__}: {e}"[-3000:]
+
+    th = threading.Thread(target=killed_pass, name="reliability-kill-pass", daemon=True)
     th.start()
     time.sleep(KILL_AFTER_S)
     pids = tree_pids(root)
