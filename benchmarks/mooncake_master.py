@@ -20,6 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class MasterExited(RuntimeError):
+    """The master process ended while starting."""
+
+
 class Master:
     """One ``mooncake_master`` process (``binary``); ``start`` again after ``kill`` reuses the ports."""
 
@@ -28,7 +32,20 @@ class Master:
         self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 20.0) -> None:
+    def start(self, timeout_s: float = 20.0, tries: int = 3) -> None:
+        """Start and wait until it listens. The first start picks other ports and tries again when the
+        master exits at once (another process took a port between ``free_port`` and its bind); a
+        restart keeps its ports, which its clients know."""
+        first = self.proc is None
+        for attempt in range(tries if first else 1):
+            try:
+                return self._start(timeout_s)
+            except MasterExited:
+                if attempt + 1 >= (tries if first else 1):
+                    raise
+                self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+
+    def _start(self, timeout_s: float) -> None:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
@@ -39,7 +56,7 @@ class Master:
         for port in (self.rpc, self.http):
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"mooncake_master exited: {self.log.read_text(errors='replace')[-2000:]}")
+                    raise MasterExited(f"mooncake_master exited: {self.log.read_text(errors='replace')[-2000:]}")
                 if time.monotonic() > end:
                     raise RuntimeError(f"mooncake_master did not listen within {timeout_s:.0f} s")
                 try:

@@ -22,8 +22,8 @@ class MemTier:
     """Orders end when ``finish`` says so (``poll`` then reports them); ``unknown`` keys are still
     being looked up."""
 
-    def __init__(self, name: str, keys=(), admit: str = "all"):
-        self.name, self.admit = name, admit
+    def __init__(self, name: str, keys=(), admit: str = "all", room: int = 1 << 30):
+        self.name, self.admit, self.room = name, admit, room  # room: writes in flight at most
         self.keys = set(keys)
         self.unknown: set[bytes] = set()
         self.abandoned: set[bytes] = set()
@@ -36,8 +36,9 @@ class MemTier:
     def looking_up(self, key): return key in self.unknown
     def reading(self, key): return any(o == Op.READ and k == key for o, k, _ in self.orders)
     def worth_reading(self): return True
-    def may_write(self): return True
-    def wants_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
+    def may_write(self): return sum(o is Op.WRITE for o, _, _ in self.orders) < self.room
+    def needs_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
+    def wants_write(self, key): return self.may_write() and self.needs_write(key)
     def in_flight(self): return len(self.orders)
     def describe_rate(self): return "-"
     def close(self): pass
@@ -121,6 +122,50 @@ def test_stores_go_to_every_tier_and_the_chunk_stays_pinned_until_both_end():
     m.settle()
     free = host.prepare_store([b"y"], CTX)
     assert list(free.keys_to_store) == [b"y"]
+
+
+def test_stores_wait_for_room_oldest_first_and_one_that_left_host_drops_the_rest_of_its_batch():
+    """A tier with room for two writes at a time: the rest wait (not skipped), start in store order
+    as writes end, and a waiting key evicted from host is dropped with its batch's later keys."""
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = MemTier("disk", room=2)
+    m = TieredManager(host, [disk])
+    first = [b"a1", b"a2", b"a3", b"a4"]
+    out = m.prepare_store(first, CTX)
+    m.complete_store(list(out.keys_to_store), CTX)
+    assert [k for _, k, _ in disk.log] == [b"a1", b"a2"]
+    second = [b"b1", b"b2"]
+    m.complete_store(list(m.prepare_store(second, CTX).keys_to_store), CTX)
+    assert len(disk.log) == 2  # no room: waiting, not skipped
+    disk.finish()
+    m.settle()
+    assert [k for _, k, _ in disk.log] == [b"a1", b"a2", b"a3", b"a4"]  # oldest first
+    disk.finish()
+    m.settle()
+    assert [k for _, k, _ in disk.log][4:] == [b"b1", b"b2"]
+    disk.finish()
+    m.settle()
+    assert disk.keys == set(first + second) and disk.stats.dropped_stores == 0
+    # a batch whose first waiting key leaves host: it and the keys after it are dropped, counted
+    m.complete_store(list(m.prepare_store([b"c0"], CTX).keys_to_store), CTX)
+    m.complete_store(list(m.prepare_store([b"c1", b"c2"], CTX).keys_to_store), CTX)
+    m.complete_store(list(m.prepare_store([b"d1", b"d2", b"d3"], CTX).keys_to_store), CTX)
+    assert [k for _, k, _ in disk.log][6:] == [b"c0", b"c1"]
+    waiting = len(m._waiting["disk"])
+    assert waiting == 4  # c2, d1, d2, d3
+    # evict d1 from host: fill it with new keys (c0 and c1 are pinned by their writes)
+    host.touch([b"a1", b"a2", b"a3", b"a4", b"b1", b"b2", b"c2", b"d2", b"d3"], CTX)
+    host.complete_store(list(host.prepare_store([b"e1"], CTX).keys_to_store), CTX)
+    assert not hit(host.lookup(b"d1", CTX))
+    assert all(hit(host.lookup(k, CTX)) for k in (b"c2", b"d2", b"d3"))  # only d1 left host
+    disk.finish()
+    m.settle()
+    disk.finish()
+    m.settle()
+    written = [k for _, k, _ in disk.log][8:]
+    assert written == [b"c2"], written  # d1 left host: d2 and d3 (after it) are never written
+    assert disk.stats.dropped_stores == 3 and disk.stats.by_failure == {"left_host": 3}
+    assert len(m._waiting["disk"]) == 0
 
 
 def test_each_tier_has_its_own_metric_names():

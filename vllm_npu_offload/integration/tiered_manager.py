@@ -15,8 +15,9 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   often comes after its KV has left host: only a write at store time has it on disk then);
   ``reuse`` writes a key the first time it is hit again while still in host (loaded from host, or
   found in the device's prefix cache), so keys no request reuses never cost a write. Each tier
-  decides for itself; the chunk stays pinned (``prepare_load``, once per tier writing it) until the
-  write has ended on every rank.
+  decides for itself. An admitted key waits in the tier's ``WriteQueue`` until the tier has room
+  (oldest first, dropped if it leaves host first); its chunk is pinned (``prepare_load``, once per
+  tier writing it) from the write's start until it has ended on every rank.
 
 A lower tier is any object with ``DiskTier``'s scheduler-facing surface (``tiers/contract.py``,
 ``LowerTier``).
@@ -29,7 +30,8 @@ import time
 import weakref
 from typing import Any
 
-from ..tiers.contract import LowerTier, Op
+from ..tiers.contract import Failure, LowerTier, Op
+from ..tiers.write_queue import WriteQueue
 from . import compat
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class TieredManager:
         self._reported: dict[str, float] = {}
         self._logged = {t.name: "" for t in self.tiers}
         self._logged_at = time.monotonic()
+        self._waiting = {t.name: WriteQueue() for t in self.tiers}
         _LIVE.add(self)
 
     @property
@@ -125,6 +128,7 @@ class TieredManager:
     def _settle(self) -> None:
         for t in self.tiers:
             self._apply(t.poll())
+            self._start_writes(t)
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
             for t in self.tiers:
@@ -175,15 +179,25 @@ class TieredManager:
     # -- admission to disk ---------------------------------------------------------------
     def _admit(self, policy: str, keys) -> None:
         for t in self.tiers:
-            if t.admit != policy or not t.may_write():
+            if t.admit != policy:
                 continue
-            todo = [k for k in keys if t.wants_write(k) and self._ready_in_host(k)]
-            if not todo:
-                continue
-            spec = self.host.prepare_load(todo, self._ctx)
-            for key, chunk in zip(todo, spec.block_ids):
-                if not t.start_write(key, int(chunk)):
-                    self.host.complete_load([key], self._ctx)
+            self._waiting[t.name].add([k for k in keys if t.needs_write(k)])
+            self._start_writes(t)
+
+    def _start_writes(self, t: LowerTier) -> None:
+        """Start the writes ``t`` has room for, oldest admitted key first (tiers/write_queue.py)."""
+        q = self._waiting[t.name]
+        while len(q) and t.may_write():
+            key = q.pop(lambda k: not t.needs_write(k), self._ready_in_host)
+            if key is None:
+                break
+            spec = self.host.prepare_load([key], self._ctx)
+            if not t.start_write(key, int(spec.block_ids[0])):
+                self.host.complete_load([key], self._ctx)
+        lost = q.take_dropped()
+        if lost:
+            t.stats.dropped_stores += lost
+            t.stats.count_failure(Failure.LEFT_HOST, lost)
 
     def _ready_in_host(self, key) -> bool:
         r = self.host.lookup(key, self._ctx)
@@ -220,6 +234,7 @@ class TieredManager:
                 logger.warning("%s tier: %d orders still in flight after %.0f s at reset", t.name, t.in_flight(),
                                RESET_DRAIN_S)
             t.abandoned.clear()
+            self._waiting[t.name].clear()
         return self.host.reset_cache()
 
     def shutdown(self) -> None:

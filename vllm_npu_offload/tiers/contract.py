@@ -59,6 +59,7 @@ class Failure(str, Enum):
     READ_ONLY = "read_only"  # EROFS / EACCES / EPERM on write
     IO_ERROR = "io_error"  # any other OSError
     BUSY = "busy"  # the tier's queue was full: dropped before any I/O
+    LEFT_HOST = "left_host"  # evicted from host before the tier had room for its write (write_queue.py)
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,9 @@ class TierStats:
                 f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores}, "
                 f"evictions {self.evictions}, {self.where} {self.used_bytes_now / gb:.2f} GB")
 
-    def count_failure(self, failure: Failure | None) -> None:
+    def count_failure(self, failure: Failure | None, n: int = 1) -> None:
         name = failure.value if failure is not None else "unknown"
-        self.by_failure[name] = self.by_failure.get(name, 0) + 1
+        self.by_failure[name] = self.by_failure.get(name, 0) + n
 
 
 @dataclass
@@ -165,8 +166,9 @@ class LowerTier(Protocol):
     def reading(self, key: bytes) -> bool: ...
     def worth_reading(self) -> bool: ...  # the cost rule for one more read now
     def start_read(self, key: bytes, chunk: int) -> bool: ...
-    def may_write(self) -> bool: ...
-    def wants_write(self, key: bytes) -> bool: ...
+    def may_write(self) -> bool: ...  # a write may start now (up, writable, room in its queue)
+    def needs_write(self, key: bytes) -> bool: ...  # not on the tier and not moving
+    def wants_write(self, key: bytes) -> bool: ...  # may_write() and needs_write(key)
     def start_write(self, key: bytes, chunk: int) -> bool: ...
     def poll(self) -> list[Completion]: ...
     def in_flight(self) -> int: ...

@@ -226,11 +226,10 @@ class DiskTier(OrderedTier):
     def _readable(self) -> bool:
         return self.index is not None
 
-    def wants_write(self, key: bytes) -> bool:
-        """Whether a write of ``key`` should start now (not on disk, not moving, room in the queue)."""
-        return (self.may_write() and self.index is not None and key not in self.index
+    def needs_write(self, key: bytes) -> bool:
+        """Whether ``key`` is neither on disk nor moving (a write may wait for room: write_queue.py)."""
+        return (self.index is not None and key not in self.index
                 and key not in self._writes and key not in self._reads)
-
 
     @property
     def key_bytes(self) -> int:

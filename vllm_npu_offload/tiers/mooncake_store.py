@@ -763,12 +763,13 @@ class MooncakeTier(OrderedTier):
     def _readable(self) -> bool:
         return self.up
 
-    def wants_write(self, key: bytes) -> bool:
-        """Whether a write of ``key`` should start now (not known present, not moving, room in the queue)."""
-        if not self.may_write() or key in self._writes or key in self._reads:
+    def needs_write(self, key: bytes) -> bool:
+        """Whether ``key`` is neither known present nor moving (a write may wait for room)."""
+        if key in self._writes or key in self._reads:
             return False
         with self._lock:
             return key not in self._present
+
 
 
     def _send(self, op: Op, key: bytes, chunk: int) -> bool:
