@@ -176,3 +176,48 @@ def test_injected_faults_in_serving_are_recomputed_and_counted(tiny_model, refer
         eng.close()
         monkeypatch.delenv("NPU_OFFLOAD_FAULTS")
         faults.reload()
+
+
+def test_stores_wait_for_a_disk_that_takes_one_write_at_a_time(tiny_model, reference, tmp_path, monkeypatch):
+    """A disk slower than the stores (one write in flight at a time): keys wait for their turn and are
+    written, none skipped, and the conversation comes back from disk with offload-off's tokens."""
+    import time
+
+    from vllm_npu_offload.demo.run import run_turns
+    from vllm_npu_offload.integration.tiered_manager import TieredManager
+    from vllm_npu_offload.tiers.disk_io import RecordFiles
+    from vllm_npu_offload.tiers.rank_links import OrderedTier
+
+    may_write = OrderedTier.may_write
+    monkeypatch.setattr(OrderedTier, "may_write", lambda self: may_write(self) and not self._writes)
+    write_from = RecordFiles.write_from
+
+    def slow_write(self, *args):
+        time.sleep(0.03)  # a write outlasts a few engine steps: stores arrive while it runs
+        return write_from(self, *args)
+
+    monkeypatch.setattr(RecordFiles, "write_from", slow_write)
+    stored: set[bytes] = set()
+    complete_store = TieredManager.complete_store
+
+    def remember(self, keys, req_context, success=True):
+        if success:
+            stored.update(keys)
+        return complete_store(self, keys, req_context, success)
+
+    monkeypatch.setattr(TieredManager, "complete_store", remember)
+    eng = Engine(tiny_model, _disk_config(tmp_path / "kv"))
+    try:
+        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
+        eng.manager.settle(30)
+        s = eng.manager.tier.stats
+        assert len(stored) > 8, "the conversation stored too few keys to queue"
+        # each stored key is written once, or dropped (and counted) if it left host before its turn
+        assert s.stores + s.dropped_stores == len(stored), (s.stores, s.dropped_stores, len(stored))
+        assert s.stores >= 0.8 * len(stored), f"only {s.stores} of {len(stored)} keys reached the disk"
+        assert s.dropped_stores == s.by_failure.get("left_host", 0)
+        again = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
+        assert [r["tokens"] for r in again] == [r["tokens"] for r in reference]
+        assert s.hits > 0
+    finally:
+        eng.close()
