@@ -360,8 +360,12 @@ def test_execute_batch_is_one_store_call(master):
 
         server._store = Counting()
         wants = [rig.fill(c, seed=c)[0] for c in range(3)]
+        t0 = time.perf_counter()
         dones = server.execute_batch([Order(i, Op.WRITE, f"b{i}".encode(), i) for i in range(3)])
+        took = time.perf_counter() - t0
         assert [d.ok for d in dones] == [True] * 3 and calls == ["put"]
+        # the call's seconds are shared among its records: they sum to no more than the call took
+        assert 0 < sum(d.seconds for d in dones) <= took and len({d.seconds for d in dones}) == 1
         dones = server.execute_batch([Order(9, Op.READ, b"b2", 3), Order(10, Op.READ, b"nope", 4),
                                       Order(11, Op.READ, b"b0", CHUNKS)])
         assert calls == ["put", "get"]
