@@ -103,6 +103,9 @@ def main(argv=None) -> int:
         last_probe = probe(url)
         stop.set()
         th.join()
+    # the disk tier's counters as its last log line gave them (every 30 s while they move)
+    lines = [ln for ln in (work / "soak.log").read_text(errors="replace").splitlines() if "disk tier: hits" in ln]
+    tier_line = lines[-1].split("disk tier: ", 1)[1] if lines else None
     keys = [k for k in samples[0] if k != "t_s"] if samples else []
     flatness = {f"{k} flat": flat([s[k] for s in samples], a.warmup_samples, a.slack)
                 for k in keys if not k.startswith("disk_")}
@@ -117,11 +120,12 @@ def main(argv=None) -> int:
     print(f"{'t_s':>7} " + " ".join(f"{k:>13}" for k in keys))
     for s in samples:
         print(f"{s['t_s']:>7.0f} " + " ".join(f"{s[k]:>13.1f}" for k in keys))
+    print(f"disk tier: {tier_line}")
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'}  {k}")
     if a.json:
         Path(a.json).write_text(json.dumps({"samples": samples, "passes": passes, "checks": checks,
-                                            "minutes": a.minutes, "clients": a.clients}, indent=1))
+                                            "tier_line": tier_line, "minutes": a.minutes, "clients": a.clients}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(checks.values()) else 1
 
