@@ -73,7 +73,7 @@ COPY_FAILED = re.compile(r"KV offload job \d+ \(\w+\) failed: ")  # reported to 
 TIER_UP = re.compile(r"disk tier: \S+, budget [\d.]+ GiB")  # DiskTier's line once every rank said hello
 TIER_LINE = re.compile(
     r"disk tier: hits (\d+) \(.*?recomputed: (\d+) by cost, (\d+) no host chunk, (\d+) late, (\d+) failed "
-    r"\((\d+) checksum\); stores (\d+) \(.*?\), dropped (\d+), evictions (\d+), on disk ([\d.]+) GB")
+    r"\((\d+) checksum\); stores (\d+) \(.*?\), dropped (\d+)(?: \(\d+ left host first\))?, evictions (\d+), on disk ([\d.]+) GB")
 TIER_FIELDS = ("hits", "misses_cost", "misses_no_chunk", "timeouts", "read_failures", "checksum_failures",
                "stores", "dropped_stores", "evictions")
 CORRUPT_WARNING = "failed its checks"  # DiskTier's warning when a record fails its checks

@@ -165,6 +165,7 @@ def test_stores_wait_for_room_oldest_first_and_one_that_left_host_drops_the_rest
     written = [k for _, k, _ in disk.log][8:]
     assert written == [b"c2"], written  # d1 left host: d2 and d3 (after it) are never written
     assert disk.stats.dropped_stores == 3 and disk.stats.by_failure == {"left_host": 3}
+    assert "dropped 3 (3 left host first)" in disk.stats.line()
     assert len(m._waiting["disk"]) == 0
 
 

@@ -134,7 +134,8 @@ class TierStats:
         return (f"hits {self.hits} ({self.read_bytes / gb:.2f} GB, {rate:.2f} GB/s per read), "
                 f"recomputed: {self.misses_cost} by cost, {self.misses_no_chunk} no host chunk, "
                 f"{self.timeouts} late, {self.read_failures} failed ({self.checksum_failures} checksum); "
-                f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores}, "
+                f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores} "
+                f"({self.by_failure.get(Failure.LEFT_HOST.value, 0)} left host first), "
                 f"evictions {self.evictions}, {self.where} {self.used_bytes_now / gb:.2f} GB")
 
     def count_failure(self, failure: Failure | None, n: int = 1) -> None:
