@@ -113,7 +113,7 @@ class OrderedTier:
     bookkeeping, the read and write queues in bytes, the cost rule. A subclass sets ``name``, ``cfg``
     (``world_size``, ``read_queue_s``, ``prefill_tokens_per_s``, ``tokens_per_key``,
     ``max_write_backlog_bytes``), ``stats``, ``rate``, ``key_bytes``, ``up``, ``writable`` and
-    ``_stores_paused_until``, and calls ``_init_orders`` first."""
+    ``_stores_paused_until``, defines ``needs_write``, and calls ``_init_orders`` first."""
 
     name = "tier"
 
