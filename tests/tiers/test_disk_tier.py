@@ -564,3 +564,51 @@ def test_start_up_removes_only_temporaries_of_writers_that_are_gone(tmp_path):
     assert disk_io.remove_stale_temporaries(tmp_path / "fp") == 3
     left = {p.name for p in sub.iterdir()}
     assert left == {names["live"], names["other-host"]}
+
+
+def test_a_scan_that_raced_an_eviction_never_puts_the_evicted_key_back(root, monkeypatch):
+    """The janitor lists the records while the scheduler evicts one whose files are not yet deleted:
+    the scan's answer must not bring the key back into the index (a phantom: its read would find
+    nothing, and it would count against the budget)."""
+    import threading
+
+    from vllm_npu_offload.tiers import disk_tier
+
+    scanning, go, calls = threading.Event(), threading.Event(), []
+    real_scan = disk_tier.scan
+
+    def scan_in_step(directory, world):
+        calls.append(1)
+        if len(calls) == 2:  # the first rescan after the record is on disk
+            scanning.set()
+            assert go.wait(10)
+        return real_scan(directory, world)
+
+    monkeypatch.setattr(disk_tier, "scan", scan_in_step)
+    rig = Rig(root, rescan_s=0.2)
+    try:
+        rig.fill(0, seed=1)
+        assert rig.tier.start_write(b"old", 0)
+        rig.wait()
+        assert rig.tier.has(b"old")
+        assert scanning.wait(10)
+        # evicted while the janitor is inside its scan: the record is still on disk
+        rig.tier.index.remove(b"old")
+        rig.tier._delete(b"old")
+        go.set()
+        end = time.monotonic() + 10
+        while rig.tier._deleted_upto < 1:
+            assert time.monotonic() < end, "the janitor never reported the deletion"
+            rig.tier.poll()
+            time.sleep(0.01)
+        assert not rig.tier.has(b"old"), "the scan that raced the eviction put the key back"
+        assert not list(root.rglob("*.r0"))
+        assert rig.tier._tombstones == {}
+        # written again later, the key is on disk again
+        rig.fill(1, seed=2)
+        assert rig.tier.start_write(b"old", 1)
+        rig.wait()
+        assert rig.tier.has(b"old")
+    finally:
+        go.set()
+        rig.close()

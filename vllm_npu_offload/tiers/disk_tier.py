@@ -108,24 +108,46 @@ class DiskTier(OrderedTier):
         self._stores_paused_until = 0.0
         self._closed = threading.Event()
         self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
+        # Keys sent to the janitor for deletion, by their place in its queue, until it reports them
+        # done: a scan that started before a key's files went may still list them, and must not put
+        # the key back in the index (a phantom record: a read that finds nothing, a budget miscounted).
+        self._tombstones: dict[bytes, int] = {}
+        self._deletes_sent = 0
+        self._deleted_upto = 0
         self._started, self._scanned = time.monotonic(), False
 
     # -- background threads ------------------------------------------------------------------
 
     def _janitor(self) -> None:
         assert self.files is not None
-        next_scan = 0.0
+        next_scan, done = 0.0, 0
         while not self._closed.is_set():
             now = time.monotonic()
             if now >= next_scan:
-                self._events.put(("scan", scan(self.files.dir, self.cfg.world_size)))
+                self._events.put(("scan", done, scan(self.files.dir, self.cfg.world_size)))
                 next_scan = now + self.cfg.rescan_s if self.cfg.rescan_s > 0 else float("inf")
             try:
                 key = self._to_delete.get(timeout=0.5)
             except queue.Empty:
                 continue
-            for rank in range(self.cfg.world_size):
-                self.files.remove(key, rank)
+            while key is not None:
+                for rank in range(self.cfg.world_size):
+                    self.files.remove(key, rank)
+                done += 1
+                try:
+                    key = self._to_delete.get_nowait()
+                except queue.Empty:
+                    key = None
+            self._events.put(("deleted", done))
+
+    def _delete(self, key: bytes) -> None:
+        """Every rank's record of ``key`` goes (on the janitor's thread); until then it is a tombstone."""
+        self._tombstones[key] = self._deletes_sent
+        self._deletes_sent += 1
+        self._to_delete.put(key)
+
+    def _deleting(self, key: bytes) -> bool:
+        return self._tombstones.get(key, -1) >= self._deleted_upto
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -160,8 +182,14 @@ class DiskTier(OrderedTier):
 
     def _on_event(self, ev) -> None:
         if ev[0] == "scan" and self.index is not None:
-            self.index.merge(ev[1])
+            _, done_at_start, keys = ev
+            self.index.merge([k for k in keys if self._tombstones.get(k, -1) < done_at_start])
             self._scanned = self._links.all_up
+        elif ev[0] == "deleted":
+            # events come in the janitor's order: every scan that started before these deletions
+            # has been merged already, so their tombstones are no longer needed
+            self._deleted_upto = ev[1]
+            self._tombstones = {k: n for k, n in self._tombstones.items() if n >= ev[1]}
 
     def _finish_read(self, p: PendingOrder) -> None:
         s = self.stats
@@ -176,13 +204,15 @@ class DiskTier(OrderedTier):
         if any(f in (Failure.CORRUPT, Failure.FOREIGN) for f in p.failures):
             self._warn_once("corrupt", "disk tier: a record failed its checks and was removed; recomputing")
         if self.index is not None and self.index.remove(p.key):
-            self._to_delete.put(p.key)  # the other ranks' records of it are useless now
+            self._delete(p.key)  # the other ranks' records of it are useless now
 
     def _finish_write(self, p: PendingOrder) -> None:
         s = self.stats
         if p.ok:
             s.count_done(Op.WRITE, p.nbytes, p.seconds)
-            if self.index is not None:
+            if self.index is not None and not self._deleting(p.key):
+                # (a key evicted while its new record was being written: the janitor may yet
+                # delete that record, so the index does not claim it; a later scan finds it if it stays)
                 self.index.add(p.key)
                 self._evict()
             return
@@ -196,7 +226,7 @@ class DiskTier(OrderedTier):
             self._stores_paused_until = time.monotonic() + NO_SPACE_BACKOFF_S
             self._warn_once("nospace", "disk tier: %s is full (ENOSPC); stores pause %.0f s at a time",
                             self.cfg.root, NO_SPACE_BACKOFF_S)
-        self._to_delete.put(p.key)  # a partial write: no rank's record may stay alone
+        self._delete(p.key)  # a partial write: no rank's record may stay alone
 
     def _evict(self) -> None:
         """Drop least recently used records so that what is on disk and the writes under way fit the
@@ -204,7 +234,7 @@ class DiskTier(OrderedTier):
         assert self.index is not None
         for key in self.index.over_budget(protected=self._reads, reserve=self._write_backlog):
             self.stats.evictions += 1
-            self._to_delete.put(key)
+            self._delete(key)
 
     def start_write(self, key: bytes, chunk: int) -> bool:
         if not super().start_write(key, chunk):
