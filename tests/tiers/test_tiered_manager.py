@@ -38,7 +38,6 @@ class MemTier:
     def worth_reading(self): return True
     def may_write(self): return sum(o is Op.WRITE for o, _, _ in self.orders) < self.room
     def needs_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
-    def wants_write(self, key): return self.may_write() and self.needs_write(key)
     def in_flight(self): return len(self.orders)
     def describe_rate(self): return "-"
     def close(self): pass

@@ -776,8 +776,6 @@ class MooncakeTier(OrderedTier):
         with self._lock:
             return key not in self._present
 
-
-
     def _send(self, op: Op, key: bytes, chunk: int) -> bool:
         return self.up and super()._send(op, key, chunk)
 

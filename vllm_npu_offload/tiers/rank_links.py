@@ -221,10 +221,6 @@ class OrderedTier:
     def needs_write(self, key: bytes) -> bool:  # each tier knows what it holds
         raise NotImplementedError
 
-    def wants_write(self, key: bytes) -> bool:
-        """Whether a write of ``key`` should start now (it needs one and the queue has room)."""
-        return self.may_write() and self.needs_write(key)
-
     def describe_rate(self) -> str:
         return f"cost rule's read rate {self.rate.value / 1e9:.2f} GB/s"
 
