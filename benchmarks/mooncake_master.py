@@ -29,21 +29,24 @@ class Master:
 
     def __init__(self, binary: str, log: Path, *flags: str, env: dict[str, str] | None = None):
         self.binary, self.log, self.flags, self.env = binary, log, flags, env
-        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self._pick_ports()
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 20.0, tries: int = 3) -> None:
         """Start and wait until it listens. The first start picks other ports and tries again when the
         master exits at once (another process took a port between ``free_port`` and its bind); a
         restart keeps its ports, which its clients know."""
-        first = self.proc is None
-        for attempt in range(tries if first else 1):
+        attempts = tries if self.proc is None else 1
+        for attempt in range(attempts):
             try:
                 return self._start(timeout_s)
             except MasterExited:
-                if attempt + 1 >= (tries if first else 1):
+                if attempt + 1 >= attempts:
                     raise
-                self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+                self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
 
     def _start(self, timeout_s: float) -> None:
         with open(self.log, "ab") as log:
