@@ -437,7 +437,7 @@ def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_pa
         assert res["kill_pass"]["ok"] == 160
     for k in ("probe before the soak = off", "probe after the soak = off",
               "kill: no process of the tree left", "restart: server up", "restart: disk tier up",
-              "restart: no temporary record after start-up", "restart: probe = off",
+              "restart: the kill's temporary records removed", "restart: probe = off",
               "restart: probe served from disk", "restart: no record failed its checks"):
         assert c[k] is True, (k, c)
     assert c["faults: the hook's warning in the log"] is False  # the fake's log has no hook warning

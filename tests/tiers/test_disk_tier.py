@@ -19,6 +19,7 @@ from vllm_npu_offload.tiers.channel import socket_path
 from vllm_npu_offload.tiers.contract import Failure, Op, RecordIdentity
 from vllm_npu_offload.tiers.disk_index import DiskIndex
 from vllm_npu_offload.tiers.disk_io import RecordFiles
+from vllm_npu_offload.tiers.disk_janitor import DiskJanitor
 from vllm_npu_offload.tiers.disk_tier import DiskTier, DiskTierConfig, ReadRate
 from vllm_npu_offload.tiers.disk_worker import DiskTierServer
 from vllm_npu_offload.tiers.record import HEADER_BYTES
@@ -572,19 +573,17 @@ def test_a_scan_that_raced_an_eviction_never_puts_the_evicted_key_back(root, mon
     nothing, and it would count against the budget)."""
     import threading
 
-    from vllm_npu_offload.tiers import disk_tier
-
     scanning, go, calls = threading.Event(), threading.Event(), []
-    real_scan = disk_tier.scan
+    real_scan = DiskJanitor.scan
 
-    def scan_in_step(directory, world):
+    def scan_in_step(self):
         calls.append(1)
         if len(calls) == 2:  # the first rescan after the record is on disk
             scanning.set()
             assert go.wait(10)
-        return real_scan(directory, world)
+        return real_scan(self)
 
-    monkeypatch.setattr(disk_tier, "scan", scan_in_step)
+    monkeypatch.setattr(DiskJanitor, "scan", scan_in_step)
     rig = Rig(root, rescan_s=0.2)
     try:
         rig.fill(0, seed=1)
@@ -612,3 +611,80 @@ def test_a_scan_that_raced_an_eviction_never_puts_the_evicted_key_back(root, mon
     finally:
         go.set()
         rig.close()
+
+
+def _count_records(root: Path, stop, peak: list) -> None:
+    while not stop.is_set():
+        peak[0] = max(peak[0], len(list(root.rglob("*.r0"))))
+        time.sleep(0.002)
+
+
+def test_a_janitor_that_falls_behind_holds_writes_back_within_the_budget(root, monkeypatch):
+    """Evicted records stay on disk until the janitor deletes them; on a server whose engine thread
+    holds the GIL, it fell behind by hundreds of records and the folder went 7% over its budget
+    (GPU, faults on). Writes now wait while the records still to be deleted would not fit: the
+    folder never holds more than the budget, and every key is written once the janitor catches up."""
+    import threading
+
+    real_remove = RecordFiles.remove
+
+    def slow_remove(self, key, rank):
+        time.sleep(0.03)
+        return real_remove(self, key, rank)
+
+    monkeypatch.setattr(RecordFiles, "remove", slow_remove)
+    key_bytes = CHUNK + HEADER_BYTES
+    rig = Rig(root, world=1, budget=8 * key_bytes)
+    stop, peak = threading.Event(), [0]
+    counter = threading.Thread(target=_count_records, args=(root, stop, peak))
+    counter.start()
+    try:
+        t = rig.tier
+        waiting = [f"k{i}".encode() for i in range(40)]
+        end = time.monotonic() + 30
+        while waiting:  # as the manager does (tiered_manager._start_writes)
+            assert time.monotonic() < end, f"{len(waiting)} writes never started"
+            t.poll()
+            while waiting and t.may_write():
+                assert t.start_write(waiting.pop(0), 0)
+            time.sleep(0.002)
+        rig.wait()
+        assert t.stats.stores == 40 and t.stats.evictions >= 32
+        end = time.monotonic() + 10
+        while t.deleting_bytes:
+            assert time.monotonic() < end, "the janitor never caught up"
+            t.poll()
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        counter.join()
+        rig.close()
+    assert 0 < peak[0] <= 8, f"{peak[0]} records on disk against a budget of 8"
+    assert len(list(root.rglob("*.r0"))) <= 8
+
+
+def test_records_a_scan_finds_beyond_the_budget_are_evicted_at_once(root):
+    """Records the index did not know (another server's on a shared path, or a write that raced its
+    key's eviction) join it at a rescan as the least recently used; if that puts the index over its
+    budget, the oldest go at once rather than at this server's next write."""
+    key_bytes = CHUNK + HEADER_BYTES
+    a = Rig(root, world=1, budget=5 * key_bytes, rescan_s=0.1)
+    b = Rig(root, world=1, budget=5 * key_bytes, rescan_s=0)  # another server, which never rescans
+    try:
+        for i in range(5):
+            _written(a, f"a{i}".encode(), i)
+        for i in range(3):
+            _written(b, f"b{i}".encode(), i)
+        end = time.monotonic() + 5
+        while a.tier.stats.evictions < 3:
+            assert time.monotonic() < end, "a's index took in b's records and stayed over its budget"
+            a.tier.poll()
+            time.sleep(0.01)
+        assert len(a.tier.index) == 5 and a.tier.stats.evictions == 3
+        end = time.monotonic() + 5
+        while len(list(root.rglob("*.r0"))) > 5:
+            assert time.monotonic() < end, "the evicted records stayed on disk"
+            time.sleep(0.02)
+    finally:
+        a.close()
+        b.close()

@@ -113,6 +113,7 @@ class TierStats:
     timeouts: int = 0
     used_bytes_now: int = 0
     keys_now: int = 0
+    deleting_bytes_now: int = 0  # evicted records not deleted yet (still on disk, beyond used_bytes_now)
     by_failure: dict[str, int] = field(default_factory=dict)
     where: str = "on disk"  # how the log line names what the tier holds now
 
@@ -136,7 +137,8 @@ class TierStats:
                 f"{self.timeouts} late, {self.read_failures} failed ({self.checksum_failures} checksum); "
                 f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores} "
                 f"({self.by_failure.get(Failure.LEFT_HOST.value, 0)} left host first), "
-                f"evictions {self.evictions}, {self.where} {self.used_bytes_now / gb:.2f} GB")
+                f"evictions {self.evictions}, {self.where} {self.used_bytes_now / gb:.2f} GB"
+                + (f" (+{self.deleting_bytes_now / gb:.2f} GB being deleted)" if self.deleting_bytes_now else ""))
 
     def count_failure(self, failure: Failure | None, n: int = 1) -> None:
         name = failure.value if failure is not None else "unknown"

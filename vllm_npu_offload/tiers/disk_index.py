@@ -8,11 +8,7 @@ on the tier only when every rank's record is there.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from pathlib import Path
-
-from .disk_io import TMP_MARK
 
 
 class DiskIndex:
@@ -69,36 +65,4 @@ class DiskIndex:
         return out
 
 
-def scan(directory: Path, world_size: int) -> list[bytes]:
-    """Keys with every rank's record under ``directory``, oldest first (by the newest file's mtime)."""
-    found: dict[str, tuple[set[int], float]] = {}
-    if not directory.is_dir():
-        return []
-    for sub in os.scandir(directory):
-        if not sub.is_dir():
-            continue
-        for f in os.scandir(sub.path):
-            name = f.name
-            if TMP_MARK in name:
-                continue
-            stem, dot, rank = name.rpartition(".r")
-            if not dot or not rank.isdigit():
-                continue
-            try:
-                mtime = f.stat().st_mtime
-            except OSError:
-                continue
-            ranks, newest = found.get(stem, (set(), 0.0))
-            ranks.add(int(rank))
-            found[stem] = (ranks, max(newest, mtime))
-    whole = [(mtime, stem) for stem, (ranks, mtime) in found.items() if ranks >= set(range(world_size))]
-    out = []
-    for _, stem in sorted(whole):
-        try:
-            out.append(bytes.fromhex(stem))
-        except ValueError:
-            continue
-    return out
-
-
-__all__ = ["DiskIndex", "scan"]
+__all__ = ["DiskIndex"]

@@ -21,7 +21,6 @@ when the read has really ended (a late read must not land in a chunk that holds 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ from pathlib import Path
 
 from .channel import socket_path
 from .contract import Completion, Failure, Hello, Op, TierStats
-from .disk_index import DiskIndex, scan
+from .disk_index import DiskIndex
 from .disk_io import RecordFiles
+from .disk_janitor import DiskJanitor
 from .rank_links import OrderedTier, PendingOrder
 from .record import HEADER_BYTES
 
@@ -107,47 +107,30 @@ class DiskTier(OrderedTier):
         self._init_orders([socket_path(cfg.engine_id, cfg.root, r) for r in range(cfg.world_size)])
         self._stores_paused_until = 0.0
         self._closed = threading.Event()
-        self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
+        self._janitor: DiskJanitor | None = None
         # Keys sent to the janitor for deletion, by their place in its queue, until it reports them
         # done: a scan that started before a key's files went may still list them, and must not put
         # the key back in the index (a phantom record: a read that finds nothing, a budget miscounted).
         self._tombstones: dict[bytes, int] = {}
         self._deletes_sent = 0
         self._deleted_upto = 0
+        self._headroom = 0  # bytes the index keeps free for records the janitor has yet to delete
         self._started, self._scanned = time.monotonic(), False
-
-    # -- background threads ------------------------------------------------------------------
-
-    def _janitor(self) -> None:
-        assert self.files is not None
-        next_scan, done = 0.0, 0
-        while not self._closed.is_set():
-            now = time.monotonic()
-            if now >= next_scan:
-                self._events.put(("scan", done, scan(self.files.dir, self.cfg.world_size)))
-                next_scan = now + self.cfg.rescan_s if self.cfg.rescan_s > 0 else float("inf")
-            try:
-                key = self._to_delete.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            while key is not None:
-                for rank in range(self.cfg.world_size):
-                    self.files.remove(key, rank)
-                done += 1
-                try:
-                    key = self._to_delete.get_nowait()
-                except queue.Empty:
-                    key = None
-            self._events.put(("deleted", done))
 
     def _delete(self, key: bytes) -> None:
         """Every rank's record of ``key`` goes (on the janitor's thread); until then it is a tombstone."""
+        assert self._janitor is not None
         self._tombstones[key] = self._deletes_sent
         self._deletes_sent += 1
-        self._to_delete.put(key)
+        self._janitor.delete(key)
 
     def _deleting(self, key: bytes) -> bool:
         return self._tombstones.get(key, -1) >= self._deleted_upto
+
+    @property
+    def deleting_bytes(self) -> int:
+        """Records evicted or failed whose files the janitor has not deleted yet: still on disk."""
+        return (self._deletes_sent - self._deleted_upto) * self.key_bytes
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -162,7 +145,11 @@ class DiskTier(OrderedTier):
         self.index = DiskIndex(self.cfg.budget_bytes, (ident.chunk_bytes + HEADER_BYTES) * self.cfg.world_size)
         self.rate = ReadRate(min(x.read_bytes_per_s for x in self._hellos.values()))
         self.writable = all(x.writable for x in self._hellos.values())
-        threading.Thread(target=self._janitor, name="npu-kv-disk-janitor", daemon=True).start()
+        # an eighth of the budget at most, a quarter of the writes in flight at most (256 MiB by default)
+        room = min(self.cfg.max_write_backlog_bytes // 4, self.cfg.budget_bytes // 8)
+        self._headroom = room // self.index.key_bytes * self.index.key_bytes
+        self._janitor = DiskJanitor(self.files, self.cfg.world_size, self.cfg.rescan_s, self._events,
+                                    self._closed).start()
         logger.info(
             "disk tier: %s, budget %.1f GiB (%d keys of %d bytes over %d ranks), %s I/O, read %.2f GB/s, "
             "write %.2f GB/s, reads at most %.1f s%s", self.files.dir, self.cfg.budget_bytes / 2**30,
@@ -178,12 +165,15 @@ class DiskTier(OrderedTier):
         if self.index is not None:
             self.stats.used_bytes_now = self.index.used_bytes
             self.stats.keys_now = len(self.index)
+            self.stats.deleting_bytes_now = self.deleting_bytes
         return out
 
     def _on_event(self, ev) -> None:
         if ev[0] == "scan" and self.index is not None:
-            _, done_at_start, keys = ev
-            self.index.merge([k for k in keys if self._tombstones.get(k, -1) < done_at_start])
+            # keys sent for deletion that the janitor had not deleted when the scan ended are left out
+            _, done, keys = ev
+            if self.index.merge([k for k in keys if self._tombstones.get(k, -1) < done]):
+                self._evict()  # records of other servers, or of a write that raced its key's eviction
             self._scanned = self._links.all_up
         elif ev[0] == "deleted":
             # events come in the janitor's order: every scan that started before these deletions
@@ -228,13 +218,27 @@ class DiskTier(OrderedTier):
                             self.cfg.root, NO_SPACE_BACKOFF_S)
         self._delete(p.key)  # a partial write: no rank's record may stay alone
 
-    def _evict(self) -> None:
-        """Drop least recently used records so that what is on disk and the writes under way fit the
-        budget: a record is made room for when its write is sent, never after it is on disk."""
+    def _evict(self, extra: int = 0) -> None:
+        """Drop least recently used records so that the index, the writes under way, ``extra`` bytes
+        and the headroom fit the budget: a record is made room for before its write is sent, never
+        after it is on disk."""
         assert self.index is not None
-        for key in self.index.over_budget(protected=self._reads, reserve=self._write_backlog):
+        reserve = self._write_backlog + self._headroom + extra
+        for key in self.index.over_budget(protected=self._reads, reserve=reserve):
             self.stats.evictions += 1
             self._delete(key)
+
+    def may_write(self) -> bool:
+        """Whether one more write may start: room is made for it in the index first, and it starts only
+        if the files on disk stay within the budget with it, counting the evicted records the janitor
+        has not deleted yet (a janitor that falls behind holds writes back in the write queue instead
+        of letting the folder grow past its budget)."""
+        if not super().may_write():
+            return False
+        idx = self.index
+        if idx.used_bytes + self._write_backlog + self._headroom + idx.key_bytes > idx.budget_bytes:
+            self._evict(extra=idx.key_bytes)
+        return idx.used_bytes + self._write_backlog + self.deleting_bytes + idx.key_bytes <= idx.budget_bytes
 
     def start_write(self, key: bytes, chunk: int) -> bool:
         if not super().start_write(key, chunk):
