@@ -194,3 +194,35 @@ def test_tier_keys_and_order_errors_name_the_key():
             tier_order({"tier_order": bad}, ["disk"])
     with pytest.raises(OffloadConfigError, match="leaves out"):
         tier_order({"tier_order": ["disk"]}, ["disk", "mooncake"])
+
+
+def test_each_miss_is_counted_once_by_what_became_of_its_key():
+    """A lookup that finds a key in no tier ends the prompt's prefix there; the manager says why the
+    key was not there: never stored (new text), left host while its write waited, dropped before its
+    write, or gone from the tier after it was written. A deferred request looks its keys up again
+    every step: each miss counts once."""
+    host = CPUOffloadingManager(num_chunks=2)
+    disk = MemTier("disk", room=1)
+    m = TieredManager(host, [disk])
+
+    def store(keys):
+        m.complete_store(list(m.prepare_store(keys, CTX).keys_to_store), CTX)
+
+    store([b"w"])
+    disk.finish()
+    m.settle()
+    disk.keys.discard(b"w")  # evicted from the tier by its budget
+    store([b"x1"])  # written now: its chunk is pinned
+    store([b"x2"])  # evicts w from host; waits for the tier's room
+    store([b"x3"])  # evicts x2 from host while it waits
+    assert not hit(m.lookup(b"w", CTX)) and not hit(m.lookup(b"x2", CTX))
+    assert not hit(m.lookup(b"new", CTX)) and not hit(m.lookup(b"new", CTX))
+    assert m.misses.counts == {"new": 1, "queued": 1, "dropped": 0, "gone": 1, "not_admitted": 0,
+                               "write_failed": 0}
+    disk.finish()
+    m.settle()  # x2's turn: it left host, so it is dropped; x3 is written
+    assert disk.stats.dropped_stores == 1 and [k for _, k, _ in disk.log][-1] == b"x3"
+    assert not hit(m.lookup(b"x2", CTX))  # another request's miss of it, now dropped
+    assert m.misses.counts["dropped"] == 1 and m.misses.counts["queued"] == 1
+    assert m.misses.line() == ("first missing keys: 1 new, 1 queued for a write, 1 dropped before their write, "
+                               "1 gone from the tier, 0 not admitted, 0 write failed")

@@ -31,6 +31,7 @@ import weakref
 from typing import Any
 
 from ..tiers.contract import Failure, LowerTier, Op
+from ..tiers.miss_reasons import Fate, MissReasons
 from ..tiers.write_queue import WriteQueue
 from . import compat
 
@@ -86,6 +87,7 @@ class TieredManager:
         self._logged = {t.name: "" for t in self.tiers}
         self._logged_at = time.monotonic()
         self._waiting = {t.name: WriteQueue() for t in self.tiers}
+        self.misses = MissReasons()  # why lookups found a key in no tier (logged with the counters)
         _LIVE.add(self)
 
     @property
@@ -134,7 +136,7 @@ class TieredManager:
             for t in self.tiers:
                 now = t.stats.line()
                 if now != self._logged[t.name]:
-                    logger.info("%s tier: %s; %s", t.name, now, t.describe_rate())
+                    logger.info("%s tier: %s; %s; %s", t.name, now, t.describe_rate(), self.misses.line())
                     self._logged[t.name] = now
 
     def _apply(self, completions) -> None:
@@ -144,6 +146,7 @@ class TieredManager:
                 self.host.complete_store([c.key], self._ctx, c.ok)
             else:
                 self.host.complete_load([c.key], self._ctx)
+                self.misses.note([c.key], Fate.WRITTEN if c.ok else Fate.WRITE_FAILED)
 
     # -- lookups and promotions ----------------------------------------------------------
     def lookup(self, key, req_context):
@@ -160,6 +163,7 @@ class TieredManager:
                 return self._promote(t, key, result)
             if t.looking_up(key):
                 return self._defer  # this tier answers soon; the step does not wait for it
+        self.misses.missed(key, queued=any(key in q for q in self._waiting.values()))
         return result
 
     def _promote(self, tier: LowerTier, key, miss):
@@ -196,8 +200,9 @@ class TieredManager:
                 self.host.complete_load([key], self._ctx)
         lost = q.take_dropped()
         if lost:
-            t.stats.dropped_stores += lost
-            t.stats.count_failure(Failure.LEFT_HOST, lost)
+            t.stats.dropped_stores += len(lost)
+            t.stats.count_failure(Failure.LEFT_HOST, len(lost))
+            self.misses.note(lost, Fate.DROPPED)
 
     def _ready_in_host(self, key) -> bool:
         r = self.host.lookup(key, self._ctx)
@@ -216,7 +221,10 @@ class TieredManager:
             self._admit("reuse", list(keys))
 
     def complete_store(self, keys, req_context, success: bool = True):
+        keys = list(keys)
         self.host.complete_store(keys, req_context, success)
+        if success:
+            self.misses.note(keys, Fate.HOST)
         if success and any(t.admit == "all" for t in self.tiers):
             self._settle()
             self._admit("all", list(keys))

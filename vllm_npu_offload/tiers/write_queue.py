@@ -31,10 +31,13 @@ class WriteQueue:
         self._keys: OrderedDict[bytes, int] = OrderedDict()  # key -> batch it was stored in
         self._batch = 0
         self._lost_batch = -1
-        self.dropped = 0  # keys that will never be written: left host, after a lost key, or over the limit
+        self._dropped: list[bytes] = []  # keys that will never be written: left host, after a lost key, or over the limit
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
 
     def add(self, keys) -> None:
         """One batch: keys stored together, in block order. A key already waiting keeps its place."""
@@ -42,8 +45,7 @@ class WriteQueue:
         for key in keys:
             self._keys.setdefault(key, self._batch)
         while len(self._keys) > self.limit:
-            self._keys.popitem(last=False)
-            self.dropped += 1
+            self._dropped.append(self._keys.popitem(last=False)[0])
 
     def pop(self, present: Callable[[bytes], bool], in_host: Callable[[bytes], bool]) -> bytes | None:
         """The oldest key that still needs writing and can be: ``present`` (on the tier or moving
@@ -52,21 +54,21 @@ class WriteQueue:
         while self._keys:
             key, batch = self._keys.popitem(last=False)
             if batch == self._lost_batch:
-                self.dropped += 1
+                self._dropped.append(key)
                 continue
             if present(key):
                 continue
             if not in_host(key):
-                self.dropped += 1
+                self._dropped.append(key)
                 self._lost_batch = batch
                 continue
             return key
         return None
 
-    def take_dropped(self) -> int:
-        """Drops since the last call (the tier's counter takes them)."""
-        n, self.dropped = self.dropped, 0
-        return n
+    def take_dropped(self) -> list[bytes]:
+        """The keys dropped since the last call (the tier's counter takes them)."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def clear(self) -> int:
         """Forget every key (a cache reset); returns how many were waiting."""
