@@ -688,3 +688,40 @@ def test_records_a_scan_finds_beyond_the_budget_are_evicted_at_once(root):
     finally:
         a.close()
         b.close()
+
+
+def test_a_janitor_whose_scan_fails_goes_on_deleting(root, monkeypatch, caplog):
+    """Writes wait for the janitor's deletions (the budget counts them), so the janitor must outlive a
+    scan that raises: it warns once and goes on."""
+    import logging
+
+    real_scan, calls = DiskJanitor.scan, []
+
+    def failing_once(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected scan failure")
+        return real_scan(self)
+
+    monkeypatch.setattr(DiskJanitor, "scan", failing_once)
+    key_bytes = CHUNK + HEADER_BYTES
+    rig = Rig(root, world=1, budget=2 * key_bytes, rescan_s=0.05)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm_npu_offload.tiers.disk_janitor"):
+            end = time.monotonic() + 5
+            while len(calls) < 3:  # past the failing scan
+                assert time.monotonic() < end, "the janitor stopped after a failing scan"
+                time.sleep(0.01)
+        assert any("janitor" in r.getMessage() and "injected scan failure" in r.getMessage() for r in caplog.records)
+        for i in range(6):
+            rig.fill(i % CHUNKS, seed=i)
+            end = time.monotonic() + 5
+            while not rig.tier.may_write():
+                assert time.monotonic() < end, "writes never got room: the janitor stopped deleting"
+                rig.tier.poll()
+                time.sleep(0.005)
+            assert rig.tier.start_write(f"k{i}".encode(), i % CHUNKS)
+            rig.wait()
+        assert rig.tier.stats.stores == 6 and len(rig.tier.index) <= 2
+    finally:
+        rig.close()

@@ -15,12 +15,15 @@ What the scheduler hears, in this order, on its event queue:
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
 
 from .disk_io import TMP_MARK, RecordFiles
+
+logger = logging.getLogger(__name__)
 
 
 class DiskJanitor:
@@ -44,16 +47,23 @@ class DiskJanitor:
         return self
 
     def _run(self) -> None:
-        next_scan = 0.0
+        # the thread must outlive anything a folder can do to it: writes wait for its deletions
+        next_scan, warned = 0.0, False
         while not self.closed.is_set():
-            if time.monotonic() >= next_scan:
-                self.scan()
-                next_scan = time.monotonic() + self.rescan_s if self.rescan_s > 0 else float("inf")
             try:
-                key = self._to_delete.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self._delete_queued(first=key)
+                if time.monotonic() >= next_scan:
+                    next_scan = time.monotonic() + self.rescan_s if self.rescan_s > 0 else float("inf")
+                    self.scan()
+                try:
+                    key = self._to_delete.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                self._delete_queued(first=key)
+            except Exception as e:  # noqa: BLE001 - logged once; the next round tries again
+                if not warned:
+                    warned = True
+                    logger.warning("disk tier: the janitor of %s failed (%r); it goes on", self.files.dir, e)
+                time.sleep(0.5)
 
     def _delete_queued(self, first: bytes | None = None) -> list[bytes]:
         """Delete ``first`` and every key queued now; tell the scheduler; returns the keys."""
@@ -63,12 +73,14 @@ class DiskJanitor:
                 keys.append(self._to_delete.get_nowait())
             except queue.Empty:
                 break
-        for key in keys:
-            for rank in range(self.world_size):
-                self.files.remove(key, rank)
-        if keys:
-            self._done += len(keys)
-            self.events.put(("deleted", self._done))
+        try:
+            for key in keys:
+                for rank in range(self.world_size):
+                    self.files.remove(key, rank)
+        finally:  # counted even if a removal raised: the scheduler's budget waits on this count
+            if keys:
+                self._done += len(keys)
+                self.events.put(("deleted", self._done))
         return keys
 
     def scan(self) -> None:
@@ -77,7 +89,10 @@ class DiskJanitor:
         seen: dict[str, float] = {}
         deleted: set[str] = set()
         directory = self.files.dir
-        subs = [e.path for e in os.scandir(directory) if e.is_dir()] if directory.is_dir() else []
+        try:
+            subs = [e.path for e in os.scandir(directory) if e.is_dir()]
+        except OSError:  # not there (yet), or unreadable: nothing to list
+            subs = []
         for sub in subs:
             try:
                 entries = list(os.scandir(sub))
