@@ -447,7 +447,9 @@ def test_master_hung_killed_and_restarted(master, tmp_path):
             done += rig.tier.poll()
             time.sleep(0.01)
         reads = [c for c in done if c.op is Op.READ]
-        assert b"k0" in {c.key for c in reads} and not any(c.ok for c in reads), reads
+        # k0's read may have been answered before the stop reached it (a verified hit: fine); a key
+        # never written can only miss
+        assert b"k0" in {c.key for c in reads} and not any(c.ok for c in reads if c.key != b"k0"), reads
         for _ in range(50):
             calls(b"k2", 5)
             assert not rig.tier.up and not rig.tier.has(b"k2")
