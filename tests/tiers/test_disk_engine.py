@@ -58,6 +58,9 @@ def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path)
         eng.manager.settle(30)
         stats = eng.manager.tier.stats
         assert stats.stores > 0 and stats.write_bytes > 0 and stats.dropped_stores == 0
+        # why lookups found keys in no tier: each turn's new text, nothing lost on the way to disk
+        why = eng.manager.misses.counts
+        assert why["new"] > 0 and why["dropped"] == why["gone"] == why["write_failed"] == 0, why
         r2 = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
         for t in range(TURNS):
             assert r1[t]["tokens"] == reference[t]["tokens"], f"turn {t}: round 1 differs from offload-off"
