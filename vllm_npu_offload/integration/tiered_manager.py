@@ -227,7 +227,7 @@ class TieredManager:
             self.misses.note(keys, Fate.HOST)
         if success and any(t.admit == "all" for t in self.tiers):
             self._settle()
-            self._admit("all", list(keys))
+            self._admit("all", keys)
 
     def prepare_store(self, keys, req_context):
         self._settle()

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 
-from .disk_io import TMP_MARK, RecordFiles
+from .disk_io import TMP_MARK, RecordFiles, key_hex
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class DiskJanitor:
                 ranks, newest = found.get(stem, (set(), 0.0))
                 ranks.add(int(rank))
                 found[stem] = (ranks, max(newest, mtime))
-            deleted.update(k.hex() for k in self._delete_queued())
+            deleted.update(key_hex(k) for k in self._delete_queued())  # as the files name them
         self._mtimes = seen
         whole = sorted((mtime, stem) for stem, (ranks, mtime) in found.items()
                        if ranks >= set(range(self.world_size)) and stem not in deleted)

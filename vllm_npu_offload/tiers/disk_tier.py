@@ -176,8 +176,8 @@ class DiskTier(OrderedTier):
                 self._evict()  # records of other servers, or of a write that raced its key's eviction
             self._scanned = self._links.all_up
         elif ev[0] == "deleted":
-            # events come in the janitor's order: every scan that started before these deletions
-            # has been merged already, so their tombstones are no longer needed
+            # a scan never reports a key the janitor deleted while it ran (it leaves them out), and a
+            # scan that ended before these deletions was merged already: their tombstones can go
             self._deleted_upto = ev[1]
             self._tombstones = {k: n for k, n in self._tombstones.items() if n >= ev[1]}
 
