@@ -19,7 +19,10 @@ def test_a_key_older_than_the_map_counts_as_new_and_each_fate_gives_its_reason()
     m.note([b"d"], Fate.DROPPED)
     assert m.missed(b"d", queued=False) is MissReason.DROPPED
     assert m.missed(b"a", queued=False) is MissReason.NEW
-    assert m.counts == {"new": 1, "queued": 1, "dropped": 1, "gone": 0, "not_admitted": 1, "write_failed": 1}
+    m.note([b"c"], Fate.WRITTEN)
+    assert m.missed(b"c", queued=False, refused=True) is MissReason.COST
+    assert m.counts == {"new": 1, "queued": 1, "dropped": 1, "gone": 0, "not_admitted": 1, "write_failed": 1,
+                        "cost": 1}
 
 
 def test_limit_must_be_positive():

@@ -35,7 +35,8 @@ class MemTier:
     def has(self, key): return key in self.keys and key not in self.unknown
     def looking_up(self, key): return key in self.unknown
     def reading(self, key): return any(o == Op.READ and k == key for o, k, _ in self.orders)
-    def worth_reading(self): return True
+    def worth_reading(self): return not self.full
+    full = False  # the cost rule refuses every read
     def may_write(self): return sum(o is Op.WRITE for o, _, _ in self.orders) < self.room
     def needs_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
     def in_flight(self): return len(self.orders)
@@ -218,11 +219,18 @@ def test_each_miss_is_counted_once_by_what_became_of_its_key():
     assert not hit(m.lookup(b"w", CTX)) and not hit(m.lookup(b"x2", CTX))
     assert not hit(m.lookup(b"new", CTX)) and not hit(m.lookup(b"new", CTX))
     assert m.misses.counts == {"new": 1, "queued": 1, "dropped": 0, "gone": 1, "not_admitted": 0,
-                               "write_failed": 0}
+                               "write_failed": 0, "cost": 0}
     disk.finish()
     m.settle()  # x2's turn: it left host, so it is dropped; x3 is written
     assert disk.stats.dropped_stores == 1 and [k for _, k, _ in disk.log][-1] == b"x3"
     assert not hit(m.lookup(b"x2", CTX))  # another request's miss of it, now dropped
     assert m.misses.counts["dropped"] == 1 and m.misses.counts["queued"] == 1
+    disk.finish()
+    m.settle()
+    disk.full = True  # x3 is on the tier and left host (x4, x5 took both chunks) but the disk is busy
+    store([b"x4"])
+    store([b"x5"])
+    assert not hit(m.lookup(b"x3", CTX)) and not hit(m.lookup(b"x3", CTX))
+    assert m.misses.counts["cost"] == 1
     assert m.misses.line() == ("first missing keys: 1 new, 1 queued for a write, 1 dropped before their write, "
-                               "1 gone from the tier, 0 not admitted, 0 write failed")
+                               "1 gone from the tier, 0 not admitted, 0 write failed, 1 refused by the cost rule")

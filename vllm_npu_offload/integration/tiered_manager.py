@@ -169,6 +169,7 @@ class TieredManager:
     def _promote(self, tier: LowerTier, key, miss):
         """Read ``key`` from ``tier`` into a fresh host chunk; "not yet" while it runs, else ``miss``."""
         if not tier.worth_reading():
+            self.misses.missed(key, queued=False, refused=True)
             return miss
         out = self.host.prepare_store([key], self._ctx)
         if out is None or list(out.keys_to_store) != [key]:

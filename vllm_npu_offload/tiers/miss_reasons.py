@@ -31,6 +31,7 @@ class MissReason(str, Enum):
     GONE = "gone"  # was on the tier; evicted by the budget, failed its checks, or removed
     NOT_ADMITTED = "not_admitted"  # left host, never sent to a tier (admission, tier down or read-only)
     WRITE_FAILED = "write_failed"
+    COST = "cost"  # on the tier, but the cost rule had it recomputed (the disk's read queue was full)
 
 
 class MissReasons:
@@ -50,12 +51,15 @@ class MissReasons:
         while len(self._fates) > self.limit:
             self._fates.popitem(last=False)
 
-    def missed(self, key, queued: bool) -> MissReason | None:
-        """Count the miss of ``key`` (``queued``: still in a tier's write queue); None if counted already."""
+    def missed(self, key, queued: bool, refused: bool = False) -> MissReason | None:
+        """Count the miss of ``key`` (``queued``: still in a tier's write queue; ``refused``: on a tier,
+        recomputed by its cost rule); None if counted already."""
         fate = self._fates.get(key)
         if fate is Fate.MISSED:
             return None  # a deferred request looks its keys up again every step
-        if fate is None:
+        if refused:
+            reason = MissReason.COST
+        elif fate is None:
             reason = MissReason.NEW
         elif queued:
             reason = MissReason.QUEUED
@@ -72,7 +76,7 @@ class MissReasons:
         c = self.counts
         return (f"first missing keys: {c['new']} new, {c['queued']} queued for a write, {c['dropped']} dropped "
                 f"before their write, {c['gone']} gone from the tier, {c['not_admitted']} not admitted, "
-                f"{c['write_failed']} write failed")
+                f"{c['write_failed']} write failed, {c['cost']} refused by the cost rule")
 
 
 __all__ = ["DEFAULT_LIMIT", "Fate", "MissReason", "MissReasons"]
