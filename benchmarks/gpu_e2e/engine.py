@@ -79,7 +79,8 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
     without copies (null_spec.py, no-reuse runs only). ``block_size`` is the offloaded block size
     in tokens. ``connector`` (kv_connector, module path) replaces ``OffloadingConnector`` for
     native, ours, layerwise and null (the per-layer layout: perlayer.py, a NPUOffloadingConnector).
-    ours-disk: ours with its disk tier in ``disk_dir`` (budget ``disk_bytes``); native-fs: vLLM's
+    ours-disk: ours with its disk tier in ``disk_dir`` (budget ``disk_bytes``), in
+    ``NPUOffloadingConnector`` (which hands a new request's keys to the tier for prefetch); native-fs: vLLM's
     TieringOffloadingSpec with its ``fs`` tier in ``disk_dir`` (which has no budget). lmcache,
     lmcache-disk: ``LMCacheConnectorV1`` alone; LMCache reads its configuration from the
     environment (``lmcache_env``: host bytes, disk folder and budget)."""
@@ -98,6 +99,7 @@ def kv_transfer_config(kind: str, cpu_bytes: int, block_size: int,
         extra.update(spec_name="NPUOffloadingSpec", spec_module_path=SPEC_MODULE)
         if kind == "ours-disk":
             extra.update(disk_path=disk_dir, disk_bytes_to_use=disk_bytes)
+            connector = connector or NPU_CONNECTOR  # its prefetch on a request's arrival
         if kind == "layerwise":
             extra.update(layerwise_extra())
             connector = connector or NPU_CONNECTOR

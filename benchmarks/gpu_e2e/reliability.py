@@ -14,8 +14,8 @@ its ``NPU_OFFLOAD_FAULTS``) start together; then, on ours-disk:
    counts what it injected (copy jobs retried, the disk tier's failed reads, checksum failures and
    dropped stores);
 3. the probe again: equal to off;
-4. kill -9: a pass starts and KILL_AFTER_S later every process of the server's tree gets SIGKILL at
-   once. Nothing may be left: no process, no /dev/shm entry of ours, no locked memory, no GPU memory.
+4. kill -9: a pass starts and KILL_AFTER_S later (sooner where the disk tier would rewrite half its
+   budget first: ``kill_after_s``) every process of the server's tree gets SIGKILL at once. Nothing may be left: no process, no /dev/shm entry of ours, no locked memory, no GPU memory.
    The same server starts again on the same disk folder (not emptied) with the fault hook off, so a
    record failing its checksum can only be one the kill tore; once its disk tier is up and has
    scanned: none of the temporary records the kill left (its own writes make new ones), the probe
@@ -61,6 +61,7 @@ SAMPLE_EVERY_S = 10.0
 WARMUP_SAMPLES = 3
 SLACK = 0.10
 KILL_AFTER_S = 20.0  # of the pass running when the kill comes: requests computing, stores in flight
+KILL_BUDGET_SHARE = 0.5  # the cut pass writes at most this share of the disk budget before the kill
 PROBE_WORDS = 4040  # word-level tokenizer: one token each; 63 whole blocks of 64
 PROBE_TOKENS = 32
 FLAT_KEYS = ("rss_mib", "locked_mib", "threads", "open_files", "shm_entries", "gpu_mib")
@@ -225,15 +226,21 @@ def injected_counted(seen: dict) -> bool:
     return seen.get("copy_injected_retried", 0) + d.get("read_failures", 0) + d.get("dropped_stores", 0) > 0
 
 
-def client_counts(log_text: str, ok: int, planned: int, clients: int) -> dict:
+def client_counts(log_text: str, ok: int, planned: int, clients: int, finished: float | None = None) -> dict:
     """A pass's requests from vLLM's client: ``ok`` (its stats rows), failed (its clients'
-    ``num_failures=`` as each ends), unanswered (successes it counted without a stats row), and how
+    ``num_failures=`` as each ends), unanswered (successes it counted that neither a stats row nor the
+    server's ``finished`` count, vLLM's ``request_success`` during the pass, accounts for), and how
     many of ``clients`` ended (one that died says nothing of its requests). ``planned`` is an upper
-    bound only: a client whose queue runs dry abandons its open conversations (docs/gpu_e2e.md, serve)."""
+    bound only: a client whose queue runs dry abandons its open conversations (docs/gpu_e2e.md, serve).
+    The client can lose a stats row of a request that was answered: its main process drains the
+    results with ``multiprocessing.Queue.empty()``, which may say empty while the last client's last
+    result is still in its pipe (seen once: 160 successes, 159 rows, 160 answered by the server)."""
     done = re.findall(r"is done \(num_successes=(\d+), num_failures=(\d+)\)", log_text)
     successes = sum(int(x) for x, _ in done)
+    answered = max(ok, int(finished)) if finished is not None else ok
     return {"planned": planned, "ok": ok, "failed": sum(int(y) for _, y in done),
-            "unanswered": max(0, successes - ok), "clients": clients, "clients_done": len(done)}
+            "unanswered": max(0, successes - answered), "rows_lost": max(0, min(successes, answered) - ok),
+            "clients": clients, "clients_done": len(done)}
 
 
 # ---------------------------------------------------------------------------- resources
@@ -384,6 +391,7 @@ class KillReport:
     gpu_used_after_mib: float | None = None
     planned_gpu_mib: float = 0.0  # what the plan gave the killed server
     wait_s: float = 0.0
+    after_s: float = KILL_AFTER_S  # into its pass
 
     def checks(self) -> dict[str, bool | None]:
         ours = [n for n in self.shm_left if any(w in n.lower() for w in OURS_SHM)]
@@ -441,7 +449,8 @@ def _kill_line(k: dict | None, kp: dict | None) -> str:
     if not k:
         return ""
     kp = kp or {}
-    return (f"kill -9: {len(k.get('pids', []))} processes, gone after {k.get('wait_s', 0):.1f}s; temporaries left by "
+    return (f"kill -9 {k.get('after_s', KILL_AFTER_S):.0f}s into a pass: {len(k.get('pids', []))} processes, gone after "
+            f"{k.get('wait_s', 0):.1f}s; temporaries left by "
             f"the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
             f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: {kp.get('ok', '-')} ok, "
             f"{kp.get('failed', '-')} failed of {kp.get('planned', '-')}; tier sockets left {k.get('sockets_left', [])}")
@@ -605,7 +614,8 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         def kill_stage() -> None:
             _settle_records(disk)
             kill, client = _kill_during_pass(listening_pid(url), disk, before, [listening_pid(off_url)],
-                                             ours_plan.gpu_bytes / 2**20, one_pass)
+                                             ours_plan.gpu_bytes / 2**20, one_pass,
+                                             kill_after_s(res["samples"], DISK_BYTES))
             res["kill"], res["kill_pass"] = asdict(kill), client
             res["server_logs"][ours_plan.label] = server_log_info(log_text(ours_plan.label))  # to its end
             res["checks"].update(kill.checks())
@@ -693,9 +703,23 @@ def _pass(r: int, url: str, model: str, served: str, load: Load, a, work: Path, 
     except OSError:
         log = ""
     counts = client_counts(log, run.get("summary", {}).get("requests", 0), load.conversations * load.user_turns,
-                           load.clients)
+                           load.clients, run.get("metrics", {}).get("requests_finished"))
     run.pop("rows", None)  # per-request rows: the serve part's business, not this table's
     return {"pass": r, **counts, "wall_s": time.perf_counter() - t1, **run}
+
+
+def kill_after_s(samples: list[dict], budget_bytes: int, longest: float = KILL_AFTER_S) -> float:
+    """When the kill comes in its pass: ``longest``, or sooner where the disk tier, writing as fast as
+    the soak's samples saw it grow, would fill ``KILL_BUDGET_SHARE`` of its budget first. The restart
+    must find the probe's records, written right before that pass; a pass that rewrote the whole
+    budget would have evicted them (10 GiB filled in ~20 s on the H200's disk)."""
+    rates = [(b["disk_mib"] - a["disk_mib"]) * 2**20 / (b["t_s"] - a["t_s"])
+             for a, b in zip(samples, samples[1:])
+             if b.get("t_s", 0) > a.get("t_s", 0) and a.get("disk_mib") is not None and b.get("disk_mib") is not None]
+    peak = max(rates, default=0.0)
+    if peak <= 0:
+        return longest
+    return max(5.0, min(longest, KILL_BUDGET_SHARE * budget_bytes / peak))
 
 
 def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
@@ -710,21 +734,21 @@ def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
 
 
 def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], planned_gpu_mib: float,
-                      one_pass) -> tuple[KillReport, dict]:
-    """A pass (``one_pass(timeout)``) starts; KILL_AFTER_S later the whole tree gets SIGKILL; what it left.
+                      one_pass, after_s: float = KILL_AFTER_S) -> tuple[KillReport, dict]:
+    """A pass (``one_pass(timeout)``) starts; ``after_s`` later the whole tree gets SIGKILL; what it left.
     ``before``: /dev/shm entries, tier sockets and Mlocked before the servers started; ``others``: the
     roots of the servers still up (their locked memory stays)."""
     box: dict = {}
 
     def killed_pass() -> None:
         try:
-            box.update(one_pass(KILL_AFTER_S + 120))
+            box.update(one_pass(after_s + 120))
         except Exception as e:  # noqa: BLE001 - the client's failure is part of the report, not a crash
             box["error"] = f"{type(e).__name__}: {e}"[-3000:]
 
     th = threading.Thread(target=killed_pass, name="reliability-kill-pass", daemon=True)
     th.start()
-    time.sleep(KILL_AFTER_S)
+    time.sleep(after_s)
     pids = tree_pids(root)
     rep = KillReport(pids=pids, shm_of_tree=sorted(shm_of(pids)), tree_locked_mib=sample(pids, None)["locked_mib"],
                      others_locked_mib=sum(sample(tree_pids(o), None)["locked_mib"] for o in others),
@@ -735,6 +759,7 @@ def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], pl
     while any(alive(p) for p in pids) and time.monotonic() - t0 < 30:
         time.sleep(0.2)
     rep.wait_s = time.monotonic() - t0
+    rep.after_s = after_s
     th.join(timeout=60)
     time.sleep(2.0)  # the driver frees the GPU memory of a dead process shortly after
     rep.alive_after, rep.shm_left = leftovers(pids, set(rep.shm_of_tree), before["shm"], shm_entries())

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.multiturn.procs import io_bytes
 
-from .engine import CACHE_ENV, ENV, LMCACHE_KINDS, kv_transfer_config, lmcache_env, lmcache_path
+from .engine import CACHE_ENV, ENV, LMCACHE_KINDS, NPU_CONNECTOR, kv_transfer_config, lmcache_env, lmcache_path
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
 
@@ -195,6 +195,9 @@ class ServerPlan:
                                  str(disk) if disk else None, DISK_BYTES)
         if self.extra:
             out["kv_connector_extra_config"].update(dict(self.extra))
+        if "mooncake_master" in out.get("kv_connector_extra_config", {}) and out["kv_connector"] == "OffloadingConnector":
+            # lower tiers prefetch a request's records on its arrival through our connector only
+            out["kv_connector"], out["kv_connector_module_path"] = NPU_CONNECTOR
         return out
 
 
@@ -511,6 +514,7 @@ PROM = {
     "vllm:external_prefix_cache_queries": "external_queries", "vllm:external_prefix_cache_hits": "external_hits",
     "vllm:num_preemptions": "preemptions", "vllm:prompt_tokens": "prompt_tokens",
     "vllm:generation_tokens": "generation_tokens",
+    "vllm:request_success": "requests_finished",  # summed over finished_reason
     # 0.32 names: bytes and seconds per direction
     "vllm:kv_offload_load_bytes": "load_bytes", "vllm:kv_offload_store_bytes": "store_bytes",
     "vllm:kv_offload_load_time": "load_s", "vllm:kv_offload_store_time": "store_s",

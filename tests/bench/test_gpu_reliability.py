@@ -148,12 +148,25 @@ def test_fault_log_counts_the_hooks_warning_and_injected_copy_failures(monkeypat
     assert not rel.fault_log("plain log")["hook_on"]
 
 
+def test_the_kill_comes_before_the_cut_pass_could_rewrite_half_the_disk_budget():
+    grows = [{"t_s": 0, "disk_mib": 500}, {"t_s": 10, "disk_mib": 5070}, {"t_s": 20, "disk_mib": 9270}]
+    # 457 MiB/s at most: half of 10 GiB in 11.2 s
+    assert rel.kill_after_s(grows, 10 << 30) == pytest.approx(0.5 * (10 << 30) / (457 * 2**20), rel=1e-3)
+    assert rel.kill_after_s(grows, 24 << 30) == rel.KILL_AFTER_S  # 26.9 s: the usual 20 s
+    assert rel.kill_after_s(grows, 1 << 30) == 5.0  # never sooner than 5 s (stores must be in flight)
+    assert rel.kill_after_s([], 1 << 30) == rel.KILL_AFTER_S  # no samples: the usual
+
+
 def test_client_counts_failed_unanswered_and_clients_that_ended():
     log = ("01-12 [INFO] - Client 0 is done (num_successes=10, num_failures=2)\n"
            "\x1b[36mClient 1 is done (num_successes=8, num_failures=0)\x1b[0m\n")
     assert rel.client_counts(log, 18, 24, 2) == {"planned": 24, "ok": 18, "failed": 2, "unanswered": 0,
-                                                 "clients": 2, "clients_done": 2}
+                                                 "rows_lost": 0, "clients": 2, "clients_done": 2}
     assert rel.client_counts(log, 16, 24, 3)["unanswered"] == 2  # counted as answered, no stats row
+    # the server finished all 18: the client lost a row of an answered request, nothing is unanswered
+    lost_row = rel.client_counts(log, 17, 24, 2, finished=18.0)
+    assert lost_row["unanswered"] == 0 and lost_row["rows_lost"] == 1
+    assert rel.client_counts(log, 16, 24, 2, finished=17.0)["unanswered"] == 1  # one the server never finished
     assert rel.client_counts("", 0, 24, 2)["clients_done"] == 0  # a client that died says nothing
 
 
@@ -305,7 +318,7 @@ def test_table_and_json_of_a_result(tmp_path):
                       "after_soak": {"label": "ours-disk", "text": "w2", "token_ids": [2]}},
            "cut": [{"stage": "soak"}], "errors": []}
     text = tables.write_part(tmp_path, "reliability", res)
-    for word in ("PASS", "FAIL", "n/a", "rss_mib", "hook warning yes", "retried 3", "checksum 2", "kill -9: 2",
+    for word in ("PASS", "FAIL", "n/a", "rss_mib", "hook warning yes", "retried 3", "checksum 2", "into a pass: 2 processes",
                  "restart: up in 80s", "cut:", "| first ", "| after_soak ", "compared with", "restarted"):
         assert word in text, word
     got = json.loads((tmp_path / "reliability.json").read_text())

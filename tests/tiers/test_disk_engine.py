@@ -110,6 +110,37 @@ def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path)
         eng.close()
 
 
+def test_a_restart_under_npu_offloading_connector_prefetches_its_records_on_arrival(tiny_model, reference,
+                                                                                    tmp_path):
+    """With ``NPUOffloadingConnector`` each new request's keys go to the tier manager when it arrives,
+    and what is on disk is read into host before the scheduler looks the request up (prefetch): a
+    restarted engine, whose host tier is empty, serves the conversation from prefetched records with
+    the tokens of offload off."""
+    from vllm_npu_offload.demo.run import run_turns
+
+    disk = tmp_path / "kv"
+    eng = Engine(tiny_model, _disk_config(disk))
+    try:
+        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
+        eng.manager.settle(30)
+        assert eng.manager.tier.stats.stores > 0
+        assert eng.manager.tier.stats.prefetches == 0  # vLLM's own connector hands over no keys
+    finally:
+        eng.close()
+    cfg = _disk_config(disk) | {"kv_connector": "NPUOffloadingConnector",
+                                "kv_connector_module_path": "vllm_npu_offload.integration.connector"}
+    eng = Engine(tiny_model, cfg)
+    try:
+        assert eng.manager.prefetch_chunks == HOST_BYTES // (32 << 10) // 4
+        r = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
+        assert [t["tokens"] for t in r] == [t["tokens"] for t in reference]
+        s = eng.manager.tier.stats
+        assert s.prefetches > 0 and s.hits >= s.prefetches, (s.prefetches, s.hits)
+        assert sum(t["cached"] for t in r) > 0
+    finally:
+        eng.close()
+
+
 def test_metric_definitions_name_the_disk_counters():
     from vllm_npu_offload.integration.spec import NPUOffloadingSpec
 

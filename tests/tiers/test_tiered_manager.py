@@ -35,7 +35,7 @@ class MemTier:
     def has(self, key): return key in self.keys and key not in self.unknown
     def looking_up(self, key): return key in self.unknown
     def reading(self, key): return any(o == Op.READ and k == key for o, k, _ in self.orders)
-    def worth_reading(self): return not self.full
+    def worth_reading(self, count=True): return not self.full
     full = False  # the cost rule refuses every read
     def may_write(self): return sum(o is Op.WRITE for o, _, _ in self.orders) < self.room
     def needs_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
@@ -234,3 +234,60 @@ def test_each_miss_is_counted_once_by_what_became_of_its_key():
     assert m.misses.counts["cost"] == 1
     assert m.misses.line() == ("first missing keys: 1 new, 1 queued for a write, 1 dropped before their write, "
                                "1 gone from the tier, 0 not admitted, 0 write failed, 1 refused by the cost rule")
+
+
+def _ctx(rid):
+    return compat.make_req_context(rid)
+
+
+def test_a_new_requests_keys_found_on_a_tier_are_read_into_host_before_the_scheduler_looks():
+    """vLLM looks a waiting request up only at the front of its queue; prefetch reads its keys when it
+    arrives: those in host are skipped, the tier's are read in prompt order, and the first key found
+    nowhere ends it. Once the reads end, the scheduler's lookups are host hits and no read is left."""
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = MemTier("disk", keys={b"b", b"c", b"e"})
+    m = TieredManager(host, [disk], prefetch_chunks=4)
+    m.complete_store(list(m.prepare_store([b"a"], CTX).keys_to_store), CTX)
+    disk.finish()  # a's write
+    m.settle()
+    disk.log.clear()
+    m.prefetch([b"a", b"b", b"c", b"d", b"e"], _ctx("r1"))
+    assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # d is nowhere: e unreachable
+    assert disk.stats.prefetches == 2 and disk.stats.misses_cost == 0
+    assert not hit(m.lookup(b"b", _ctx("r1")))  # still reading: the request waits (not a miss either)
+    assert m.lookup(b"b", _ctx("r1")) != compat.LOOKUP_MISS
+    disk.finish()
+    assert all(hit(m.lookup(k, _ctx("r1"))) for k in (b"a", b"b", b"c"))
+    assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # no second read
+
+
+def test_prefetch_waits_for_room_in_the_tier_and_under_its_cap_and_resumes_in_arrival_order():
+    host = CPUOffloadingManager(num_chunks=16)
+    disk = MemTier("disk", keys={b"a1", b"a2", b"a3", b"b1", b"b2", b"c1"})
+    m = TieredManager(host, [disk], prefetch_chunks=2)
+    m.prefetch([b"a1", b"a2", b"a3"], _ctx("a"))
+    m.prefetch([b"b1", b"b2"], _ctx("b"))
+    assert [k for _, k, _ in disk.log] == [b"a1", b"a2"]  # the cap: 2 chunks not yet loaded
+    disk.finish()
+    m.settle()
+    assert [k for _, k, _ in disk.log] == [b"a1", b"a2"]  # landed, still not loaded: the cap holds
+    m.prepare_load([b"a1", b"a2"], _ctx("a"))  # a is scheduled: its chunks no longer count, its rest
+    assert [k for _, k, _ in disk.log] == [b"a1", b"a2", b"b1", b"b2"]  # is the scheduler's; b goes next
+    m.on_request_finished(_ctx("b"))
+    disk.full = True  # the tier's read queue is full: the prefetch waits and counts no recomputed key
+    m.prefetch([b"c1"], _ctx("c"))
+    assert [k for _, k, _ in disk.log][-1] == b"b2" and disk.stats.misses_cost == 0
+    disk.full = False
+    m.settle()
+    assert [k for _, k, _ in disk.log][-1] == b"c1"
+    assert disk.stats.prefetches == 5
+
+
+def test_no_prefetch_without_a_cap_and_a_bad_cap_is_refused():
+    host = CPUOffloadingManager(num_chunks=4)
+    disk = MemTier("disk", keys={b"x"})
+    m = TieredManager(host, [disk])
+    m.prefetch([b"x"], _ctx("r"))
+    assert disk.log == [] and disk.stats.prefetches == 0
+    with pytest.raises(ValueError, match="prefetch_chunks=-1"):
+        TieredManager(host, [disk], prefetch_chunks=-1)

@@ -476,6 +476,22 @@ def make_req_context(req_id: str):
     return ReqContext(req_id=req_id)
 
 
+def request_offload_keys(scheduler, request) -> tuple[list, Any] | None:
+    """A new request's offload keys of its first full-attention KV group, in prompt order, and vLLM's
+    ``ReqContext`` for it (0.23-0.33 keep both in ``_req_status``); None where this vLLM has them
+    elsewhere or the model has no full-attention group (the tiers then do not prefetch)."""
+    status = getattr(scheduler, "_req_status", {}).get(request.request_id)
+    update = getattr(status, "update_offload_keys", None)
+    if update is None:
+        return None
+    update()  # the keys of the prompt's full blocks (vLLM appends only the missing ones when it looks up)
+    sliding = set(getattr(scheduler, "_sliding_window_groups", ()))
+    full = [g for g in getattr(scheduler, "_lookup_groups", ()) if g not in sliding]
+    if not full:
+        return None
+    return list(status.group_states[full[0]].offload_keys), status.req_context
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineFacts:
     """Who this spec serves: what keys a tier's records and a tier's socket on."""

@@ -158,6 +158,19 @@ class NPUOffloadingConnector(OffloadingConnector):
         if self._layerwise.enabled:
             self._lw_loader = LayerwiseLoader(worker.spec.npu_router, worker.spec.layer_groups, first_group=1)
 
+    # -- lower tiers: prefetch ------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        """Hand a new request's keys to the tiers' manager, which reads those on disk (or in the store)
+        into host while the request waits in vLLM's queue (tiered_manager.py, prefetch)."""
+        super().on_new_request(request)
+        sched = self.connector_scheduler
+        prefetch = getattr(getattr(sched, "manager", None), "prefetch", None)
+        if prefetch is None:
+            return
+        found = compat.request_offload_keys(sched, request)
+        if found is not None:
+            prefetch(*found)
+
     # -- layer-wise loads: scheduler side -------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs)

@@ -19,6 +19,15 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   (oldest first, dropped if it leaves host first); its chunk is pinned (``prepare_load``, once per
   tier writing it) from the write's start until it has ended on every rank.
 
+- Prefetch (``prefetch``, from ``NPUOffloadingConnector.on_new_request``): vLLM's scheduler looks a
+  waiting request up only when it reaches the front of the queue and stops at the first one it cannot
+  fit, so a read from a lower tier would start only then, while the device is full and the request
+  has nothing else to wait for. A request's keys are therefore handed over when it arrives; in
+  arrival order, the keys found in a lower tier (and not in host) are read into host chunks while the
+  tier's cost rule has room, so that by the time the scheduler reaches the request they are host hits.
+  Prefetched chunks not yet loaded are capped (a quarter of host by default) and counted per request
+  until its load (``prepare_load``) or its end (``on_request_finished``).
+
 A lower tier is any object with ``DiskTier``'s scheduler-facing surface (``tiers/contract.py``,
 ``LowerTier``).
 """
@@ -28,6 +37,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from ..tiers.contract import Failure, LowerTier, Op
@@ -38,11 +49,14 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 RESET_DRAIN_S = 30.0
+PREFETCH_TTL_S = 120.0  # a prefetch whose request never loaded nor finished stops counting after this
 LOG_EVERY_S = 30.0  # the tier's counters in the server log, when they moved
 # vLLM's metrics (vLLM >= 0.28 publishes what a manager's get_stats reports), per tier:
 # (name suffix, TierStats field, help); names are vllm:kv_offload_<tier>_<suffix>
 TIER_COUNTERS = (
     ("hits", "hits", "Offloaded chunks read from the {tier} tier into host memory"),
+    ("prefetches", "prefetches",
+     "Chunks read from the {tier} tier when their request arrived, before the scheduler looked them up"),
     ("cost_misses", "misses_cost", "Chunks on the {tier} tier recomputed because reading them would not have been faster"),
     ("no_chunk_misses", "misses_no_chunk",
      "Chunks on the {tier} tier recomputed because no host chunk was free of pins to read them into"),
@@ -73,12 +87,27 @@ def live_tier_managers() -> list["TieredManager"]:
     return list(_LIVE)
 
 
+@dataclass
+class _Prefetch:
+    """One request's keys to read ahead, in prompt order; ``chunks``: host chunks its reads took."""
+
+    req_id: str
+    keys: list
+    since: float
+    next: int = 0
+    chunks: int = 0
+    done: bool = False
+
+
 class TieredManager:
     """Wraps the host tier's ``OffloadingManager``; every call it does not override goes to it."""
 
-    def __init__(self, host, tiers: list[LowerTier]):
+    def __init__(self, host, tiers: list[LowerTier], prefetch_chunks: int = 0):
+        """``prefetch_chunks``: prefetched host chunks not yet loaded, at most (0: no prefetch)."""
         if not tiers:
             raise ValueError("TieredManager needs at least one lower tier")
+        if prefetch_chunks < 0:
+            raise ValueError(f"TieredManager prefetch_chunks={prefetch_chunks!r}: must be >= 0")
         self.host = host
         self.tiers = list(tiers)
         self._ctx = compat.make_req_context("npu-offload-disk-tier")
@@ -88,6 +117,10 @@ class TieredManager:
         self._logged_at = time.monotonic()
         self._waiting = {t.name: WriteQueue() for t in self.tiers}
         self.misses = MissReasons()  # why lookups found a key in no tier (logged with the counters)
+        self.prefetch_chunks = prefetch_chunks
+        self._prefetch: dict[str, _Prefetch] = {}  # by request id, until its load or its end
+        self._prefetch_queue: deque[_Prefetch] = deque()  # those with keys left, in arrival order
+        self._prefetched = 0  # host chunks prefetched and not yet loaded (or released)
         _LIVE.add(self)
 
     @property
@@ -131,6 +164,8 @@ class TieredManager:
         for t in self.tiers:
             self._apply(t.poll())
             self._start_writes(t)
+        if self._prefetch_queue:
+            self._run_prefetch()
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
             for t in self.tiers:
@@ -181,6 +216,73 @@ class TieredManager:
             return miss
         return self._defer
 
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, keys, req_context) -> None:
+        """Read ``keys`` (one request's, in prompt order) from the lower tiers into host ahead of
+        vLLM's scheduler, as far as the prefix is found somewhere and the tiers have room."""
+        if not self.prefetch_chunks or not keys:
+            return
+        rid = req_context.req_id
+        self._release(rid)
+        p = _Prefetch(rid, list(keys), time.monotonic())
+        self._prefetch[rid] = p
+        self._prefetch_queue.append(p)
+        self._settle()
+
+    def _release(self, req_id: str) -> None:
+        """The request loaded its hits or ended: its prefetched chunks no longer count."""
+        p = self._prefetch.pop(req_id, None)
+        if p is not None:
+            p.done = True
+            self._prefetched -= p.chunks
+
+    def _run_prefetch(self) -> None:
+        """Advance the oldest requests' prefetches until a tier or the cap has no room."""
+        q = self._prefetch_queue
+        now = time.monotonic()
+        for p in [p for p in self._prefetch.values() if now - p.since > PREFETCH_TTL_S]:
+            self._release(p.req_id)
+        while q:
+            p = q[0]
+            if not p.done and not self._advance(p):
+                return  # no room: the next call goes on where this one stopped
+            q.popleft()
+
+    def _advance(self, p: _Prefetch) -> bool:
+        """Start ``p``'s reads, key by key; False if it has to wait for room, True once it is done."""
+        while p.next < len(p.keys):
+            key = p.keys[p.next]
+            if self._ready_in_host(key) or any(t.reading(key) for t in self.tiers):
+                p.next += 1
+                continue
+            if any(key in t.abandoned for t in self.tiers):
+                break
+            tier = next((t for t in self.tiers if t.has(key)), None)
+            if tier is None:
+                if any(t.looking_up(key) for t in self.tiers):
+                    return False  # a tier answers soon
+                break  # the prefix ends here: nothing after it can be a hit
+            if self._prefetched >= self.prefetch_chunks or not tier.worth_reading(count=False):
+                return False
+            out = self.host.prepare_store([key], self._ctx)
+            if out is None or list(out.keys_to_store) != [key]:
+                break  # no host chunk free of pins: the scheduler's own lookup decides later
+            if not tier.start_read(key, int(out.store_spec.block_ids[0])):
+                self.host.complete_store([key], self._ctx, False)
+                break
+            tier.stats.prefetches += 1
+            p.chunks += 1
+            self._prefetched += 1
+            p.next += 1
+        p.done = True
+        return True
+
+    def on_request_finished(self, req_context) -> None:
+        self._release(req_context.req_id)
+        fn = getattr(self.host, "on_request_finished", None)
+        if fn is not None:
+            fn(req_context)
+
     # -- admission to disk ---------------------------------------------------------------
     def _admit(self, policy: str, keys) -> None:
         for t in self.tiers:
@@ -210,6 +312,7 @@ class TieredManager:
         return r is True or r == self._hit
 
     def prepare_load(self, keys, req_context):
+        self._release(req_context.req_id)
         self._settle()
         spec = self.host.prepare_load(keys, req_context)
         self._admit("reuse", list(keys))
@@ -244,6 +347,9 @@ class TieredManager:
                                RESET_DRAIN_S)
             t.abandoned.clear()
             self._waiting[t.name].clear()
+        for rid in list(self._prefetch):
+            self._release(rid)
+        self._prefetch_queue.clear()
         return self.host.reset_cache()
 
     def shutdown(self) -> None:

@@ -99,6 +99,7 @@ class TierStats:
     """Counters a tier reports (log line and metrics); monotonically increasing except ``*_now``."""
 
     hits: int = 0  # keys promoted to host
+    prefetches: int = 0  # of them, read when their request arrived (before vLLM's scheduler looked them up)
     misses_cost: int = 0  # on the tier, recomputed because the read would not have been faster
     misses_no_chunk: int = 0  # on the tier, recomputed because every host chunk was pinned
     read_bytes: int = 0
@@ -132,7 +133,8 @@ class TierStats:
         """One log line of the counters so far (what vLLM releases without per-tier metrics show)."""
         gb = 1e9
         rate = self.read_bytes / self.read_seconds / gb if self.read_seconds else 0.0
-        return (f"hits {self.hits} ({self.read_bytes / gb:.2f} GB, {rate:.2f} GB/s per read), "
+        return (f"hits {self.hits} ({self.read_bytes / gb:.2f} GB, {rate:.2f} GB/s per read, "
+                f"{self.prefetches} prefetched), "
                 f"recomputed: {self.misses_cost} by cost, {self.misses_no_chunk} no host chunk, "
                 f"{self.timeouts} late, {self.read_failures} failed ({self.checksum_failures} checksum); "
                 f"stores {self.stores} ({self.write_bytes / gb:.2f} GB), dropped {self.dropped_stores} "
@@ -167,7 +169,7 @@ class LowerTier(Protocol):
     def has(self, key: bytes) -> bool: ...
     def looking_up(self, key: bytes) -> bool: ...  # whether it has ``key`` is not known yet
     def reading(self, key: bytes) -> bool: ...
-    def worth_reading(self) -> bool: ...  # the cost rule for one more read now
+    def worth_reading(self, count: bool = True) -> bool: ...  # the cost rule for one more read now
     def start_read(self, key: bytes, chunk: int) -> bool: ...
     def may_write(self) -> bool: ...  # a write may start now (up, writable, room in its queue)
     def needs_write(self, key: bytes) -> bool: ...  # not on the tier and not moving

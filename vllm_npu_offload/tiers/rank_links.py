@@ -201,16 +201,17 @@ class OrderedTier:
         """Whether the tier can take reads at all now (subclasses say)."""
         return True
 
-    def worth_reading(self) -> bool:
+    def worth_reading(self, count: bool = True) -> bool:
         """The cost rule for one more key now: the queued reads, this key included, drain within
-        ``read_queue_s`` at the measured rate and, with a prefill rate, beat recomputing the key."""
+        ``read_queue_s`` at the measured rate and, with a prefill rate, beat recomputing the key.
+        ``count``: a refusal is a recomputed key (a prefetch that waits for room is not)."""
         if not self._readable() or self.rate.value <= 0:
             return False
         seconds = (self._read_backlog + self.key_bytes) / self.rate.value
         ok = seconds < self.cfg.read_queue_s
         if ok and self.cfg.prefill_tokens_per_s > 0:
             ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
-        if not ok:
+        if not ok and count:
             self.stats.misses_cost += 1
         return ok
 
