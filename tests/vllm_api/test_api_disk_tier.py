@@ -34,13 +34,22 @@ def run_until_done(eng: Engine, prompt, seconds: float = 20.0):
 
 
 @needs_tiers
-def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path):
+@pytest.mark.parametrize("ours", [False, True], ids=["OffloadingConnector", "NPUOffloadingConnector"])
+def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path, ours):
+    """With ``NPUOffloadingConnector`` the scheduler hands a new request's keys to the tier manager,
+    which reads what is on disk into host before the request is looked up (prefetch, up to a quarter
+    of host); the rest is read when the scheduler looks it up, as with vLLM's own connector."""
     extra = {"cpu_bytes_to_use": BLOCKS * PAGE * 2, "disk_path": str(tmp_path / "kv"),
              "disk_bytes_to_use": 64 << 20, "disk_admit": "all"}
-    vc = vllm_config(tiny_model, extra)
+    if ours:
+        from vllm_npu_offload.integration.connector import NPUOffloadingConnector as cls
+
+        vc = vllm_config(tiny_model, extra, "NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
+    else:
+        cls, vc = OffloadingConnector, vllm_config(tiny_model, extra)
     kcc = kv_cache_config(NB, LAYERS, HEADS, HEAD, PAGE)
     caches = stacked_caches()
-    eng = Engine.build(vc, kcc, caches, OffloadingConnector)
+    eng = Engine.build(vc, kcc, caches, cls)
     assert isinstance(eng.manager, TieredManager)
     end = time.monotonic() + 10
     while not eng.manager.tier.up:  # the worker's tier server came up after the scheduler's tier
@@ -68,6 +77,8 @@ def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path):
     loaded_seq = [d for j in loads for d in j.device_blocks]
     assert len(loaded_seq) == BLOCKS, "PROMPT was not served from the tiers"
     assert eng.manager.tier.stats.hits == BLOCKS
+    prefetched = eng.manager.tier.stats.prefetches
+    assert (0 < prefetched <= eng.manager.prefetch_chunks) if ours else prefetched == 0, prefetched
     for k in range(BLOCKS):
         want = block_bytes(before, stored_seq[k])
         got = block_bytes(parts, loaded_seq[k])
