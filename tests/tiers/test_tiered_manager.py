@@ -291,3 +291,30 @@ def test_no_prefetch_without_a_cap_and_a_bad_cap_is_refused():
     assert disk.log == [] and disk.stats.prefetches == 0
     with pytest.raises(ValueError, match="prefetch_chunks=-1"):
         TieredManager(host, [disk], prefetch_chunks=-1)
+
+
+def test_the_window_keeps_a_waiting_requests_history_in_host_and_reads_what_left_before_its_turn():
+    """A later turn arrives with its history still in host, and the stores of the requests running
+    while it waits would evict it (LRU). The window over the waiting requests, in arrival order, makes
+    their keys in host recent; a request whose turn in the window comes after its keys left host has
+    them read from the tier instead."""
+    host = CPUOffloadingManager(num_chunks=4)
+    disk = MemTier("disk")
+    m = TieredManager(host, [disk], prefetch_chunks=1)
+
+    def store(keys):
+        m.complete_store(list(m.prepare_store(keys, CTX).keys_to_store), CTX)
+        disk.finish()
+        m.settle()
+
+    store([b"k1", b"k2", b"k3", b"k4"])  # k1 least recently used; all four written to the tier too
+    m.prefetch([b"k1"], _ctx("r1"))  # kept: now the most recent
+    m.prefetch([b"k2"], _ctx("r2"))  # the window is full (1 chunk): r2 waits its turn
+    assert m.kept == 1 and disk.stats.prefetches == 0
+    store([b"x1"])  # a running request's store evicts the oldest: k2, not the kept k1
+    assert hit(host.lookup(b"k1", CTX)) and not hit(host.lookup(b"k2", CTX))
+    m.prepare_load([b"k1"], _ctx("r1"))  # r1 is scheduled: r2's turn; k2 left host, the tier has it
+    m.complete_load([b"k1"], _ctx("r1"))
+    assert [(op, k) for op, k, _ in disk.orders] == [(Op.READ, b"k2")] and disk.stats.prefetches == 1
+    disk.finish()
+    assert hit(m.lookup(b"k2", _ctx("r2")))

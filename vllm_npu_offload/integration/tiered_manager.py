@@ -21,12 +21,13 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
 
 - Prefetch (``prefetch``, from ``NPUOffloadingConnector.on_new_request``): vLLM's scheduler looks a
   waiting request up only when it reaches the front of the queue and stops at the first one it cannot
-  fit, so a read from a lower tier would start only then, while the device is full and the request
-  has nothing else to wait for. A request's keys are therefore handed over when it arrives; in
-  arrival order, the keys found in a lower tier (and not in host) are read into host chunks while the
-  tier's cost rule has room, so that by the time the scheduler reaches the request they are host hits.
-  Prefetched chunks not yet loaded are capped (a quarter of host by default) and counted per request
-  until its load (``prepare_load``) or its end (``on_request_finished``).
+  fit, so a read from a lower tier would start only then, and the stores of the requests running
+  while it waits push its history out of host (LRU). A request's keys are therefore handed over when
+  it arrives, and a window over the waiting requests, in arrival order, holds their chunks: keys
+  still in host are made recent (kept), keys found in a lower tier are read into host chunks while
+  the tier's cost rule has room. The window (a quarter of host by default) counts each request's
+  chunks until its load (``prepare_load``) or its end (``on_request_finished``); then the next
+  requests' turn comes.
 
 A lower tier is any object with ``DiskTier``'s scheduler-facing surface (``tiers/contract.py``,
 ``LowerTier``).
@@ -120,7 +121,8 @@ class TieredManager:
         self.prefetch_chunks = prefetch_chunks
         self._prefetch: dict[str, _Prefetch] = {}  # by request id, until its load or its end
         self._prefetch_queue: deque[_Prefetch] = deque()  # those with keys left, in arrival order
-        self._prefetched = 0  # host chunks prefetched and not yet loaded (or released)
+        self._prefetched = 0  # host chunks prefetched or kept, not yet loaded (or released)
+        self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
         _LIVE.add(self)
 
     @property
@@ -171,7 +173,8 @@ class TieredManager:
             for t in self.tiers:
                 now = t.stats.line()
                 if now != self._logged[t.name]:
-                    logger.info("%s tier: %s; %s; %s", t.name, now, t.describe_rate(), self.misses.line())
+                    logger.info("%s tier: %s; %s; %s; prefetch window: %d host chunks kept for waiting requests",
+                                t.name, now, t.describe_rate(), self.misses.line(), self.kept)
                     self._logged[t.name] = now
 
     def _apply(self, completions) -> None:
@@ -249,10 +252,31 @@ class TieredManager:
             q.popleft()
 
     def _advance(self, p: _Prefetch) -> bool:
-        """Start ``p``'s reads, key by key; False if it has to wait for room, True once it is done."""
+        """Keep ``p``'s keys that are in host there and start reads of those on a tier, key by key;
+        False if it has to wait for room, True once it is done."""
+        kept: list = []
+        try:
+            return self._advance_keys(p, kept)
+        finally:
+            if kept:  # one touch in prompt order: vLLM's LRU then keeps the prefix longest
+                self.host.touch(kept, self._ctx)
+
+    def _advance_keys(self, p: _Prefetch, kept: list) -> bool:
         while p.next < len(p.keys):
             key = p.keys[p.next]
-            if self._ready_in_host(key) or any(t.reading(key) for t in self.tiers):
+            if any(t.reading(key) for t in self.tiers):
+                p.next += 1
+                continue
+            if self._ready_in_host(key):
+                # still in host: made recent, and counted in the window, so that the stores of the
+                # requests running meanwhile do not evict it while this one waits (measured on the
+                # H200: a later turn's history was in host when it arrived and gone when it was scheduled)
+                if self._prefetched >= self.prefetch_chunks:
+                    return False
+                kept.append(key)
+                self.kept += 1
+                p.chunks += 1
+                self._prefetched += 1
                 p.next += 1
                 continue
             if any(key in t.abandoned for t in self.tiers):
