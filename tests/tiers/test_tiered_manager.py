@@ -318,3 +318,21 @@ def test_the_window_keeps_a_waiting_requests_history_in_host_and_reads_what_left
     assert [(op, k) for op, k, _ in disk.orders] == [(Op.READ, b"k2")] and disk.stats.prefetches == 1
     disk.finish()
     assert hit(m.lookup(b"k2", _ctx("r2")))
+
+
+def test_a_prefix_many_waiting_requests_share_takes_one_place_in_the_window():
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = MemTier("disk", keys={b"a", b"b"})
+    m = TieredManager(host, [disk], prefetch_chunks=2)
+    m.complete_store(list(m.prepare_store([b"sys"], CTX).keys_to_store), CTX)
+    disk.finish()
+    m.settle()
+    disk.log.clear()
+    m.prefetch([b"sys", b"a"], _ctx("r1"))  # sys kept, a read: the window is full
+    m.prefetch([b"sys", b"b"], _ctx("r2"))  # sys is held already; b waits for a place
+    assert [k for _, k, _ in disk.log] == [b"a"] and m.kept == 2
+    m.on_request_finished(_ctx("r1"))  # a's place frees; sys stays held for r2
+    assert [k for _, k, _ in disk.log] == [b"a", b"b"]
+    assert m._held == {b"sys": 1, b"b": 1}
+    m.on_request_finished(_ctx("r2"))
+    assert m._held == {}

@@ -25,9 +25,9 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   while it waits push its history out of host (LRU). A request's keys are therefore handed over when
   it arrives, and a window over the waiting requests, in arrival order, holds their chunks: keys
   still in host are made recent (kept), keys found in a lower tier are read into host chunks while
-  the tier's cost rule has room. The window (a quarter of host by default) counts each request's
-  chunks until its load (``prepare_load``) or its end (``on_request_finished``); then the next
-  requests' turn comes.
+  the tier's cost rule has room. The window (a quarter of host by default) holds distinct chunks (a
+  prefix many requests share counts once) for each request until its load (``prepare_load``) or its
+  end (``on_request_finished``); then the next requests' turn comes.
 
 A lower tier is any object with ``DiskTier``'s scheduler-facing surface (``tiers/contract.py``,
 ``LowerTier``).
@@ -39,7 +39,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..tiers.contract import Failure, LowerTier, Op
@@ -90,13 +90,13 @@ def live_tier_managers() -> list["TieredManager"]:
 
 @dataclass
 class _Prefetch:
-    """One request's keys to read ahead, in prompt order; ``chunks``: host chunks its reads took."""
+    """One request's keys to hold in host, in prompt order; ``held``: those the window holds for it."""
 
     req_id: str
     keys: list
     since: float
     next: int = 0
-    chunks: int = 0
+    held: list = field(default_factory=list)
     done: bool = False
 
 
@@ -104,7 +104,8 @@ class TieredManager:
     """Wraps the host tier's ``OffloadingManager``; every call it does not override goes to it."""
 
     def __init__(self, host, tiers: list[LowerTier], prefetch_chunks: int = 0):
-        """``prefetch_chunks``: prefetched host chunks not yet loaded, at most (0: no prefetch)."""
+        """``prefetch_chunks``: host chunks the prefetch window holds for waiting requests, at most (0:
+        no prefetch)."""
         if not tiers:
             raise ValueError("TieredManager needs at least one lower tier")
         if prefetch_chunks < 0:
@@ -121,7 +122,7 @@ class TieredManager:
         self.prefetch_chunks = prefetch_chunks
         self._prefetch: dict[str, _Prefetch] = {}  # by request id, until its load or its end
         self._prefetch_queue: deque[_Prefetch] = deque()  # those with keys left, in arrival order
-        self._prefetched = 0  # host chunks prefetched or kept, not yet loaded (or released)
+        self._held: dict = {}  # key -> waiting requests the window holds it for (a shared prefix once)
         self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
         _LIVE.add(self)
 
@@ -237,7 +238,12 @@ class TieredManager:
         p = self._prefetch.pop(req_id, None)
         if p is not None:
             p.done = True
-            self._prefetched -= p.chunks
+            for key in p.held:
+                n = self._held[key] - 1
+                if n:
+                    self._held[key] = n
+                else:
+                    del self._held[key]
 
     def _run_prefetch(self) -> None:
         """Advance the oldest requests' prefetches until a tier or the cap has no room."""
@@ -271,12 +277,10 @@ class TieredManager:
                 # still in host: made recent, and counted in the window, so that the stores of the
                 # requests running meanwhile do not evict it while this one waits (measured on the
                 # H200: a later turn's history was in host when it arrived and gone when it was scheduled)
-                if self._prefetched >= self.prefetch_chunks:
+                if not self._hold(p, key):
                     return False
                 kept.append(key)
                 self.kept += 1
-                p.chunks += 1
-                self._prefetched += 1
                 p.next += 1
                 continue
             if any(key in t.abandoned for t in self.tiers):
@@ -286,7 +290,8 @@ class TieredManager:
                 if any(t.looking_up(key) for t in self.tiers):
                     return False  # a tier answers soon
                 break  # the prefix ends here: nothing after it can be a hit
-            if self._prefetched >= self.prefetch_chunks or not tier.worth_reading(count=False):
+            if (key not in self._held and len(self._held) >= self.prefetch_chunks) \
+                    or not tier.worth_reading(count=False):
                 return False
             out = self.host.prepare_store([key], self._ctx)
             if out is None or list(out.keys_to_store) != [key]:
@@ -295,14 +300,24 @@ class TieredManager:
                 self.host.complete_store([key], self._ctx, False)
                 break
             tier.stats.prefetches += 1
-            p.chunks += 1
-            self._prefetched += 1
+            self._hold(p, key)
             p.next += 1
         p.done = True
         return True
 
+    def _hold(self, p: _Prefetch, key) -> bool:
+        """Count ``key`` in the window for ``p``; False if it is full (a key held already is free)."""
+        n = self._held.get(key, 0)
+        if not n and len(self._held) >= self.prefetch_chunks:
+            return False
+        self._held[key] = n + 1
+        p.held.append(key)
+        return True
+
     def on_request_finished(self, req_context) -> None:
         self._release(req_context.req_id)
+        if self._prefetch_queue:
+            self._run_prefetch()  # the next waiting requests' turn in the window
         fn = getattr(self.host, "on_request_finished", None)
         if fn is not None:
             fn(req_context)
