@@ -58,10 +58,14 @@ def _parts():
     return conversation(TURNS, 300, 40, seed=9)
 
 
-def _config(m: Master, tenant: str = "default") -> dict:
+def _config(m: Master, tenant: str = "default", ours: bool = False) -> dict:
+    """``ours``: through NPUOffloadingConnector, which hands each new request's keys to the tiers (prefetch)."""
     from vllm_npu_offload.demo.run import offload_config
 
     cfg = offload_config(HOST_BYTES, OFFLOAD_BLOCK)
+    if ours:
+        cfg |= {"kv_connector": "NPUOffloadingConnector",
+                "kv_connector_module_path": "vllm_npu_offload.integration.connector"}
     cfg["kv_connector_extra_config"] |= {f"mooncake_{k}": v for k, v in m.extra(segment_bytes=0).items()}
     cfg["kv_connector_extra_config"]["mooncake_tenant"] = tenant
     return cfg
@@ -84,19 +88,23 @@ def test_another_engine_serves_a_conversation_from_the_pool(tiny_model, pool):
     finally:
         a.close()
 
-    b = Engine(tiny_model, _config(pool))  # another instance: empty host tier, same pool
+    # another instance: empty host tier, same pool; through our connector, each turn's records are
+    # read from the pool when the request arrives (prefetch), before the scheduler looks it up
+    b = Engine(tiny_model, _config(pool, ours=True))
     try:
         got = run_turns(b.llm, _parts(), 12, reset_before_turn=True, reference=reference)
         assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
-        assert b.manager.tier.stats.hits > 0, "the second engine served nothing from the pool"
+        s = b.manager.tier.stats
+        assert s.hits > 0, "the second engine served nothing from the pool"
+        assert 0 < s.prefetches <= s.hits, (s.prefetches, s.hits)
         assert sum(r["cached"] for r in got) > 0
     finally:
         b.close()
 
-    c = Engine(tiny_model, _config(pool, tenant="other"))  # another tenant: never a hit
+    c = Engine(tiny_model, _config(pool, tenant="other", ours=True))  # another tenant: never a hit
     try:
         got = run_turns(c.llm, _parts(), 12, reset_before_turn=True, reference=reference)
         assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
-        assert c.manager.tier.stats.hits == 0
+        assert c.manager.tier.stats.hits == 0 and c.manager.tier.stats.prefetches == 0
     finally:
         c.close()
