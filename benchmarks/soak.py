@@ -1,7 +1,8 @@
 """Soak: a server with every tier on, under the multi-turn client, for a long time; resources sampled.
 
 One offload-off server answers a fixed probe prompt first (the reference tokens) and stops. Then the
-server under test (host tier + disk tier, sized small so both recycle many times) takes passes of
+server under test (host tier + disk tier, sized small so both recycle many times, through
+``NPUOffloadingConnector``, so the tiers' prefetch window runs too) takes passes of
 fresh multi-turn conversations until ``--minutes`` are up, while a sampler records every
 ``--every-s`` seconds: the server's process tree's RSS, locked (pinned) memory, threads and open
 files, the /dev/shm entries, and the disk tier's records and bytes. The probe runs again at the
@@ -30,7 +31,7 @@ import httpx
 from .multiturn.cli import TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN
 from .multiturn.driver import DriverConfig, run_load
 from .multiturn.generate import Conversation, generate
-from .multiturn.launcher import tiny_server_setup, vllm_server
+from .multiturn.launcher import NPU_CONNECTOR, tiny_server_setup, vllm_server
 from .multiturn.procs import listening_pid, tree_pids
 from .multiturn.resources import disk_within_budget, flat, sample
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     passes: list[dict] = []
     stop = threading.Event()
     with vllm_server(model, args, offload=True, cpu_bytes=a.host_mib << 20, block_size=32, env=env,
-                     kv_extra=extra, label="soak", log_path=work / "soak.log") as url:
+                     kv_extra=extra, connector=NPU_CONNECTOR, label="soak", log_path=work / "soak.log") as url:
         pid = listening_pid(url)
         first_probe = probe(url)
 

@@ -31,15 +31,23 @@ SPEC_MODULE = "vllm_npu_offload.integration.spec"
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def offload_kv_config(cpu_bytes: int, block_size: int, extra: dict | None = None) -> str:
+NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
+
+
+def offload_kv_config(cpu_bytes: int, block_size: int, extra: dict | None = None,
+                      connector: tuple[str, str] | None = None) -> str:
     """--kv-transfer-config that enables vLLM's OffloadingConnector with our NPUOffloadingSpec
-    (``extra``: more extra-config keys, e.g. the disk tier's)."""
-    return json.dumps({
+    (``extra``: more extra-config keys, e.g. the disk tier's; ``connector``: (name, module) instead,
+    e.g. ``NPU_CONNECTOR``, whose prefetch the tiers use)."""
+    out = {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "block_size": block_size,
                                       "spec_name": "NPUOffloadingSpec", "spec_module_path": SPEC_MODULE,
                                       **(extra or {})},
-    })
+    }
+    if connector is not None:
+        out["kv_connector"], out["kv_connector_module_path"] = connector
+    return json.dumps(out)
 
 
 def free_port() -> int:
@@ -80,7 +88,8 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 def vllm_server(model: str, args: Sequence[str] = (), *, offload: bool = False, cpu_bytes: int = 1 << 30,
                 block_size: int | None = None, env: dict[str, str] | None = None, startup_timeout_s: float = 600,
                 log_path: str | Path | None = None, python: str = sys.executable, label: str = "server",
-                cpus: Sequence[int] = (), kv_extra: dict | None = None) -> Iterator[str]:
+                cpus: Sequence[int] = (), kv_extra: dict | None = None,
+                connector: tuple[str, str] | None = None) -> Iterator[str]:
     """Yield the base URL (``http://127.0.0.1:PORT``) of a healthy server; stop it on exit.
 
     ``args`` are extra ``api_server`` flags (e.g. ``--dtype``, ``--max-model-len``); with
@@ -96,7 +105,7 @@ def vllm_server(model: str, args: Sequence[str] = (), *, offload: bool = False, 
         if block_size is None:
             a = list(args)
             block_size = int(a[a.index("--block-size") + 1]) if "--block-size" in a else 16
-        cmd += ["--kv-transfer-config", offload_kv_config(cpu_bytes, block_size, kv_extra)]
+        cmd += ["--kv-transfer-config", offload_kv_config(cpu_bytes, block_size, kv_extra, connector)]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), full_env.get("PYTHONPATH")) if p)
     full_env.setdefault("NO_PROXY", "127.0.0.1,localhost")
