@@ -487,10 +487,10 @@ def table(res: dict) -> str:
         out.append(_table(["t_s"] + keys, [[_num(s.get("t_s"))] + [_num(s.get(k)) for k in keys] for s in samples]))
     if res.get("passes"):
         out.append("passes (vLLM's multi-turn client against ours-disk):")
-        out.append(_table(["pass", "at most", "ok", "failed", "unanswered", "clients ended", "wall s",
+        out.append(_table(["pass", "at most", "ok", "failed", "unanswered", "rows lost", "clients ended", "wall s",
                            "external hit tok", "error"],
                           [[p.get("pass"), p.get("planned"), p.get("ok"), p.get("failed"), p.get("unanswered"),
-                            f"{p.get('clients_done')}/{p.get('clients')}", _num(p.get("wall_s")), _num(p.get("metrics", {}).get("external_hits")),
+                            p.get("rows_lost", "-"), f"{p.get('clients_done')}/{p.get('clients')}", _num(p.get("wall_s")), _num(p.get("metrics", {}).get("external_hits")),
                             (p.get("error") or "")[:60]] for p in res["passes"]]))
     out += [line for line in (_faults_line(res.get("faults_seen")), _kill_line(res.get("kill"), res.get("kill_pass")),
                               _restart_line(res.get("restart"))) if line]
