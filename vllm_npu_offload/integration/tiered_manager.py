@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 RESET_DRAIN_S = 30.0
 PREFETCH_TTL_S = 120.0  # a prefetch whose request never loaded nor finished stops counting after this
+PREFETCH_RETRY_S = 0.05  # the window tries again this often when nothing has changed (a tier's lookup)
 LOG_EVERY_S = 30.0  # the tier's counters in the server log, when they moved
 # vLLM's metrics (vLLM >= 0.28 publishes what a manager's get_stats reports), per tier:
 # (name suffix, TierStats field, help); names are vllm:kv_offload_<tier>_<suffix>
@@ -123,6 +124,7 @@ class TieredManager:
         self._prefetch: dict[str, _Prefetch] = {}  # by request id, until its load or its end
         self._prefetch_queue: deque[_Prefetch] = deque()  # those with keys left, in arrival order
         self._held: dict = {}  # key -> waiting requests the window holds it for (a shared prefix once)
+        self._prefetch_due = 0.0  # when the window next moves (0: at the next call)
         self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
         _LIVE.add(self)
 
@@ -165,9 +167,15 @@ class TieredManager:
     # -- completions ---------------------------------------------------------------------
     def _settle(self) -> None:
         for t in self.tiers:
-            self._apply(t.poll())
+            done = t.poll()
+            if done:
+                self._prefetch_due = 0.0  # reads ended: room in a tier's queue, chunks in host
+            self._apply(done)
             self._start_writes(t)
-        if self._prefetch_queue:
+        if self._prefetch and time.monotonic() >= self._prefetch_due:
+            # vLLM calls in here for every key it looks up: the window moves only when something
+            # changed (a request came, loaded or ended, a read ended) or every PREFETCH_RETRY_S
+            self._prefetch_due = time.monotonic() + PREFETCH_RETRY_S
             self._run_prefetch()
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
@@ -231,6 +239,7 @@ class TieredManager:
         p = _Prefetch(rid, list(keys), time.monotonic())
         self._prefetch[rid] = p
         self._prefetch_queue.append(p)
+        self._prefetch_due = 0.0
         self._settle()
 
     def _release(self, req_id: str) -> None:
@@ -238,6 +247,7 @@ class TieredManager:
         p = self._prefetch.pop(req_id, None)
         if p is not None:
             p.done = True
+            self._prefetch_due = 0.0
             for key in p.held:
                 n = self._held[key] - 1
                 if n:
@@ -251,6 +261,7 @@ class TieredManager:
         now = time.monotonic()
         for p in [p for p in self._prefetch.values() if now - p.since > PREFETCH_TTL_S]:
             self._release(p.req_id)
+        self._prefetch_due = now + PREFETCH_RETRY_S
         while q:
             p = q[0]
             if not p.done and not self._advance(p):
