@@ -341,3 +341,27 @@ def test_a_prefix_many_waiting_requests_share_takes_one_place_in_the_window():
     assert m._held == {b"sys": 1, b"b": 1}
     m.on_request_finished(_ctx("r2"))
     assert m._held == {}
+
+
+def test_the_window_never_evicts_a_hit_between_its_lookup_and_its_load():
+    """vLLM looks a request up key by key and pins the hits in ``prepare_load`` within the same step.
+    A prefetch read takes a host chunk and may evict one, so the window must not move inside the
+    lookups (a CPU soak once failed vLLM's ``Chunk ... not found in cache`` assertion there)."""
+    host = CPUOffloadingManager(num_chunks=3)
+    disk = MemTier("disk", keys={b"w"})
+    m = TieredManager(host, [disk], prefetch_chunks=3)
+    for k in (b"r1", b"r2", b"x"):  # r1 is the least recently used
+        m.complete_store(list(m.prepare_store([k], CTX).keys_to_store), CTX)
+    disk.finish()
+    m.settle()
+    disk.log.clear()
+    disk.full = True
+    m.prefetch([b"w"], _ctx("W"))  # W waits: the tier's read queue is full
+    disk.full = False
+    assert hit(m.lookup(b"r1", _ctx("R")))
+    time.sleep(PREFETCH_RETRY_S + 0.01)  # the window is due again
+    assert hit(m.lookup(b"r2", _ctx("R")))
+    assert disk.log == []  # not inside the lookups
+    m.prepare_load([b"r1", b"r2"], _ctx("R"))  # the hits are still there to pin
+    assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"w")]  # then the window moved: x made room
+    assert not hit(host.lookup(b"x", CTX)) and hit(host.lookup(b"r1", CTX))

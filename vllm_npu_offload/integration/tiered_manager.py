@@ -137,12 +137,14 @@ class TieredManager:
         return sum(t.in_flight() for t in self.tiers)
 
     def settle(self, timeout_s: float = 0.0) -> None:
-        """Take in the tier's finished orders, waiting up to ``timeout_s`` for those in flight."""
+        """Take in the tier's finished orders, waiting up to ``timeout_s`` for those in flight, and move
+        the prefetch window (diagnostics and tests: vLLM never calls this inside a lookup)."""
         self._settle()
         end = time.monotonic() + timeout_s
         while self._in_flight() and time.monotonic() < end:
             time.sleep(0.005)
             self._settle()
+        self._move_window()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.host, name)
@@ -172,11 +174,6 @@ class TieredManager:
                 self._prefetch_due = 0.0  # reads ended: room in a tier's queue, chunks in host
             self._apply(done)
             self._start_writes(t)
-        if self._prefetch and time.monotonic() >= self._prefetch_due:
-            # vLLM calls in here for every key it looks up: the window moves only when something
-            # changed (a request came, loaded or ended, a read ended) or every PREFETCH_RETRY_S
-            self._prefetch_due = time.monotonic() + PREFETCH_RETRY_S
-            self._run_prefetch()
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
             for t in self.tiers:
@@ -240,7 +237,20 @@ class TieredManager:
         self._prefetch[rid] = p
         self._prefetch_queue.append(p)
         self._prefetch_due = 0.0
-        self._settle()
+        self._move_window()
+
+    def _move_window(self) -> None:
+        """Advance the prefetch window, only where no request's host hits wait to be pinned: a read it
+        starts takes a host chunk (``prepare_store``), which may evict one. vLLM looks a request up
+        key by key and pins its hits in ``prepare_load`` within the same step, so the window never
+        moves inside ``lookup`` (a hit evicted in between fails vLLM's assertion in ``prepare_load``),
+        only in ``prefetch``, ``prepare_load`` (after the pin), ``prepare_store``, ``complete_store``
+        and ``on_request_finished``; and only when something changed (a request came, was scheduled
+        or ended, a read ended) or every PREFETCH_RETRY_S."""
+        if self._prefetch and time.monotonic() >= self._prefetch_due:
+            self._settle()
+            self._prefetch_due = time.monotonic() + PREFETCH_RETRY_S
+            self._run_prefetch()
 
     def _release(self, req_id: str) -> None:
         """The request loaded its hits or ended: its prefetched chunks no longer count."""
@@ -327,8 +337,7 @@ class TieredManager:
 
     def on_request_finished(self, req_context) -> None:
         self._release(req_context.req_id)
-        if self._prefetch_queue:
-            self._run_prefetch()  # the next waiting requests' turn in the window
+        self._move_window()  # the next waiting requests' turn in the window
         fn = getattr(self.host, "on_request_finished", None)
         if fn is not None:
             fn(req_context)
@@ -362,10 +371,11 @@ class TieredManager:
         return r is True or r == self._hit
 
     def prepare_load(self, keys, req_context):
-        self._release(req_context.req_id)
         self._settle()
-        spec = self.host.prepare_load(keys, req_context)
+        spec = self.host.prepare_load(keys, req_context)  # the hits are pinned before the window moves
         self._admit("reuse", list(keys))
+        self._release(req_context.req_id)
+        self._move_window()
         return spec
 
     def touch(self, keys, req_context):
@@ -382,9 +392,11 @@ class TieredManager:
         if success and any(t.admit == "all" for t in self.tiers):
             self._settle()
             self._admit("all", keys)
+        self._move_window()
 
     def prepare_store(self, keys, req_context):
         self._settle()
+        self._move_window()
         return self.host.prepare_store(keys, req_context)
 
     def reset_cache(self) -> None:
