@@ -5,6 +5,7 @@ conversation from disk, and corrupted records are never loaded (the tokens are r
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import pytest
@@ -113,9 +114,10 @@ def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path)
 def test_a_restart_under_npu_offloading_connector_prefetches_its_records_on_arrival(tiny_model, reference,
                                                                                     tmp_path):
     """With ``NPUOffloadingConnector`` each new request's keys go to the tier manager when it arrives,
-    and what is on disk is read into host before the scheduler looks the request up (prefetch): a
-    restarted engine, whose host tier is empty, serves the conversation from prefetched records with
-    the tokens of offload off."""
+    and what is on disk is read into host before the scheduler looks the request up (prefetch, a
+    window of a quarter of host): a restarted engine, whose host tier is empty, serves the
+    conversation from records the window read on arrival and the rest read on lookup, with the
+    tokens of offload off."""
     from vllm_npu_offload.demo.run import run_turns
 
     disk = tmp_path / "kv"
@@ -132,6 +134,11 @@ def test_a_restart_under_npu_offloading_connector_prefetches_its_records_on_arri
     eng = Engine(tiny_model, cfg)
     try:
         assert eng.manager.prefetch_chunks == HOST_BYTES // (32 << 10) // 4
+        end = time.monotonic() + 15
+        while not eng.manager.tier.up:  # the records are known before the first request arrives
+            assert time.monotonic() < end, "the restarted disk tier never came up"
+            eng.manager.settle(0)
+            time.sleep(0.05)
         r = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
         assert [t["tokens"] for t in r] == [t["tokens"] for t in reference]
         s = eng.manager.tier.stats

@@ -88,15 +88,17 @@ def test_another_engine_serves_a_conversation_from_the_pool(tiny_model, pool):
     finally:
         a.close()
 
-    # another instance: empty host tier, same pool; through our connector, each turn's records are
-    # read from the pool when the request arrives (prefetch), before the scheduler looks it up
+    # another instance: empty host tier, same pool; through our connector each turn's keys go to the
+    # tiers on arrival (one request at a time here: whether the window or the scheduler's own lookup
+    # starts a read depends on when the pool's existence checks answer; test_tiered_manager.py
+    # tests the window over a tier that is still looking keys up)
     b = Engine(tiny_model, _config(pool, ours=True))
     try:
         got = run_turns(b.llm, _parts(), 12, reset_before_turn=True, reference=reference)
         assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
         s = b.manager.tier.stats
         assert s.hits > 0, "the second engine served nothing from the pool"
-        assert 0 < s.prefetches <= s.hits, (s.prefetches, s.hits)
+        assert s.prefetches <= s.hits, (s.prefetches, s.hits)
         assert sum(r["cached"] for r in got) > 0
     finally:
         b.close()

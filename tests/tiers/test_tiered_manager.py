@@ -365,3 +365,28 @@ def test_the_window_never_evicts_a_hit_between_its_lookup_and_its_load():
     m.prepare_load([b"r1", b"r2"], _ctx("R"))  # the hits are still there to pin
     assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"w")]  # then the window moved: x made room
     assert not hit(host.lookup(b"x", CTX)) and hit(host.lookup(b"r1", CTX))
+
+
+def _schedule_end(m):
+    """vLLM's last manager call of a step (0.23: no argument; >= 0.25: the step's context)."""
+    from vllm.v1.kv_offload import base
+
+    ctx = getattr(base, "ScheduleEndContext", None)
+    m.on_schedule_end(*([ctx((), ())] if ctx is not None else []))
+
+
+def test_the_window_waits_for_a_tier_still_looking_keys_up_and_reads_at_the_end_of_a_step():
+    """A store answers whether it holds a key asynchronously: the window waits for the answer (the
+    step does not) and starts the read at a later safe point, at the latest vLLM's end of step."""
+    host = CPUOffloadingManager(num_chunks=8)
+    pool = MemTier("mooncake", keys={b"p1", b"p2"})
+    pool.unknown = {b"p1", b"p2"}
+    m = TieredManager(host, [pool], prefetch_chunks=4)
+    m.prefetch([b"p1", b"p2"], _ctx("r"))
+    _schedule_end(m)
+    assert pool.log == []
+    pool.unknown.clear()  # the existence checks answered
+    time.sleep(PREFETCH_RETRY_S + 0.01)
+    _schedule_end(m)
+    assert [(op, k) for op, k, _ in pool.log] == [(Op.READ, b"p1"), (Op.READ, b"p2")]
+    assert pool.stats.prefetches == 2

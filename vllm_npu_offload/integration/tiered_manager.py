@@ -244,9 +244,9 @@ class TieredManager:
         starts takes a host chunk (``prepare_store``), which may evict one. vLLM looks a request up
         key by key and pins its hits in ``prepare_load`` within the same step, so the window never
         moves inside ``lookup`` (a hit evicted in between fails vLLM's assertion in ``prepare_load``),
-        only in ``prefetch``, ``prepare_load`` (after the pin), ``prepare_store``, ``complete_store``
-        and ``on_request_finished``; and only when something changed (a request came, was scheduled
-        or ended, a read ended) or every PREFETCH_RETRY_S."""
+        only in ``prefetch``, ``prepare_load`` (after the pin), ``prepare_store``, ``complete_store``,
+        ``on_request_finished`` and ``on_schedule_end``; and only when something changed (a request
+        came, was scheduled or ended, a read ended) or every PREFETCH_RETRY_S."""
         if self._prefetch and time.monotonic() >= self._prefetch_due:
             self._settle()
             self._prefetch_due = time.monotonic() + PREFETCH_RETRY_S
@@ -309,6 +309,9 @@ class TieredManager:
             tier = next((t for t in self.tiers if t.has(key)), None)
             if tier is None:
                 if any(t.looking_up(key) for t in self.tiers):
+                    for later in p.keys[p.next + 1:]:  # ask about the rest of the prefix meanwhile
+                        for t in self.tiers:
+                            t.has(later)
                     return False  # a tier answers soon
                 break  # the prefix ends here: nothing after it can be a hit
             if (key not in self._held and len(self._held) >= self.prefetch_chunks) \
@@ -334,6 +337,13 @@ class TieredManager:
         self._held[key] = n + 1
         p.held.append(key)
         return True
+
+    def on_schedule_end(self, *args, **kwargs):
+        """vLLM's last manager call of a step (0.23: no argument; >= 0.25: the step's context), after
+        every ``prepare_load``: the window moves here at least once a step."""
+        self._move_window()
+        fn = getattr(self.host, "on_schedule_end", None)
+        return fn(*args, **kwargs) if fn is not None else None
 
     def on_request_finished(self, req_context) -> None:
         self._release(req_context.req_id)
