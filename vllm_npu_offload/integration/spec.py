@@ -40,7 +40,7 @@ from ..tiers.disk_tier import DiskTier, DiskTierConfig
 from ..tiers.disk_worker import DiskTierServer
 from ..tiers.mooncake_store import MooncakeConfig, MooncakeRankServer, MooncakeTier, MooncakeTierConfig, tier_address
 
-PREFETCH_HOST_SHARE = 4  # prefetched host chunks not yet loaded: at most this share of host (1/4)
+PREFETCH_HOST_SHARE = 4  # the prefetch window holds at most this share of the host chunks (1/4)
 
 
 def _identity(core: OffloadWorkerCore, facts) -> RecordIdentity:
@@ -210,7 +210,7 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
             if self._mooncake is not None:
                 made["mooncake"] = MooncakeTier(MooncakeTierConfig(
                     store=self._mooncake, world_size=world, engine_id=engine, tokens_per_key=tokens_per_key))
-            # prefetched chunks not yet loaded: a quarter of host at most (NPUOffloadingConnector)
+            # the prefetch window for waiting requests (NPUOffloadingConnector): a quarter of host at most
             self._tier_manager = TieredManager(host, [made[n] for n in self._tier_order],
                                                prefetch_chunks=self.geometry[1] // PREFETCH_HOST_SHARE)
         return self._tier_manager

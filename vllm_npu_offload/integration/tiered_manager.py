@@ -215,20 +215,28 @@ class TieredManager:
         if not tier.worth_reading():
             self.misses.missed(key, queued=False, refused=True)
             return miss
-        out = self.host.prepare_store([key], self._ctx)
-        if out is None or list(out.keys_to_store) != [key]:
+        started = self._start_read(tier, key)
+        if started is None:
             tier.stats.misses_no_chunk += 1
             return miss  # no host chunk free of pins right now: recompute
-        chunk = int(out.store_spec.block_ids[0])
-        if not tier.start_read(key, chunk):
+        return self._defer if started else miss
+
+    def _start_read(self, tier: LowerTier, key) -> bool | None:
+        """Order the read of ``key`` from ``tier`` into a fresh host chunk (completed or dropped when the
+        read ends, ``_apply``); None if no host chunk is free of pins, False if the order was not sent."""
+        out = self.host.prepare_store([key], self._ctx)
+        if out is None or list(out.keys_to_store) != [key]:
+            return None
+        if not tier.start_read(key, int(out.store_spec.block_ids[0])):
             self.host.complete_store([key], self._ctx, False)
-            return miss
-        return self._defer
+            return False
+        return True
 
     # -- prefetch ------------------------------------------------------------------------
     def prefetch(self, keys, req_context) -> None:
-        """Read ``keys`` (one request's, in prompt order) from the lower tiers into host ahead of
-        vLLM's scheduler, as far as the prefix is found somewhere and the tiers have room."""
+        """Hold ``keys`` (one request's, in prompt order) in host ahead of vLLM's scheduler: those in
+        host are kept, those on a lower tier are read, as far as the prefix is found somewhere and the
+        window and the tiers have room."""
         if not self.prefetch_chunks or not keys:
             return
         rid = req_context.req_id
@@ -314,27 +322,25 @@ class TieredManager:
                             t.has(later)
                     return False  # a tier answers soon
                 break  # the prefix ends here: nothing after it can be a hit
-            if (key not in self._held and len(self._held) >= self.prefetch_chunks) \
-                    or not tier.worth_reading(count=False):
+            if self._window_full(key) or not tier.worth_reading(count=False):
                 return False
-            out = self.host.prepare_store([key], self._ctx)
-            if out is None or list(out.keys_to_store) != [key]:
-                break  # no host chunk free of pins: the scheduler's own lookup decides later
-            if not tier.start_read(key, int(out.store_spec.block_ids[0])):
-                self.host.complete_store([key], self._ctx, False)
-                break
+            if not self._start_read(tier, key):
+                break  # no host chunk free of pins, or the order not sent: the scheduler's lookup decides later
             tier.stats.prefetches += 1
             self._hold(p, key)
             p.next += 1
         p.done = True
         return True
 
+    def _window_full(self, key) -> bool:
+        """Whether the window has no place for ``key`` (a key it holds already takes none)."""
+        return key not in self._held and len(self._held) >= self.prefetch_chunks
+
     def _hold(self, p: _Prefetch, key) -> bool:
-        """Count ``key`` in the window for ``p``; False if it is full (a key held already is free)."""
-        n = self._held.get(key, 0)
-        if not n and len(self._held) >= self.prefetch_chunks:
+        """Count ``key`` in the window for ``p``; False if it is full."""
+        if self._window_full(key):
             return False
-        self._held[key] = n + 1
+        self._held[key] = self._held.get(key, 0) + 1
         p.held.append(key)
         return True
 
