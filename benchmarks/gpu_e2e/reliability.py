@@ -14,8 +14,8 @@ its ``NPU_OFFLOAD_FAULTS``) start together; then, on ours-disk:
    counts what it injected (copy jobs retried, the disk tier's failed reads, checksum failures and
    dropped stores);
 3. the probe again: equal to off;
-4. kill -9: a pass starts and KILL_AFTER_S later (sooner where the disk tier would rewrite half its
-   budget first: ``kill_after_s``) every process of the server's tree gets SIGKILL at once. Nothing may be left: no process, no /dev/shm entry of ours, no locked memory, no GPU memory.
+4. kill -9: a pass starts and KILL_AFTER_S later (sooner once the pass has written KILL_BUDGET_SHARE
+   of the disk budget, read off the folder: ``wait_for_kill``) every process of the server's tree gets SIGKILL at once. Nothing may be left: no process, no /dev/shm entry of ours, no locked memory, no GPU memory.
    The same server starts again on the same disk folder (not emptied) with the fault hook off, so a
    record failing its checksum can only be one the kill tore; once its disk tier is up and has
    scanned: none of the temporary records the kill left (its own writes make new ones), the probe
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.multiturn.procs import listening_pid, tree_pids
-from benchmarks.multiturn.resources import alive, disk_within_budget, flat, sample, temporaries
+from benchmarks.multiturn.resources import alive, disk_within_budget, flat, sample, temporaries, written_since
 from benchmarks.multiturn.report import _table
 from vllm_npu_offload.env import KNOBS, parse_faults
 from vllm_npu_offload.tiers.channel import tier_sockets
@@ -62,6 +62,8 @@ WARMUP_SAMPLES = 3
 SLACK = 0.10
 KILL_AFTER_S = 20.0  # of the pass running when the kill comes: requests computing, stores in flight
 KILL_BUDGET_SHARE = 0.5  # the cut pass writes at most this share of the disk budget before the kill
+KILL_LEAST_S = 2.0  # never sooner into the pass: its first stores are under way
+KILL_POLL_S = 0.25
 PROBE_WORDS = 4040  # word-level tokenizer: one token each; 63 whole blocks of 64
 PROBE_TOKENS = 32
 FLAT_KEYS = ("rss_mib", "locked_mib", "threads", "open_files", "shm_entries", "gpu_mib")
@@ -392,6 +394,7 @@ class KillReport:
     planned_gpu_mib: float = 0.0  # what the plan gave the killed server
     wait_s: float = 0.0
     after_s: float = KILL_AFTER_S  # into its pass
+    written_mib: float | None = None  # records the cut pass had written when the kill came
 
     def checks(self) -> dict[str, bool | None]:
         ours = [n for n in self.shm_left if any(w in n.lower() for w in OURS_SHM)]
@@ -449,7 +452,9 @@ def _kill_line(k: dict | None, kp: dict | None) -> str:
     if not k:
         return ""
     kp = kp or {}
-    return (f"kill -9 {k.get('after_s', KILL_AFTER_S):.0f}s into a pass: {len(k.get('pids', []))} processes, gone after "
+    written = f" ({k['written_mib']:,.0f} MiB of records written in it)" if k.get("written_mib") is not None else ""
+    return (f"kill -9 {k.get('after_s', KILL_AFTER_S):.1f}s into a pass{written}: {len(k.get('pids', []))} processes, "
+            f"gone after "
             f"{k.get('wait_s', 0):.1f}s; temporaries left by "
             f"the kill {len(k.get('temporaries_after_kill', []))}; /dev/shm entries of the tree "
             f"{len(k.get('shm_of_tree', []))}, left {k.get('shm_left', [])}; the pass it cut: {kp.get('ok', '-')} ok, "
@@ -614,8 +619,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
         def kill_stage() -> None:
             _settle_records(disk)
             kill, client = _kill_during_pass(listening_pid(url), disk, before, [listening_pid(off_url)],
-                                             ours_plan.gpu_bytes / 2**20, one_pass,
-                                             kill_after_s(res["samples"], DISK_BYTES))
+                                             ours_plan.gpu_bytes / 2**20, one_pass, DISK_BYTES)
             res["kill"], res["kill_pass"] = asdict(kill), client
             res["server_logs"][ours_plan.label] = server_log_info(log_text(ours_plan.label))  # to its end
             res["checks"].update(kill.checks())
@@ -708,18 +712,20 @@ def _pass(r: int, url: str, model: str, served: str, load: Load, a, work: Path, 
     return {"pass": r, **counts, "wall_s": time.perf_counter() - t1, **run}
 
 
-def kill_after_s(samples: list[dict], budget_bytes: int, longest: float = KILL_AFTER_S) -> float:
-    """When the kill comes in its pass: ``longest``, or sooner where the disk tier, writing as fast as
-    the soak's samples saw it grow, would fill ``KILL_BUDGET_SHARE`` of its budget first. The restart
-    must find the probe's records, written right before that pass; a pass that rewrote the whole
-    budget would have evicted them (10 GiB filled in ~20 s on the H200's disk)."""
-    rates = [(b["disk_mib"] - a["disk_mib"]) * 2**20 / (b["t_s"] - a["t_s"])
-             for a, b in zip(samples, samples[1:])
-             if b.get("t_s", 0) > a.get("t_s", 0) and a.get("disk_mib") is not None and b.get("disk_mib") is not None]
-    peak = max(rates, default=0.0)
-    if peak <= 0:
-        return longest
-    return max(5.0, min(longest, KILL_BUDGET_SHARE * budget_bytes / peak))
+def wait_for_kill(disk: Path, since: float, budget_bytes: int) -> tuple[float, int]:
+    """Wait in the pass begun at ``since`` (wall clock) until it has written ``KILL_BUDGET_SHARE`` of the
+    disk budget (its records' mtimes, so also while evictions hold the folder at its budget), at least
+    KILL_LEAST_S and at most KILL_AFTER_S seconds; (seconds waited, bytes written). The restart must find
+    the probe's records, written right before the pass; a pass that rewrote the budget would have
+    evicted them, and a rate sampled every 10 s misses the pass's first burst (10 GiB in ~8 s at the
+    H200's 1.4 GB/s)."""
+    t0 = time.monotonic()
+    while True:
+        waited = time.monotonic() - t0
+        written = written_since(disk, since)
+        if waited >= KILL_AFTER_S or (waited >= KILL_LEAST_S and written >= KILL_BUDGET_SHARE * budget_bytes):
+            return waited, written
+        time.sleep(KILL_POLL_S)
 
 
 def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
@@ -734,21 +740,23 @@ def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
 
 
 def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], planned_gpu_mib: float,
-                      one_pass, after_s: float = KILL_AFTER_S) -> tuple[KillReport, dict]:
-    """A pass (``one_pass(timeout)``) starts; ``after_s`` later the whole tree gets SIGKILL; what it left.
+                      one_pass, budget_bytes: int) -> tuple[KillReport, dict]:
+    """A pass (``one_pass(timeout)``) starts; when ``wait_for_kill`` says, the whole tree gets SIGKILL;
+    what it left.
     ``before``: /dev/shm entries, tier sockets and Mlocked before the servers started; ``others``: the
     roots of the servers still up (their locked memory stays)."""
     box: dict = {}
 
     def killed_pass() -> None:
         try:
-            box.update(one_pass(after_s + 120))
+            box.update(one_pass(KILL_AFTER_S + 120))
         except Exception as e:  # noqa: BLE001 - the client's failure is part of the report, not a crash
             box["error"] = f"{type(e).__name__}: {e}"[-3000:]
 
     th = threading.Thread(target=killed_pass, name="reliability-kill-pass", daemon=True)
+    since = time.time()
     th.start()
-    time.sleep(after_s)
+    after_s, written = wait_for_kill(disk, since, budget_bytes)
     pids = tree_pids(root)
     rep = KillReport(pids=pids, shm_of_tree=sorted(shm_of(pids)), tree_locked_mib=sample(pids, None)["locked_mib"],
                      others_locked_mib=sum(sample(tree_pids(o), None)["locked_mib"] for o in others),
@@ -759,7 +767,7 @@ def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], pl
     while any(alive(p) for p in pids) and time.monotonic() - t0 < 30:
         time.sleep(0.2)
     rep.wait_s = time.monotonic() - t0
-    rep.after_s = after_s
+    rep.after_s, rep.written_mib = after_s, written / 2**20
     th.join(timeout=60)
     time.sleep(2.0)  # the driver frees the GPU memory of a dead process shortly after
     rep.alive_after, rep.shm_left = leftovers(pids, set(rep.shm_of_tree), before["shm"], shm_entries())

@@ -74,9 +74,24 @@ def alive(pid: int) -> bool:
         return False
 
 
+def written_since(disk: Path, since: float) -> int:
+    """Bytes of the disk tier's whole records under ``disk`` last written at or after ``since`` (wall
+    clock, as a file's mtime): what a pass has written so far, also where evictions keep the folder's
+    size flat at its budget."""
+    n = 0
+    for p in disk.rglob("*.r*") if disk.is_dir() else ():
+        try:
+            st = p.stat()  # the janitor may delete it meanwhile
+        except OSError:
+            continue
+        if TMP_MARK not in p.name and st.st_mtime >= since:
+            n += st.st_size
+    return n
+
+
 def temporaries(disk: Path) -> list[str]:
     """Names of the disk tier's temporaries (records being written) under ``disk``."""
     return sorted(p.name for p in disk.rglob("*") if TMP_MARK in p.name) if disk.is_dir() else []
 
 
-__all__ = ["alive", "disk_within_budget", "flat", "sample", "temporaries"]
+__all__ = ["alive", "disk_within_budget", "flat", "sample", "temporaries", "written_since"]

@@ -24,6 +24,7 @@ from benchmarks.gpu_e2e import device, reliability as rel, serve, tables
 from benchmarks.gpu_e2e.serve import CAPACITY, DISK_BYTES, GiB
 from benchmarks.multiturn.resources import alive, sample, temporaries
 from vllm_npu_offload.tiers.contract import TierStats
+from vllm_npu_offload.tiers.disk_io import TMP_MARK
 
 
 # ---------------------------------------------------------------------------- flag and plans
@@ -148,13 +149,35 @@ def test_fault_log_counts_the_hooks_warning_and_injected_copy_failures(monkeypat
     assert not rel.fault_log("plain log")["hook_on"]
 
 
-def test_the_kill_comes_before_the_cut_pass_could_rewrite_half_the_disk_budget():
-    grows = [{"t_s": 0, "disk_mib": 500}, {"t_s": 10, "disk_mib": 5070}, {"t_s": 20, "disk_mib": 9270}]
-    # 457 MiB/s at most: half of 10 GiB in 11.2 s
-    assert rel.kill_after_s(grows, 10 << 30) == pytest.approx(0.5 * (10 << 30) / (457 * 2**20), rel=1e-3)
-    assert rel.kill_after_s(grows, 24 << 30) == rel.KILL_AFTER_S  # 26.9 s: the usual 20 s
-    assert rel.kill_after_s(grows, 1 << 30) == 5.0  # never sooner than 5 s (stores must be in flight)
-    assert rel.kill_after_s([], 1 << 30) == rel.KILL_AFTER_S  # no samples: the usual
+def test_the_kill_comes_once_the_cut_pass_has_written_half_the_disk_budget(tmp_path, monkeypatch):
+    """Read off the records' mtimes, so also while evictions hold the folder at its budget; a record
+    written before the pass (the probe's) and a temporary do not count."""
+    monkeypatch.setattr(rel, "KILL_LEAST_S", 0.2)
+    monkeypatch.setattr(rel, "KILL_AFTER_S", 5.0)
+    monkeypatch.setattr(rel, "KILL_POLL_S", 0.02)
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    old = sub / "probe.r0"
+    old.write_bytes(b"p" * 4096)
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    (sub / f"x.r0{TMP_MARK}vm.1").write_bytes(b"t" * 8192)  # a temporary: not a record yet
+    since = time.time()
+
+    def writer():
+        for i in range(4):
+            time.sleep(0.15)
+            (sub / f"new{i}.r0").write_bytes(b"n" * 1024)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    waited, written = rel.wait_for_kill(tmp_path, since, 4096)  # half of 4 KiB: 2 records of 1 KiB
+    th.join()
+    assert 0.2 <= waited < 2.0 and written >= 2048
+    assert rel.written_since(tmp_path, since) == 4096  # the probe's record and the temporary never count
+    monkeypatch.setattr(rel, "KILL_AFTER_S", 0.3)  # a pass that writes too little: killed at the longest
+    t0 = time.monotonic()
+    waited, written = rel.wait_for_kill(tmp_path, time.time() + 1, 1 << 30)
+    assert 0.3 <= waited < 1.0 and written == 0 and time.monotonic() - t0 < 1.0
 
 
 def test_client_counts_failed_unanswered_and_clients_that_ended():
