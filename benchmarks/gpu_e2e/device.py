@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,8 @@ from .engine import CACHE_ENV, ENV, LAYERWISE_MODE_ENV, EngineError, EngineSpec,
 from .gpu_clocks import ClockSampler
 from .kv_layouts import LAYOUTS, parse_layouts
 from .models import SHAPES, build_shape_model, build_tiny
-from .serve import GPU_HEADROOM, LOADS, Budget, Load, PlanError, engine_gpu_bytes, parse_loads, run_serve
+from .serve import (DISK_BYTES, DISK_ROOT, GPU_HEADROOM, LOADS, Budget, Load, PlanError, engine_gpu_bytes, parse_loads,
+                    run_serve)
 from .tables import parse_parts, spread, unique_prompts, write_part
 from . import reliability
 
@@ -418,12 +420,24 @@ def pool_sizes(name: str, a, parts: list[str]) -> tuple[int, int]:
 
 def pool_labels(a, name: str) -> list[tuple[str, str, dict]]:
     """(label, kind, env) of a layout's pool: off, native and ours (plus --null, --layerwise, --lmcache,
-    --variant; less --no-off, --no-native)."""
+    --disk, --variant; less --no-off, --no-native)."""
     base = ([] if a.no_off else ["off"]) + (["ours"] if a.no_native else ["native", "ours"]) \
         + (["null"] if a.null else [])
     base += ["layerwise"] if a.layerwise and LAYOUTS[name].layerwise else []
     base += ["lmcache"] if getattr(a, "lmcache", False) else []
+    base += ["ours-disk"] if getattr(a, "disk", False) else []
     return [(k, k, {}) for k in base] + [(label, "ours", env) for label, env in a.variant]
+
+
+def pool_disk(kind: str, label: str) -> tuple[str | None, int]:
+    """(folder, budget) of a pool engine's disk tier: ours-disk's own folder under DISK_ROOT, emptied
+    (records of an earlier call's prompts say nothing), DISK_BYTES; (None, 0) for the other kinds."""
+    if kind != "ours-disk":
+        return None, 0
+    d = DISK_ROOT / f"pool-{label}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d), DISK_BYTES
 
 
 def check_pool_fits(name: str, a, parts: list[str], gpu_bytes: int, headroom: float = GPU_HEADROOM) -> None:
@@ -452,7 +466,7 @@ def start_pool(work: Path, a, name: str, parts: list[str], budget: Budget | None
         max_model_len=max(a.ttft_lengths) + a.ttft_suffix + 64,
         kv_cache_bytes=kv // a.tp, gpu_util=0.05, cpu_bytes=cpu, max_num_seqs=64, env=env or {}, cpus=tuple(a.cpus),
         eager=a.eager, attention_backend=lay.backend(a.attention_backend), connector=_kind_connector(name, kind),
-        tp=a.tp)
+        tp=a.tp, **dict(zip(("disk_dir", "disk_bytes"), pool_disk(kind, label or kind))))
     # variants: more engines of our spec, each with its own environment (an A/B in one run)
     specs = [mk(kind, label, env) for label, kind, env in pool_labels(a, name)]
     t0 = time.perf_counter()
@@ -890,6 +904,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add LMCache (LMCacheConnectorV1, its host KV the same bytes as native's and ours') to "
                          "correctness (uniform, float32: equal to off, with LMCache hits after the reset) and to the "
                          "ttft/miss pool (reloads in turn with native and ours); needs LMCache staged")
+    ap.add_argument("--disk", action="store_true",
+                    help="add ours with its disk tier (ours-disk: NPUOffloadingConnector, GPU_E2E_DISK_BYTES in "
+                         "GPU_E2E_DISK_ROOT, emptied first) to the ttft/miss pool: what the tier costs when nothing "
+                         "is reused, paired with ours host-only")
     ap.add_argument("--kv-gib", type=int, default=0,
                     help="device KV per pool engine (GiB); 0: enough for the longest TTFT prompt and the miss batch")
     ap.add_argument("--cpu-gib", type=int, default=0,

@@ -169,6 +169,8 @@ class EngineSpec:
     attention_backend: str = "TRITON_ATTN"
     connector: tuple[str, str] | None = None  # replaces OffloadingConnector (kv_transfer_config)
     tp: int = 1  # tensor_parallel_size (> 1: one worker process per GPU; ranks.py reaches them)
+    disk_dir: str | None = None  # ours-disk: its tier's folder
+    disk_bytes: int = 0  # ours-disk: its tier's budget
 
     def child_env(self) -> dict[str, str]:
         """The engine process's variables besides ENV: ``env``, and for LMCache its configuration and
@@ -184,7 +186,8 @@ class EngineSpec:
                   attention_backend=self.attention_backend, enable_prefix_caching=True, seed=0)
         if self.tp > 1:
             kw.update(tensor_parallel_size=self.tp, distributed_executor_backend="mp")
-        kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block, self.connector)
+        kt = kv_transfer_config(self.kind, self.cpu_bytes, self.offload_block, self.connector, self.disk_dir,
+                                self.disk_bytes)
         if kt is not None:
             kw["kv_transfer_config"] = kt
         return kw

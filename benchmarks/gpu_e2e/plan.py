@@ -3,9 +3,11 @@
 ``scripts/dev/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
-ran is written to $OUT and comes back). Priorities: 1 = staging, both smokes, correctness of every
-layout and the serving table at 8 and 32 clients (about 30 minutes of device time), 2 = reload TTFT
-and the no-reuse cost, per-layer at 32 clients, the Gemma-2 and MLA layouts, 3 = the Simple connectors.
+ran is written to $OUT and comes back). Priorities: 1 = staging with the smoke, and the tiers: the
+disk tier at the capacity load, the Mooncake pair, the reliability part (about 30 minutes of device
+time); 2 = the disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout,
+serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts; 3 = the
+shorter pair and the Simple connectors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Call:
     args: str  # gpu_e2e.sh run ARGS ("" for a stage-only call)
     est_s: int  # expected wall time of the command (H200, default mode, warm compile cache where noted)
     priority: int
+    env: str = ""  # variables before the command (VAR=VAL ...)
 
 
 # After the stage calls. The smoke comes first: it finds GPU-only failures of every new config in
@@ -29,11 +32,20 @@ RUNS = (
     # --budget-s: this one runs after install in the same call
     Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
          240, 1),
+    # the tiers (docs/benchmarks.md sections 7-9): a disk-heavy call starts on an emptied disk folder
+    Call("the disk tier at the capacity load: ours host-only, ours + disk, vLLM's fs tier, 2 passes each",
+         "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 1),
+    Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
+         "master killed mid-pass", "pair --pair-load cap --passes 2 --budget-s 500", 420, 1),
+    Call("reliability: faults on, a soak, kill -9 under load and a restart on a 10 GiB disk budget",
+         "reliability --layouts uniform --budget-s 540", 460, 1, env=f"GPU_E2E_DISK_BYTES={10 << 30}"),
+    Call("the disk tier's cost when nothing is reused: off, ours, ours + disk (miss rounds)",
+         "miss --layouts uniform --disk --no-native --miss-reps 10 --budget-s 540", 420, 2),
     Call("smoke-serve (vLLM's client, 1 tiny pass, 8 server configs) + correctness of all layouts",
-         "smoke-serve correctness --layouts all", 480, 1),
+         "smoke-serve correctness --layouts all", 480, 2),
     Call("serving, 8 clients: uniform and per-layer native/ours, off, upper bound",
-         "serve --layouts uniform --loads 8 --servers off,native,ours,perlayer:native,perlayer:ours,upper", 480, 1),
-    Call("serving, 32 clients: uniform", "serve --layouts uniform --loads 32 --servers off,native,ours,upper", 420, 1),
+         "serve --layouts uniform --loads 8 --servers off,native,ours,perlayer:native,perlayer:ours,upper", 480, 2),
+    Call("serving, 32 clients: uniform", "serve --layouts uniform --loads 32 --servers off,native,ours,upper", 420, 2),
     Call("uniform: reload TTFT 2k/8k/32k and the no-reuse cost (miss rounds)", "ttft miss --layouts uniform --miss-reps 10",
          500, 2),
     Call("serving, 32 clients: per-layer (Ascend's layout)",
@@ -46,8 +58,8 @@ RUNS = (
          "serve --layouts multigroup --loads 32 --servers native,ours", 330, 2),
     Call("serving, MLA, 8 clients", "serve --layouts mla --loads 8", 330, 2),
     Call("serving, MLA, 32 clients", "serve --layouts mla --loads 32", 360, 2),
-    Call("two instances behind a round-robin router: host-only vs the Mooncake tier, its master killed mid-pass",
-         "pair --passes 2", 480, 2),
+    Call("two instances behind a round-robin router, shorter conversations: host-only vs the Mooncake tier",
+         "pair --passes 2", 480, 3),
     Call("serving, 8 clients: Simple connectors (ours, vLLM's)",
          "serve --layouts uniform --loads 8 --servers off,native,simple,vsimple", 400, 3),
     Call("serving, 32 clients: Simple connectors", "serve --layouts uniform --loads 32 --servers off,native,simple,vsimple",
@@ -92,7 +104,8 @@ def calls(parts: int, rel: str = ".gpu", max_priority: int = 3, tp: int = 1) -> 
                     "priority": 1})
     for c in runs[1:]:
         if c.priority <= max_priority:
-            out.append({"what": c.what, "carry": [f"{rel}/e2e_src"], "command": f"{s} run {c.args}", "est_s": c.est_s,
+            out.append({"what": c.what, "carry": [f"{rel}/e2e_src"],
+                        "command": f"{c.env + ' ' if c.env else ''}{s} run {c.args}", "est_s": c.est_s,
                         "priority": c.priority})
     return out
 

@@ -399,6 +399,10 @@ def miss_table(res: dict) -> str:
             + f"\n{res['batch']} unique prompts x {res['prompt_tokens']} tokens, {res['max_tokens']} output tokens, "
               f"interleaved (the engines take turns going first) after one warm-up round; paired = median of the "
               f"per-round changes")
+    tier = paired_change(res["runs"].get("ours-disk", []), res["runs"].get("ours", []))
+    if tier["n"]:  # the disk tier's own cost when nothing is reused: against the same spec host-only
+        text += (f"\nours-disk against ours (host only), paired: {tier['median'] * 100:+.1f}% "
+                 f"({tier['min'] * 100:+.1f}..{tier['max'] * 100:+.1f}%, {tier['n']} rounds)")
     split = cost_split_table(res["runs"])
     if split:
         text += "\n\n" + split

@@ -1,5 +1,7 @@
 """The GPU yardstick's disk-tier servers and capacity load, planned on the CPU (no vLLM run)."""
 
+import pytest
+
 from benchmarks.gpu_e2e import serve
 from benchmarks.gpu_e2e.engine import kv_transfer_config
 
@@ -48,3 +50,32 @@ def test_disk_variants_change_only_their_keys():
             assert "ours-disk/{" in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_the_pool_adds_ours_with_its_disk_tier_for_the_no_reuse_cost(monkeypatch, tmp_path):
+    """``miss --disk --no-native``: off, ours and ours + disk in one pool (fits one H200); ours-disk's
+    engine gets its own emptied folder and the disk budget, through NPUOffloadingConnector."""
+    from test_gpu_e2e import _fake_pool
+
+    from benchmarks.gpu_e2e import device
+
+    seen = {}
+    _fake_pool(monkeypatch, device, seen)
+    monkeypatch.setattr(device, "DISK_ROOT", tmp_path / "disk")
+    stale = tmp_path / "disk" / "pool-ours-disk" / "old.r0"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    a = device.build_parser().parse_args(["miss", "--disk", "--no-native"])
+    device.check_pool_fits("uniform", a, ["miss"], H200)
+    device.start_pool(tmp_path, a, "uniform", ["miss"])
+    specs = {s.label: s for s in seen["specs"]}
+    assert list(specs) == ["off", "ours", "ours-disk"]
+    assert specs["ours"].disk_dir is None and "disk_path" not in specs["ours"].llm_kwargs()["kv_transfer_config"][
+        "kv_connector_extra_config"]
+    kt = specs["ours-disk"].llm_kwargs()["kv_transfer_config"]
+    assert kt["kv_connector"] == "NPUOffloadingConnector"
+    x = kt["kv_connector_extra_config"]
+    assert x["disk_path"] == str(tmp_path / "disk" / "pool-ours-disk") and x["disk_bytes_to_use"] == device.DISK_BYTES
+    assert not stale.exists()  # an earlier call's records say nothing about this one's prompts
+    with pytest.raises(serve.PlanError, match=r"4 engines \(off, native, ours, ours-disk\)"):
+        device.check_pool_fits("uniform", device.build_parser().parse_args(["miss", "--disk"]), ["miss"], H200)

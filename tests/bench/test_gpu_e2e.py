@@ -124,6 +124,9 @@ def test_miss_table_lists_variants():
     res["step_totals"] = {"ours": [{"step": [3, 30.0], "start_load": [3, 1.5]}, {"step": [3, 34.0]}]}
     text = tables.miss_table(res)
     assert "start_load ms" in text and " 32.0 |" in text and " 0.8 |" in text  # medians; a missing kind counts 0
+    assert "ours-disk against ours" not in text
+    res["runs"]["ours-disk"] = [1.01, 1.0404]  # +1% and +2% against ours' rounds
+    assert "ours-disk against ours (host only), paired: +1.5% (+1.0..+2.0%, 2 rounds)" in tables.miss_table(res)
 
 
 def test_unique_prompts_exact_and_distinct():
