@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.multiturn.procs import listening_pid, tree_pids
-from benchmarks.multiturn.resources import alive, disk_within_budget, flat, sample, temporaries, written_since
+from benchmarks.multiturn.resources import (alive, disk_within_budget, flat, records_since, sample, temporaries,
+                                            written_since)
 from benchmarks.multiturn.report import _table
 from vllm_npu_offload.env import KNOBS, parse_faults
 from vllm_npu_offload.tiers.channel import tier_sockets
@@ -64,6 +65,7 @@ KILL_AFTER_S = 20.0  # of the pass running when the kill comes: requests computi
 KILL_BUDGET_SHARE = 0.5  # the cut pass writes at most this share of the disk budget before the kill
 KILL_LEAST_S = 2.0  # never sooner into the pass: its first stores are under way
 KILL_POLL_S = 0.25
+QUIET_S = 2.0  # no record written for this long: the server's writes are done (before and after a probe)
 PROBE_WORDS = 4040  # word-level tokenizer: one token each; 63 whole blocks of 64
 PROBE_TOKENS = 32
 FLAT_KEYS = ("rss_mib", "locked_mib", "threads", "open_files", "shm_entries", "gpu_mib")
@@ -395,6 +397,8 @@ class KillReport:
     wait_s: float = 0.0
     after_s: float = KILL_AFTER_S  # into its pass
     written_mib: float | None = None  # records the cut pass had written when the kill came
+    probe_records: int | None = None  # records written from the probe's start to the cut pass's (63 its own)
+    probe_records_left: int | None = None  # of those, still on disk after the kill
 
     def checks(self) -> dict[str, bool | None]:
         ours = [n for n in self.shm_left if any(w in n.lower() for w in OURS_SHM)]
@@ -453,6 +457,9 @@ def _kill_line(k: dict | None, kp: dict | None) -> str:
         return ""
     kp = kp or {}
     written = f" ({k['written_mib']:,.0f} MiB of records written in it)" if k.get("written_mib") is not None else ""
+    if k.get("probe_records") is not None:
+        written += (f"; records written from the probe's start to the pass's {k['probe_records']}, "
+                    f"{k.get('probe_records_left')} of them left after the kill")
     return (f"kill -9 {k.get('after_s', KILL_AFTER_S):.1f}s into a pass{written}: {len(k.get('pids', []))} processes, "
             f"gone after "
             f"{k.get('wait_s', 0):.1f}s; temporaries left by "
@@ -595,6 +602,8 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
             return _pass(st.passes - 1, url, model, served, load, a, work, layout, timeout)
 
         def probe_stage(name: str, check: str) -> None:
+            _quiet_folder(disk, time.time())  # the soak's last writes first (the drain writes them while idle)
+            st.probe_t = time.time()
             got = run_probe(url, served, "ours-disk", prompt)
             res["probes"][name] = asdict(got)
             res["checks"][check], res["probes"][name]["compared_with"] = st.ref.compare(got)
@@ -617,9 +626,11 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
                 res["cut"].append({"stage": "soak", "left_s": budget.left(), "why": "the kill -9 stage needs the time"})
 
         def kill_stage() -> None:
-            _settle_records(disk)
+            probe_records = _quiet_folder(disk, st.probe_t)  # the probe's records (and any other write since)
             kill, client = _kill_during_pass(listening_pid(url), disk, before, [listening_pid(off_url)],
                                              ours_plan.gpu_bytes / 2**20, one_pass, DISK_BYTES)
+            kill.probe_records = len(probe_records)
+            kill.probe_records_left = sum((disk / n).exists() for n in probe_records)
             res["kill"], res["kill_pass"] = asdict(kill), client
             res["server_logs"][ours_plan.label] = server_log_info(log_text(ours_plan.label))  # to its end
             res["checks"].update(kill.checks())
@@ -668,6 +679,7 @@ def run_reliability(layout: str, load: Load, a, work: Path, out: Path, budget: B
 class _State:
     ref: References
     passes: int = 0
+    probe_t: float = 0.0  # when the last probe began (wall clock: the records written since are its)
 
 
 def _stage(res: dict, name: str, fn) -> bool:
@@ -728,15 +740,18 @@ def wait_for_kill(disk: Path, since: float, budget_bytes: int) -> tuple[float, i
         time.sleep(KILL_POLL_S)
 
 
-def _settle_records(disk: Path, timeout_s: float = 15.0) -> int:
-    """Wait until the disk tier's record count holds still for 2 s (the probe's stores written)."""
-    end, seen, still = time.monotonic() + timeout_s, -1, 0
-    while still < 4 and time.monotonic() < end:
-        n = sample([], disk)["disk_records"]
-        still = still + 1 if n == seen else 0
-        seen = n
-        time.sleep(0.5)
-    return seen
+def _quiet_folder(disk: Path, since: float, timeout_s: float = 20.0) -> dict[str, int]:
+    """Wait until no record has been written for QUIET_S (at most ``timeout_s``); the records written
+    since ``since`` (``records_since``). A record count alone cannot tell: at its budget the folder keeps
+    its count while writes evict."""
+    end, seen, quiet_since = time.monotonic() + timeout_s, None, time.monotonic()
+    while True:
+        now = records_since(disk, since)
+        if now != seen:
+            seen, quiet_since = now, time.monotonic()
+        if time.monotonic() - quiet_since >= QUIET_S or time.monotonic() >= end:
+            return now
+        time.sleep(0.25)
 
 
 def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], planned_gpu_mib: float,

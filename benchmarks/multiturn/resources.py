@@ -74,19 +74,24 @@ def alive(pid: int) -> bool:
         return False
 
 
-def written_since(disk: Path, since: float) -> int:
-    """Bytes of the disk tier's whole records under ``disk`` last written at or after ``since`` (wall
-    clock, as a file's mtime): what a pass has written so far, also where evictions keep the folder's
-    size flat at its budget."""
-    n = 0
+def records_since(disk: Path, since: float) -> dict[str, int]:
+    """The disk tier's whole records under ``disk`` last written at or after ``since`` (wall clock, as a
+    file's mtime): path relative to ``disk`` -> bytes."""
+    out = {}
     for p in disk.rglob("*.r*") if disk.is_dir() else ():
         try:
             st = p.stat()  # the janitor may delete it meanwhile
         except OSError:
             continue
         if TMP_MARK not in p.name and st.st_mtime >= since:
-            n += st.st_size
-    return n
+            out[str(p.relative_to(disk))] = st.st_size
+    return out
+
+
+def written_since(disk: Path, since: float) -> int:
+    """Bytes of records written at or after ``since``: what a pass has written so far, also where
+    evictions keep the folder's size flat at its budget."""
+    return sum(records_since(disk, since).values())
 
 
 def temporaries(disk: Path) -> list[str]:
@@ -94,4 +99,4 @@ def temporaries(disk: Path) -> list[str]:
     return sorted(p.name for p in disk.rglob("*") if TMP_MARK in p.name) if disk.is_dir() else []
 
 
-__all__ = ["alive", "disk_within_budget", "flat", "sample", "temporaries", "written_since"]
+__all__ = ["alive", "disk_within_budget", "flat", "records_since", "sample", "temporaries", "written_since"]

@@ -403,6 +403,7 @@ def test_whole_part_against_fakes_runs_every_stage_and_stops_every_server(tmp_pa
     monkeypatch.setattr(models, "build_shape_model", lambda *a, **k: str(tmp_path / "model"))
     monkeypatch.setattr(rel, "KILL_AFTER_S", 0.3)
     monkeypatch.setattr(rel, "SAMPLE_EVERY_S", 0.05)
+    monkeypatch.setattr(rel, "QUIET_S", 0.1)
 
     class TwoPasses(rel.Schedule):
         def another_pass(self, elapsed_s, left_s, walls, restart_s):
@@ -505,3 +506,25 @@ def test_part_records_a_failed_start_and_stops_what_started(tmp_path, monkeypatc
                               139 * GiB, 128 * GiB)
     assert res["checks"]["servers started"] is False and res["ok"] is False and stopped == [1]
     assert any("exited with code 1" in e for e in res["errors"])
+
+
+def test_the_folder_is_quiet_once_no_record_was_written_for_a_while(tmp_path, monkeypatch):
+    """At its budget the folder keeps its record count while writes evict: quiet means no new mtime."""
+    monkeypatch.setattr(rel, "QUIET_S", 0.3)
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    since = time.time()
+
+    def writer():
+        for i in range(5):
+            (sub / f"k{i}.r0").write_bytes(b"x" * 10)
+            if i:
+                (sub / f"k{i - 1}.r0").unlink()  # evicted: the count stays at one
+            time.sleep(0.1)
+
+    th = threading.Thread(target=writer)
+    t0 = time.monotonic()
+    th.start()
+    got = rel._quiet_folder(tmp_path, since)
+    th.join()
+    assert got == {"ab/k4.r0": 10} and time.monotonic() - t0 >= 0.4 + 0.3

@@ -36,10 +36,10 @@ def reference(tiny_model):
     return ref
 
 
-def _disk_config(path: Path, admit: str = "all") -> dict:
+def _disk_config(path: Path, admit: str = "all", host_bytes: int = HOST_BYTES) -> dict:
     from vllm_npu_offload.demo.run import offload_config
 
-    cfg = offload_config(HOST_BYTES, OFFLOAD_BLOCK)
+    cfg = offload_config(host_bytes, OFFLOAD_BLOCK)
     cfg["kv_connector_extra_config"] |= {"disk_path": str(path), "disk_bytes_to_use": 256 << 20,
                                          "disk_admit": admit}
     return cfg
@@ -217,6 +217,45 @@ def test_injected_faults_in_serving_are_recomputed_and_counted(tiny_model, refer
         eng.close()
         monkeypatch.delenv("NPU_OFFLOAD_FAULTS")
         faults.reload()
+
+
+def test_an_engine_gone_quiet_writes_its_queued_stores_and_a_restart_serves_them(tiny_model, reference, tmp_path):
+    """vLLM calls the manager only while its engine steps. Writes held back all conversation long (as
+    after ENOSPC: the tier's store pause) reach the disk once the hold lifts with the engine idle, with
+    no request and no call of ours (the manager's idle drain); a restart then serves the conversation
+    from them with offload-off's tokens."""
+    from vllm_npu_offload.demo.run import run_turns
+
+    disk = tmp_path / "kv"
+    big_host = 64 * (32 << 10)  # the whole conversation stays in host: every queued key can still be written
+    eng = Engine(tiny_model, _disk_config(disk, host_bytes=big_host))
+    try:
+        tier = eng.manager.tier
+        tier._stores_paused_until = time.monotonic() + 3600
+        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
+        queued = len(eng.manager._waiting["disk"])
+        assert queued > 8 and tier.stats.stores == 0 and not _records(disk), queued
+        tier._stores_paused_until = 0.0  # lifted while the engine is idle: nothing calls the manager now
+        end = time.monotonic() + 20
+        while tier.stats.stores < queued:
+            assert time.monotonic() < end, f"{tier.stats.stores} of {queued} queued keys written by an idle engine"
+            time.sleep(0.05)
+        assert len(_records(disk)) == queued and eng.manager.idle_drains > 0
+        assert tier.stats.dropped_stores == 0
+    finally:
+        eng.close()
+    eng = Engine(tiny_model, _disk_config(disk))
+    try:
+        end = time.monotonic() + 15
+        while not eng.manager.tier.up:
+            assert time.monotonic() < end, "the restarted disk tier never came up"
+            eng.manager.settle(0)
+            time.sleep(0.05)
+        r = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
+        assert [t["tokens"] for t in r] == [t["tokens"] for t in reference]
+        assert eng.manager.tier.stats.hits > 0 and sum(t["cached"] for t in r) > 0
+    finally:
+        eng.close()
 
 
 def test_stores_wait_for_a_disk_that_takes_one_write_at_a_time(tiny_model, reference, tmp_path, monkeypatch):

@@ -13,11 +13,19 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
-from vllm_npu_offload.integration import compat  # noqa: E402
+from vllm_npu_offload.integration import compat, tiered_manager  # noqa: E402
 from vllm_npu_offload.integration.tiered_manager import PREFETCH_RETRY_S, TieredManager, tier_metrics  # noqa: E402
 from vllm_npu_offload.tiers.contract import Completion, Op, TierStats  # noqa: E402
 
 CTX = compat.make_req_context("test")
+
+
+@pytest.fixture(autouse=True)
+def no_idle_drain(request, monkeypatch):
+    """These tests end the stand-in tiers' orders themselves, step by step: the drain thread (tested
+    on its own below) stays out of their way unless a test asks for it."""
+    if "idle_drain" not in request.keywords:
+        monkeypatch.setattr(tiered_manager, "IDLE_DRAIN_S", 3600.0)
 
 
 class MemTier:
@@ -390,3 +398,60 @@ def test_the_window_waits_for_a_tier_still_looking_keys_up_and_reads_at_the_end_
     _schedule_end(m)
     assert [(op, k) for op, k, _ in pool.log] == [(Op.READ, b"p1"), (Op.READ, b"p2")]
     assert pool.stats.prefetches == 2
+
+
+class IoTier(MemTier):
+    """Orders end on the tier's own threads, as the real tiers' do: a poll finds them done."""
+
+    def poll(self):
+        self.finish()
+        return super().poll()
+
+
+def _wait(cond, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.idle_drain
+def test_a_quiet_scheduler_still_gets_its_queued_writes_to_the_tier():
+    """vLLM calls the manager only while its engine steps: the writes queued when the server goes
+    quiet (room for one at a time here) reach the tier with no further call, on the drain thread."""
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = IoTier("disk", room=1)
+    m = TieredManager(host, [disk])
+    try:
+        keys = [bytes([i]) * 4 for i in range(6)]
+        out = m.prepare_store(keys, CTX)
+        m.complete_store(list(out.keys_to_store), CTX)  # the scheduler's last call
+        assert len(disk.log) == 1  # one write had room; five wait in the queue
+        assert _wait(lambda: disk.keys == set(keys)), f"{len(disk.keys)} of 6 written while the scheduler was quiet"
+        assert m.idle_drains >= 5 and not len(m._waiting["disk"])
+        # every chunk unpinned: the host can store over all of them again
+        out = m.prepare_store([bytes([9 + i]) * 4 for i in range(8)], CTX)
+        assert len(out.keys_to_store) == 8
+    finally:
+        m.shutdown()
+    assert _wait(lambda: not m._drain.is_alive(), 1.0)  # the thread ends with the manager
+
+
+@pytest.mark.idle_drain
+def test_the_drain_thread_stays_out_while_the_scheduler_calls():
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = IoTier("disk", room=1)
+    m = TieredManager(host, [disk])
+    try:
+        out = m.prepare_store([b"a", b"b", b"c"], CTX)
+        m.complete_store(list(out.keys_to_store), CTX)
+        end = time.monotonic() + 0.4
+        while time.monotonic() < end:  # a busy scheduler: calls far more often than IDLE_DRAIN_S
+            m.lookup(b"zz", CTX)
+            time.sleep(0.005)
+        assert m.idle_drains == 0  # its own calls moved the writes along
+        assert disk.keys == {b"a", b"b", b"c"}
+    finally:
+        m.shutdown()

@@ -29,13 +29,21 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   prefix many requests share counts once) for each request until its load (``prepare_load``) or its
   end (``on_request_finished``); then the next requests' turn comes.
 
+- Idle drain: vLLM calls the manager only while its engine steps, so writes queued when the server
+  goes quiet (the last turn's stores, a tier's queue or budget full) would wait for the next request:
+  a restart or another instance sharing the tier would miss them. A thread of ours takes in finished
+  I/O and starts the queued writes once no scheduler call has come for ``IDLE_DRAIN_S``; every entry
+  point holds one lock, which that thread only tries (it never makes the scheduler wait on a step).
+
 A lower tier is any object with ``DiskTier``'s scheduler-facing surface (``tiers/contract.py``,
 ``LowerTier``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -53,6 +61,7 @@ RESET_DRAIN_S = 30.0
 PREFETCH_TTL_S = 120.0  # a prefetch whose request never loaded nor finished stops counting after this
 PREFETCH_RETRY_S = 0.05  # the window tries again this often when nothing has changed (a tier's lookup)
 LOG_EVERY_S = 30.0  # the tier's counters in the server log, when they moved
+IDLE_DRAIN_S = 0.05  # no scheduler call for this long: the drain thread takes in I/O and starts queued writes
 # vLLM's metrics (vLLM >= 0.28 publishes what a manager's get_stats reports), per tier:
 # (name suffix, TierStats field, help); names are vllm:kv_offload_<tier>_<suffix>
 TIER_COUNTERS = (
@@ -89,6 +98,35 @@ def live_tier_managers() -> list["TieredManager"]:
     return list(_LIVE)
 
 
+def _locked(fn):
+    """An entry point: holds the manager's lock (the idle drain thread's work never interleaves)."""
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            self._last_call = time.monotonic()
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
+class _IdleDrain(threading.Thread):
+    """Every IDLE_DRAIN_S: the manager's ``_drain_if_idle``; ends with the manager or its shutdown."""
+
+    def __init__(self, manager: "TieredManager"):
+        super().__init__(name="npu-offload-tier-drain", daemon=True)
+        self._ref = weakref.ref(manager)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(IDLE_DRAIN_S):
+            m = self._ref()
+            if m is None:
+                return
+            m._drain_if_idle()
+            del m
+
+
 @dataclass
 class _Prefetch:
     """One request's keys to hold in host, in prompt order; ``held``: those the window holds for it."""
@@ -111,6 +149,8 @@ class TieredManager:
             raise ValueError("TieredManager needs at least one lower tier")
         if prefetch_chunks < 0:
             raise ValueError(f"TieredManager prefetch_chunks={prefetch_chunks!r}: must be >= 0")
+        self._lock = threading.RLock()
+        self._last_call = time.monotonic()
         self.host = host
         self.tiers = list(tiers)
         self._ctx = compat.make_req_context("npu-offload-disk-tier")
@@ -126,7 +166,10 @@ class TieredManager:
         self._held: dict = {}  # key -> waiting requests the window holds it for (a shared prefix once)
         self._prefetch_due = 0.0  # when the window next moves (0: at the next call)
         self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
+        self.idle_drains = 0  # times the drain thread found work while the scheduler was quiet
         _LIVE.add(self)
+        self._drain = _IdleDrain(self)
+        self._drain.start()
 
     @property
     def tier(self) -> LowerTier:
@@ -136,6 +179,24 @@ class TieredManager:
     def _in_flight(self) -> int:
         return sum(t.in_flight() for t in self.tiers)
 
+    def _drain_if_idle(self) -> None:
+        """The drain thread's turn: only when no scheduler call came for IDLE_DRAIN_S, I/O is pending,
+        and the lock is free right now."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if time.monotonic() - self._last_call < IDLE_DRAIN_S:
+                return
+            if not (self._in_flight() or any(len(q) for q in self._waiting.values())):
+                return
+            self.idle_drains += 1
+            self._settle()
+        except Exception:  # noqa: BLE001 - the next scheduler call settles again; the thread must live on
+            logger.exception("tier idle drain failed")
+        finally:
+            self._lock.release()
+
+    @_locked
     def settle(self, timeout_s: float = 0.0) -> None:
         """Take in the tier's finished orders, waiting up to ``timeout_s`` for those in flight, and move
         the prefetch window (diagnostics and tests: vLLM never calls this inside a lookup)."""
@@ -147,8 +208,21 @@ class TieredManager:
         self._move_window()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.host, name)
+        if name in ("host", "_lock"):  # not set yet (a half-built object): no recursion through here
+            raise AttributeError(name)
+        attr = getattr(self.host, name)
+        if not callable(attr):
+            return attr
+        lock = self._lock
 
+        def call(*args, **kwargs):  # the host's own calls (complete_load, take_events, ...) under the lock
+            with lock:
+                self._last_call = time.monotonic()
+                return attr(*args, **kwargs)
+
+        return call
+
+    @_locked
     def get_stats(self):
         """The host tier's stats plus the disk tier's counters, where vLLM has per-manager metrics."""
         get = getattr(self.host, "get_stats", None)
@@ -193,6 +267,7 @@ class TieredManager:
                 self.misses.note([c.key], Fate.WRITTEN if c.ok else Fate.WRITE_FAILED)
 
     # -- lookups and promotions ----------------------------------------------------------
+    @_locked
     def lookup(self, key, req_context):
         self._settle()
         if any(key in t.abandoned for t in self.tiers):
@@ -233,6 +308,7 @@ class TieredManager:
         return True
 
     # -- prefetch ------------------------------------------------------------------------
+    @_locked
     def prefetch(self, keys, req_context) -> None:
         """Hold ``keys`` (one request's, in prompt order) in host ahead of vLLM's scheduler: those in
         host are kept, those on a lower tier are read, as far as the prefix is found somewhere and the
@@ -344,6 +420,7 @@ class TieredManager:
         p.held.append(key)
         return True
 
+    @_locked
     def on_schedule_end(self, *args, **kwargs):
         """vLLM's last manager call of a step (0.23: no argument; >= 0.25: the step's context), after
         every ``prepare_load``: the window moves here at least once a step."""
@@ -351,6 +428,7 @@ class TieredManager:
         fn = getattr(self.host, "on_schedule_end", None)
         return fn(*args, **kwargs) if fn is not None else None
 
+    @_locked
     def on_request_finished(self, req_context) -> None:
         self._release(req_context.req_id)
         self._move_window()  # the next waiting requests' turn in the window
@@ -386,6 +464,7 @@ class TieredManager:
         r = self.host.lookup(key, self._ctx)
         return r is True or r == self._hit
 
+    @_locked
     def prepare_load(self, keys, req_context):
         self._settle()
         spec = self.host.prepare_load(keys, req_context)  # the hits are pinned before the window moves
@@ -394,12 +473,14 @@ class TieredManager:
         self._move_window()
         return spec
 
+    @_locked
     def touch(self, keys, req_context):
         self.host.touch(keys, req_context)
         if any(t.admit == "reuse" for t in self.tiers):
             self._settle()
             self._admit("reuse", list(keys))
 
+    @_locked
     def complete_store(self, keys, req_context, success: bool = True):
         keys = list(keys)
         self.host.complete_store(keys, req_context, success)
@@ -410,11 +491,13 @@ class TieredManager:
             self._admit("all", keys)
         self._move_window()
 
+    @_locked
     def prepare_store(self, keys, req_context):
         self._settle()
         self._move_window()
         return self.host.prepare_store(keys, req_context)
 
+    @_locked
     def reset_cache(self) -> None:
         # Chunks pinned by tier I/O must not be handed out again while a thread still uses them.
         end = time.monotonic() + RESET_DRAIN_S
@@ -430,7 +513,9 @@ class TieredManager:
         self._prefetch_queue.clear()
         return self.host.reset_cache()
 
+    @_locked
     def shutdown(self) -> None:
+        self._drain.stop.set()
         for t in self.tiers:
             t.close()
         fn = getattr(self.host, "shutdown", None)
