@@ -263,11 +263,12 @@ def test_a_new_requests_keys_found_on_a_tier_are_read_into_host_before_the_sched
     disk.log.clear()
     m.prefetch([b"a", b"b", b"c", b"d", b"e"], _ctx("r1"))
     assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # d is nowhere: e unreachable
-    assert disk.stats.prefetches == 2 and disk.stats.misses_cost == 0
+    assert disk.stats.prefetches == 0 and disk.stats.misses_cost == 0  # counted once read
     assert not hit(m.lookup(b"b", _ctx("r1")))  # still reading: the request waits (not a miss either)
     assert m.lookup(b"b", _ctx("r1")) != compat.LOOKUP_MISS
     disk.finish()
     assert all(hit(m.lookup(k, _ctx("r1"))) for k in (b"a", b"b", b"c"))
+    assert disk.stats.prefetches == 2 and disk.stats.hits == 2
     assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # no second read
 
 
@@ -293,6 +294,8 @@ def test_prefetch_waits_for_room_in_the_tier_and_under_its_cap_and_resumes_in_ar
     time.sleep(PREFETCH_RETRY_S + 0.01)
     m.settle()
     assert [k for _, k, _ in disk.log][-1] == b"c1"
+    disk.finish()
+    m.settle()
     assert disk.stats.prefetches == 5
 
 
@@ -328,9 +331,9 @@ def test_the_window_keeps_a_waiting_requests_history_in_host_and_reads_what_left
     assert hit(host.lookup(b"k1", CTX)) and not hit(host.lookup(b"k2", CTX))
     m.prepare_load([b"k1"], _ctx("r1"))  # r1 is scheduled: r2's turn; k2 left host, the tier has it
     m.complete_load([b"k1"], _ctx("r1"))
-    assert [(op, k) for op, k, _ in disk.orders] == [(Op.READ, b"k2")] and disk.stats.prefetches == 1
+    assert [(op, k) for op, k, _ in disk.orders] == [(Op.READ, b"k2")] and disk.stats.prefetches == 0
     disk.finish()
-    assert hit(m.lookup(b"k2", _ctx("r2")))
+    assert hit(m.lookup(b"k2", _ctx("r2"))) and disk.stats.prefetches == 1
 
 
 def test_a_prefix_many_waiting_requests_share_takes_one_place_in_the_window():
@@ -397,6 +400,8 @@ def test_the_window_waits_for_a_tier_still_looking_keys_up_and_reads_at_the_end_
     time.sleep(PREFETCH_RETRY_S + 0.01)
     _schedule_end(m)
     assert [(op, k) for op, k, _ in pool.log] == [(Op.READ, b"p1"), (Op.READ, b"p2")]
+    pool.finish()
+    m.settle()
     assert pool.stats.prefetches == 2
 
 
@@ -455,3 +460,18 @@ def test_the_drain_thread_stays_out_while_the_scheduler_calls():
         assert disk.keys == {b"a", b"b", b"c"}
     finally:
         m.shutdown()
+
+
+def test_a_prefetch_counts_once_its_read_has_succeeded():
+    """A read the window started that fails (a checksum, a timeout) is no prefetch: prefetched <= hits."""
+    host = CPUOffloadingManager(num_chunks=8)
+    disk = MemTier("disk", keys={b"a", b"b"})
+    m = TieredManager(host, [disk], prefetch_chunks=4)
+    m.prefetch([b"a", b"b"], _ctx("r"))
+    assert [k for _, k, _ in disk.log] == [b"a", b"b"]
+    disk.orders = []
+    disk.ended = [Completion(b"a", Op.READ, True, 0), Completion(b"b", Op.READ, False, 1)]
+    disk.stats.hits += 1
+    m.settle()
+    assert disk.stats.prefetches == 1 <= disk.stats.hits
+    assert hit(m.lookup(b"a", _ctx("r"))) and not hit(m.lookup(b"b", _ctx("r")))

@@ -167,6 +167,7 @@ class TieredManager:
         self._prefetch_due = 0.0  # when the window next moves (0: at the next call)
         self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
         self.idle_drains = 0  # times the drain thread found work while the scheduler was quiet
+        self._prefetch_reads: set = set()  # keys whose read the window started, until it ends
         _LIVE.add(self)
         self._drain = _IdleDrain(self)
         self._drain.start()
@@ -246,7 +247,7 @@ class TieredManager:
             done = t.poll()
             if done:
                 self._prefetch_due = 0.0  # reads ended: room in a tier's queue, chunks in host
-            self._apply(done)
+            self._apply(t, done)
             self._start_writes(t)
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
@@ -257,10 +258,14 @@ class TieredManager:
                                 t.name, now, t.describe_rate(), self.misses.line(), self.kept)
                     self._logged[t.name] = now
 
-    def _apply(self, completions) -> None:
-        """A finished read completes (or drops) its host chunk; a finished write unpins it."""
+    def _apply(self, tier: LowerTier, completions) -> None:
+        """A finished read completes (or drops) its host chunk; a finished write unpins it. A read the
+        window started counts as prefetched once it has succeeded (so never more than the hits)."""
         for c in completions:
             if c.op is Op.READ:
+                if c.key in self._prefetch_reads:
+                    self._prefetch_reads.discard(c.key)
+                    tier.stats.prefetches += int(c.ok)
                 self.host.complete_store([c.key], self._ctx, c.ok)
             else:
                 self.host.complete_load([c.key], self._ctx)
@@ -402,7 +407,7 @@ class TieredManager:
                 return False
             if not self._start_read(tier, key):
                 break  # no host chunk free of pins, or the order not sent: the scheduler's lookup decides later
-            tier.stats.prefetches += 1
+            self._prefetch_reads.add(key)
             self._hold(p, key)
             p.next += 1
         p.done = True
@@ -502,12 +507,13 @@ class TieredManager:
         # Chunks pinned by tier I/O must not be handed out again while a thread still uses them.
         end = time.monotonic() + RESET_DRAIN_S
         for t in self.tiers:
-            self._apply(t.drain(max(0.0, end - time.monotonic())))
+            self._apply(t, t.drain(max(0.0, end - time.monotonic())))
             if t.in_flight():
                 logger.warning("%s tier: %d orders still in flight after %.0f s at reset", t.name, t.in_flight(),
                                RESET_DRAIN_S)
             t.abandoned.clear()
             self._waiting[t.name].clear()
+        self._prefetch_reads.clear()
         for rid in list(self._prefetch):
             self._release(rid)
         self._prefetch_queue.clear()
