@@ -64,7 +64,7 @@ SLACK = 0.10
 KILL_AFTER_S = 20.0  # of the pass running when the kill comes: requests computing, stores in flight
 KILL_BUDGET_SHARE = 0.5  # the cut pass writes at most this share of the disk budget before the kill
 KILL_LEAST_S = 2.0  # never sooner into the pass: its first stores are under way
-KILL_POLL_S = 0.25
+POLL_S = 0.25  # how often the folder is read while waiting on it
 QUIET_S = 2.0  # no record written for this long: the server's writes are done (before and after a probe)
 PROBE_WORDS = 4040  # word-level tokenizer: one token each; 63 whole blocks of 64
 PROBE_TOKENS = 32
@@ -728,16 +728,16 @@ def wait_for_kill(disk: Path, since: float, budget_bytes: int) -> tuple[float, i
     """Wait in the pass begun at ``since`` (wall clock) until it has written ``KILL_BUDGET_SHARE`` of the
     disk budget (its records' mtimes, so also while evictions hold the folder at its budget), at least
     KILL_LEAST_S and at most KILL_AFTER_S seconds; (seconds waited, bytes written). The restart must find
-    the probe's records, written right before the pass; a pass that rewrote the budget would have
-    evicted them, and a rate sampled every 10 s misses the pass's first burst (10 GiB in ~8 s at the
-    H200's 1.4 GB/s)."""
+    the probe's records, written right before the pass; a pass that rewrote the budget would evict
+    them, and the folder's size, sampled every 10 s, stops growing once evictions hold it at its
+    budget."""
     t0 = time.monotonic()
     while True:
         waited = time.monotonic() - t0
         written = written_since(disk, since)
         if waited >= KILL_AFTER_S or (waited >= KILL_LEAST_S and written >= KILL_BUDGET_SHARE * budget_bytes):
             return waited, written
-        time.sleep(KILL_POLL_S)
+        time.sleep(POLL_S)
 
 
 def _quiet_folder(disk: Path, since: float, timeout_s: float = 20.0) -> dict[str, int]:
@@ -751,7 +751,7 @@ def _quiet_folder(disk: Path, since: float, timeout_s: float = 20.0) -> dict[str
             seen, quiet_since = now, time.monotonic()
         if time.monotonic() - quiet_since >= QUIET_S or time.monotonic() >= end:
             return now
-        time.sleep(0.25)
+        time.sleep(POLL_S)
 
 
 def _kill_during_pass(root: int, disk: Path, before: dict, others: list[int], planned_gpu_mib: float,

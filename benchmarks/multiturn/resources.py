@@ -34,20 +34,26 @@ def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
     s["shm_entries"] = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
     if disk is not None:
         n, tmp, size = 0, 0, 0
-        for p in disk.rglob("*.r*"):
-            try:
-                st = p.stat().st_size  # the janitor may delete it meanwhile
-            except OSError:
-                continue
+        for p, st in _record_files(disk):
             if TMP_MARK in p.name:
                 tmp += 1
             else:
                 n += 1
-                size += st
+                size += st.st_size
         s["disk_records"] = n
         s["disk_tmp"] = tmp
         s["disk_mib"] = size / 2**20
     return s
+
+
+def _record_files(disk: Path):
+    """(path, stat) of the disk tier's record files under ``disk``, temporaries included; a file the
+    janitor deletes meanwhile is left out."""
+    for p in disk.rglob("*.r*") if disk.is_dir() else ():
+        try:
+            yield p, p.stat()
+        except OSError:
+            continue
 
 
 def flat(series: list[float], warm: int, slack: float) -> bool:
@@ -77,15 +83,8 @@ def alive(pid: int) -> bool:
 def records_since(disk: Path, since: float) -> dict[str, int]:
     """The disk tier's whole records under ``disk`` last written at or after ``since`` (wall clock, as a
     file's mtime): path relative to ``disk`` -> bytes."""
-    out = {}
-    for p in disk.rglob("*.r*") if disk.is_dir() else ():
-        try:
-            st = p.stat()  # the janitor may delete it meanwhile
-        except OSError:
-            continue
-        if TMP_MARK not in p.name and st.st_mtime >= since:
-            out[str(p.relative_to(disk))] = st.st_size
-    return out
+    return {str(p.relative_to(disk)): st.st_size for p, st in _record_files(disk)
+            if TMP_MARK not in p.name and st.st_mtime >= since}
 
 
 def written_since(disk: Path, since: float) -> int:

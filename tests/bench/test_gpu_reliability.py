@@ -154,7 +154,7 @@ def test_the_kill_comes_once_the_cut_pass_has_written_half_the_disk_budget(tmp_p
     written before the pass (the probe's) and a temporary do not count."""
     monkeypatch.setattr(rel, "KILL_LEAST_S", 0.2)
     monkeypatch.setattr(rel, "KILL_AFTER_S", 5.0)
-    monkeypatch.setattr(rel, "KILL_POLL_S", 0.02)
+    monkeypatch.setattr(rel, "POLL_S", 0.02)
     sub = tmp_path / "ab"
     sub.mkdir()
     old = sub / "probe.r0"

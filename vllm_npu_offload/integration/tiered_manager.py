@@ -103,9 +103,7 @@ def _locked(fn):
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        with self._lock:
-            self._last_call = time.monotonic()
-            return fn(self, *args, **kwargs)
+        return self._entered(fn, self, *args, **kwargs)
 
     return call
 
@@ -180,6 +178,12 @@ class TieredManager:
     def _in_flight(self) -> int:
         return sum(t.in_flight() for t in self.tiers)
 
+    def _entered(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` as a scheduler call: under the lock, the drain thread held off."""
+        with self._lock:
+            self._last_call = time.monotonic()
+            return fn(*args, **kwargs)
+
     def _drain_if_idle(self) -> None:
         """The drain thread's turn: only when no scheduler call came for IDLE_DRAIN_S, I/O is pending,
         and the lock is free right now."""
@@ -211,17 +215,8 @@ class TieredManager:
     def __getattr__(self, name: str) -> Any:
         if name in ("host", "_lock"):  # not set yet (a half-built object): no recursion through here
             raise AttributeError(name)
-        attr = getattr(self.host, name)
-        if not callable(attr):
-            return attr
-        lock = self._lock
-
-        def call(*args, **kwargs):  # the host's own calls (complete_load, take_events, ...) under the lock
-            with lock:
-                self._last_call = time.monotonic()
-                return attr(*args, **kwargs)
-
-        return call
+        attr = getattr(self.host, name)  # the host's own calls (complete_load, take_events, ...) under the lock
+        return functools.partial(self._entered, attr) if callable(attr) else attr
 
     @_locked
     def get_stats(self):
