@@ -4,8 +4,8 @@
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
 ran is written to $OUT and comes back). Priorities: 1 = staging with the smoke, and the tiers: the
-disk tier at the capacity load, the Mooncake pair, the reliability part (about 30 minutes of device
-time); 2 = the disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout,
+disk tier at the capacity load, the Mooncake pair, the reliability part (about 30 minutes on
+the GPU); 2 = the disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout,
 serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts; 3 = the
 shorter pair and the Simple connectors.
 """
