@@ -184,7 +184,9 @@ def part_smoke_serve(work: Path, a, budget: Budget, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- correctness
-WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, after reset"}
+WHEN = {"r1": "first run", "r2": "after reset", "r3": "corrupted host page, after reset",
+        "w1": "a 1,024-token prompt, first run", "w2": "the 1,024-token prompt alone, after reset, device KV scrubbed"}
+WHOLE_TOKENS = 1024  # whole LMCache chunks (256) and vLLM blocks (16): a hit of all of it leaves 1 token to compute
 
 
 def correctness_plan(layouts: list[str], lmcache: bool = False) -> list[tuple[str, str, str, str]]:
@@ -211,6 +213,17 @@ def correctness_plan(layouts: list[str], lmcache: bool = False) -> list[tuple[st
         if lmcache and name == "uniform":
             out.append(("uniform/lmcache-fp32", name, "lmcache", "float32"))
     return out
+
+
+def whole_hits(name: str, labels) -> tuple[str, ...]:
+    """The engines of a layout that run the whole-prompt check (w1, w2): on the uniform model in
+    float32, offload off (the reference) and each of native, ours and LMCache that runs. A prompt
+    held whole is loaded with one token left to compute, and the device KV is scrubbed before the
+    reload, so tokens equal to off's prove the connector loaded it (LMCache with vLLM 0.23.0 logged
+    such hits and no retrieve in the reload TTFT part)."""
+    if name != "uniform":
+        return ()
+    return tuple(f"uniform/{k}-fp32" for k in ("off", "native", "ours", "lmcache") if f"uniform/{k}-fp32" in labels)
 
 
 def negatives(name: str) -> tuple[str, ...]:
@@ -255,6 +268,12 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
         if "lmcache" in engine and key == "r2" and not c["host_tokens"]:  # LMCache falls back to recompute silently
             c.update(error="LMCache served no hit after the reset (degraded mode, or it stored nothing): recomputed, "
                            "not loaded", **{"pass": False})
+        if key == "w2":  # the reload ran over scrubbed device KV, and LMCache retrieved what it reported
+            scrub = run.get("scrub") or []
+            if not scrub or not all(x.get("ok") for x in scrub):
+                c.update(error=f"device KV not scrubbed: {scrub}", **{"pass": False})
+            elif "lmcache" in engine and run[key].get("lmcache_retrieved") == 0:
+                c.update(error=f"LMCache reported {c['host_tokens']} hit tokens and logged no retrieve", **{"pass": False})
         if "layerwise" in engine and key == "r2":  # its reloads must really have gone layer by layer
             lw = run.get("worker", {}).get("layerwise") or {}
             c["layerwise"] = lw
@@ -283,6 +302,8 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
         for k in ["ours"] + lw:
             check("bfloat16", f"{name}/{k}-bf16", "r3", f"{name}/native-bf16", "r2", expect_equal=False)
         check("bfloat16", f"{name}/ours-staged-bf16", "r2", f"{name}/native-bf16", "r2")
+    for engine in whole_hits(name, runs)[1:]:
+        check("float32", engine, "w2", off32, "w1")
     check("bfloat16", f"{name}/ours-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
     check("bfloat16", f"{name}/ours-bf16", "r2", f"{name}/native-bf16", "r2")
     if lw:  # bf16 layer-wise: the asynchronous path's tokens (the same KV, the same remainder computed)
@@ -347,7 +368,9 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
     device prefix cache reset) a run served from host; float32 tokens must equal offload off, bfloat16
     ours must equal native; one host page of ours corrupted must change the tokens."""
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
+    whole = unique_prompts(1, WHOLE_TOKENS, seed=31)
     plan = correctness_plan(a.layouts, getattr(a, "lmcache", False))
+    labels = [label for label, _, _, _ in plan]
     models = {name: build_tiny(work / f"tiny-{LAYOUTS[name].shape}", LAYOUTS[name].shape) for name in a.layouts}
     cpu_bytes = GiB  # host KV of every offloading engine, all ranks together (the per-rank check's total)
     specs = []
@@ -381,6 +404,12 @@ def part_correctness(work: Path, a, budget: Budget) -> dict:
                 kv[label] = p.call("kv_info")
                 if p.spec.kind in ("ours", "layerwise", "simple"):
                     run["worker"] = p.call("worker_info")
+                if label in whole_hits(label.split("/")[0], labels):  # before r3: its corrupted page stays out
+                    run["w1"] = generate_prompts(p, whole, a.max_tokens, True)
+                    if p.spec.kind != "off":
+                        run["reset_w"] = p.call("flush_reset")
+                        run["scrub"] = p.call("scrub_device_kv", seed=7)
+                        run["w2"] = generate_prompts(p, whole, a.max_tokens, True)
                 if label in negatives(label.split("/")[0]):
                     run["corrupt"] = p.call("corrupt_page")
                     run["reset3"] = p.call("flush_reset")
@@ -580,6 +609,8 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
             xs = runs[kind]
             row[f"{kind}_s"] = spread([g["wall_s"] for g in xs]) if xs else {"n": 0}
             row[f"{kind}_host_tokens"] = [g["rows"][0]["cached"] for g in xs]
+            if kind == "lmcache":  # what LMCache's log says it retrieved (tensor_parallel_size 1)
+                row["lmcache_retrieved"] = [g.get("lmcache_retrieved") for g in xs]
             row[f"{kind}_steps"] = [g["breakdown"] for g in xs]
             row[f"{kind}_step_events"] = _keep_events(xs)
         if runs["ours"]:
@@ -593,7 +624,7 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
                 row[f"{kind}_load_s"] = statistics.median(g["load_s"] for g in runs[kind])
         if lmc:  # a reload in which LMCache served no hit recomputed the prompt: its TTFT is then no number
             row["lmcache_failed"] = lmcache_ttft_failure(row.get("lmcache_host_tokens") or [],
-                                                         res["errors"].get(f"lmcache-{L}"))
+                                                         res["errors"].get(f"lmcache-{L}"), row.get("lmcache_retrieved"))
         bw = res.get("bandwidth", {}).get("h2d_gbps")
         if bw and row.get("host_tokens"):
             # the bytes that must cross the link: what ours loaded (a sliding-window group loads only its
@@ -615,15 +646,24 @@ def part_ttft(procs: dict, a, name: str = "uniform", budget: Budget | None = Non
 
 
 
-def lmcache_ttft_failure(host_tokens: list[int], error: str | None = None) -> str | None:
-    """Why LMCache's reload TTFT at one length is no number: an error, no timed reload, or reloads in which
-    LMCache served no token (degraded mode or nothing stored: it recomputed); None when every reload hit."""
+def lmcache_ttft_failure(host_tokens: list[int], error: str | None = None,
+                         retrieved: list[int | None] | None = None) -> str | None:
+    """Why LMCache's reload TTFT at one length is no number: an error, no timed reload, reloads in which
+    LMCache served no token (degraded mode or nothing stored: it recomputed), or reloads whose hit it
+    logged no retrieve for (``retrieved``: its tokens per reload, None where not counted: nothing was
+    loaded, so the time is no reload's); None when every reload hit and was retrieved."""
     if error:
         return f"error: {error.splitlines()[0][:200]}"
     if not host_tokens:
         return "no timed reload"
     miss = sum(1 for t in host_tokens if not t)
-    return f"LMCache served no hit in {miss} of {len(host_tokens)} reloads" if miss else None
+    if miss:
+        return f"LMCache served no hit in {miss} of {len(host_tokens)} reloads"
+    dry = [t for t, r in zip(host_tokens, retrieved or []) if r == 0]
+    if dry:
+        return (f"LMCache reported a hit of {max(dry):,} tokens and logged no retrieve in {len(dry)} of "
+                f"{len(host_tokens)} reloads: nothing was loaded")
+    return None
 
 
 def rotated(kinds: list[str], r: int) -> list[str]:

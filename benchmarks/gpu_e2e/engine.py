@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import forward_profile, ranks, timeline
+from . import forward_profile, lmcache_log, ranks, timeline
 from .stage import LMCACHE_SITE
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
@@ -209,6 +209,8 @@ class _Engine:
         timeline.install(self.llm, gpu_events=spec.tp == 1)
         self._profiling = forward_profile.install(self.llm)
         self._flush_seq = 0
+        # LMCache in this process (tensor_parallel_size 1): the tokens it logs as retrieved, per generate
+        self._lmc = lmcache_log.RetrieveCounter.attach() if spec.kind in LMCACHE_KINDS and spec.tp == 1 else None
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, steps: bool = False,
                  profile: bool = False, profile_skip: int = 0, profile_top: int = 12,
@@ -226,6 +228,7 @@ class _Engine:
             forward_profile.arm(profile_skip, profile_top, profile_steps)
         m = timeline.mark()
         cpu0 = timeline.thread_cpu() if steps else None
+        lmc0 = self._lmc.tokens if self._lmc is not None else None
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
@@ -246,6 +249,7 @@ class _Engine:
                 "load_jobs": d(load0, load1, "jobs"), "load_failed": d(load0, load1, "failed"),
                 "store_bytes": d(store0, store1, "bytes"), "store_s": d(store0, store1, "seconds"),
                 "store_failed": d(store0, store1, "failed"),
+                **({"lmcache_retrieved": self._lmc.tokens - lmc0} if lmc0 is not None else {}),
                 **({"profile": forward_profile.take()} if profile else {}),
                 **({"events": events, "breakdown": timeline.breakdown(events, wall * 1e3), "threads": threads,
                     "totals": timeline.totals(events), "step_rows": timeline.step_rows(events)} if steps else {})}
@@ -279,6 +283,13 @@ class _Engine:
         layer-wise counters summed over the ranks (None where the mode is off)."""
         per = ranks.on_ranks(self.llm, self.tp, ranks.worker_info)
         return {"cores": [c for r in per for c in r["cores"]], "layerwise": ranks.sum_counters(r["layerwise"] for r in per)}
+
+    def scrub_device_kv(self, seed: int = 0) -> list[dict]:
+        """Random values over every rank's device KV cache (``ranks.scrub_device_kv``): after it, a
+        prefix hit can only come back right if the connector really loaded it."""
+        if self.tp > 1:
+            return ranks.on_ranks(self.llm, self.tp, ranks.scrub_device_kv, seed=seed)
+        return [ranks.scrub_device_kv(timeline.engine_core(self.llm).model_executor.driver_worker.worker, seed=seed)]
 
     def kv_info(self) -> dict:
         """What ran: the compilation and CUDA-graph mode, the attention backend, the KV-cache groups,

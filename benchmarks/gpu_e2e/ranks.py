@@ -135,4 +135,42 @@ def corrupt_page(worker=None, seed: int = 0) -> dict:
             "bytes": len(stored) * int(view.shape[1])}
 
 
-__all__ = ["corrupt_page", "on_ranks", "sum_totals", "totals", "worker_info"]
+def _tensors(x) -> list:
+    """The tensors in a model runner's ``kv_caches`` (a list of tensors, or of tuples/lists of them)."""
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return [x] if hasattr(x, "untyped_storage") else []
+
+
+def scrub_device_kv(worker, seed: int = 0) -> dict:
+    """Random values over every KV-cache tensor of this worker's model runner (each storage once:
+    per-layer views of one cross-layer buffer share it). What the device held before a reset then
+    cannot pass for a reload: a connector that reports a hit and does not load it gives other
+    tokens (the check LMCache's whole-prompt hits need, whose retrieve vLLM 0.23 never ran)."""
+    import torch
+
+    runner = getattr(worker, "model_runner", None)
+    tensors = _tensors(getattr(runner, "kv_caches", None) or [])
+    if not tensors:
+        return {"ok": False, "rank": rank_of(worker), "why": "no KV-cache tensors in this worker's model runner"}
+    g = torch.Generator(device=tensors[0].device).manual_seed(seed + rank_of(worker))
+    seen, nbytes = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        # the whole storage in the tensor's dtype: normal values for float caches (no NaN that a padded
+        # CUDA-graph row could read), random bytes for byte-typed (fp8) ones
+        whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(st, 0, (st.nbytes() // t.element_size(),))
+        if whole.is_floating_point():
+            whole.normal_(generator=g)
+        else:
+            whole.random_(0, 256, generator=g)
+        nbytes += st.nbytes()
+    if tensors[0].is_cuda:
+        torch.cuda.synchronize(tensors[0].device)
+    return {"ok": True, "rank": rank_of(worker), "tensors": len(seen), "bytes": nbytes}
+
+
+__all__ = ["corrupt_page", "on_ranks", "scrub_device_kv", "sum_totals", "totals", "worker_info"]

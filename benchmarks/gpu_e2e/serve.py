@@ -36,9 +36,13 @@ from typing import Any
 
 from benchmarks.multiturn.procs import io_bytes
 
+from . import lmcache_log
 from .engine import CACHE_ENV, ENV, LMCACHE_KINDS, NPU_CONNECTOR, kv_transfer_config, lmcache_env, lmcache_path
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
+
+# LMCache's log, read for each pass (lmcache_log.py); these names are what the tables and tests use
+lmcache_log_info, lmcache_failure = lmcache_log.log_info, lmcache_log.failure
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_utils.py")
@@ -327,51 +331,6 @@ def server_env(p: ServerPlan, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-# LMCache's adapter logs every lookup of the scheduler ("Reqid: ID, Total tokens N, Inference Engine computed
-# tokens: C, LMCache hit tokens: H, need to load: L"; "..., but need to load: L < min_retrieve M, skip
-# retrieve ..." when it does not load); one that failed to start says "degraded mode" and recomputes.
-_LMC_HIT = re.compile(r"LMCache hit tokens:\s*(\d+)")
-_LMC_LOAD = re.compile(r"need to load:\s*(\d+)")
-_LMC_REQ = re.compile(r"Reqid:\s*([^,\s]+)")
-_LMC_DEGRADED = re.compile(r"degraded mode", re.IGNORECASE)
-
-
-def lmcache_log_info(text: str) -> dict:
-    """LMCache's lookups in a stretch of a log: lookups, hit tokens (LMCache's prefix hit, tokens the
-    device already holds included) and tokens to load from it, the last line of each request (a request
-    waiting for room is looked up again); and whether the stretch says degraded mode."""
-    by_req: dict[str, tuple[int, int]] = {}
-    other: list[tuple[int, int]] = []
-    for line in text.splitlines():
-        m = _LMC_HIT.search(line)
-        if m is None:
-            continue
-        ld = _LMC_LOAD.search(line)
-        loaded = int(ld.group(1)) if ld and "min_retrieve" not in line else 0
-        req = _LMC_REQ.search(line)
-        if req:
-            by_req[req.group(1)] = (int(m.group(1)), loaded)
-        else:
-            other.append((int(m.group(1)), loaded))
-    rows = list(by_req.values()) + other
-    return {"lookups": len(rows), "hit_tokens": sum(h for h, _ in rows), "loaded_tokens": sum(n for _, n in rows),
-            "degraded": _LMC_DEGRADED.search(text) is not None}
-
-
-def lmcache_failure(info: dict) -> str | None:
-    """Why a pass of an LMCache server is no LMCache number (``lmcache_log_info`` of its log, degraded
-    over the whole log): None when LMCache ran and reported hits. Hits with nothing to load are a number:
-    every hit was still in the device's prefix cache (host KV far below the working set: ours' host-only
-    server gets few host hits there too)."""
-    if info.get("degraded"):
-        return "LMCache ran in degraded mode (its log): it recomputed everything"
-    if not info.get("lookups"):
-        return "LMCache's log reports no lookup ('LMCache hit tokens: N') in this pass"
-    if not info.get("hit_tokens"):
-        return f"LMCache's log reports no hit tokens in this pass ({info['lookups']} lookups)"
-    return None
-
-
 def lmcache_pass(log: Path, offset: int) -> tuple[dict, int]:
     """One pass of an LMCache server from its log: ``lmcache_log_info`` of what the log gained since
     ``offset`` (degraded: anywhere in the log) and the new offset."""
@@ -381,7 +340,7 @@ def lmcache_pass(log: Path, offset: int) -> tuple[dict, int]:
     except OSError:
         whole = b""
     info = lmcache_log_info(whole[offset:].decode(errors="replace"))
-    info["degraded"] = _LMC_DEGRADED.search(whole.decode(errors="replace")) is not None
+    info["degraded"] = lmcache_log.DEGRADED.search(whole.decode(errors="replace")) is not None
     return info, len(whole)
 
 
@@ -725,7 +684,8 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                       f"io r/w {run['io']['read_bytes'] / 1e9:.1f}/{run['io']['write_bytes'] / 1e9:.1f} GB, "
                       f"{s.get('requests', 0)} requests, "
                       f"{run['wall_s']:.0f}s{' ERROR ' + run['error'][:200] if run.get('error') else ''}"
-                      + (f", LMCache hit/loaded tok {run['lmcache']['hit_tokens']}/{run['lmcache']['loaded_tokens']}"
+                      + (f", LMCache hit/to load/retrieved tok {run['lmcache']['hit_tokens']}/{run['lmcache']['loaded_tokens']}"
+                         f"/{run['lmcache'].get('retrieved_tokens', 0)}"
                          if "lmcache" in run else "")
                       + (f" FAILED: {run['failed']}" if run.get("failed") else ""), flush=True)
                 if write:

@@ -802,7 +802,7 @@ def serve_one_table(res: dict) -> str:
 
 
 def lmcache_serve_lines(res: dict) -> str:
-    """Per LMCache server, what its log said per pass (hit / loaded tokens; FAILED and why)."""
+    """Per LMCache server, what its log said per pass (hit / to load / retrieved tokens; FAILED and why)."""
     lines = []
     for s in res.get("servers", []):
         if s.get("kind") not in ("lmcache", "lmcache-disk"):
@@ -814,7 +814,8 @@ def lmcache_serve_lines(res: dict) -> str:
         for r in sorted((r for r in res.get("runs", []) if r.get("label") == s["label"]), key=lambda r: r.get("pass_", 0)):
             info = r.get("lmcache") or {}
             per.append(f"pass {r.get('pass_', 0)}: " + (f"FAILED ({r['failed']})" if r.get("failed") else
-                       f"hit {info.get('hit_tokens', 0):,} / loaded {info.get('loaded_tokens', 0):,} tokens in "
+                       f"hit {info.get('hit_tokens', 0):,} / to load {info.get('loaded_tokens', 0):,} / retrieved "
+                       f"{info.get('retrieved_tokens', 0):,} tokens in "
                        f"{info.get('lookups', 0)} lookups"))
         lines.append(f"LMCache {s['label']} ({cfg}; GiB per rank, chunks of 256 tokens), from its log: "
                      + ("; ".join(per) or "no pass"))

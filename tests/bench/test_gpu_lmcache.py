@@ -32,6 +32,13 @@ def hit_line(req: str, total: int, computed: int, hit: int, load: int, sec: int 
             f"LMCache hit tokens: {hit}, need to load: {load}" + _TAIL)
 
 
+def retrieved_line(req: str, tokens: int, total: int, sec: int = 2) -> str:
+    """LMCache 0.5.3's cache engine after a retrieve (cache_engine.py:958), as a GPU run's log held it."""
+    return (_C.format(sec) + f"[req_id={req}] Retrieved {tokens} out of {tokens} required tokens (from {total} total "
+            f"tokens). size: 0.0625 gb, cost 2.0679 ms, throughput: 30.2233 GB/s; "
+            "\x1b[3m(cache_engine.py:958:lmcache.v1.cache_engine)\x1b[0m")
+
+
 # and as a GPU run's server log held them (2026-11-28, lmcache-disk, 32 clients): vLLM's engine-core prefix
 SERVED = """\
 (EngineCore pid=1550) [2026-11-28 23:48:27,536] LMCache INFO: Reqid: chatcmpl-9a4c655c743b2d99-90eb0ac8, Total \
@@ -139,13 +146,18 @@ def test_lmcache_log_lines_parsed():
     text = "\n".join([VLLM_LINES, hit_line("chatcmpl-1-0", 1800, 0, 1536, 1536),
                       hit_line("chatcmpl-2-0", 2900, 1024, 2816, 1792),
                       hit_line("chatcmpl-2-0", 2900, 1024, 2816, 1792, 5),  # looked up again while waiting: once
+                      retrieved_line("chatcmpl-1-0", 1536, 1536), retrieved_line("chatcmpl-2-0", 2048, 2816),
                       BELOW_MIN, UNANSWERED, "LMCache hit tokens:   512"])
     info = serve.lmcache_log_info(text)
     assert info == {"lookups": 4, "hit_tokens": 1536 + 2816 + 768 + 512, "loaded_tokens": 1536 + 1792,
-                    "degraded": False}
+                    "retrieved_tokens": 1536 + 2048, "unretrieved": [], "degraded": False}
     assert serve.lmcache_failure(info) is None
+    # a request the server's log promised 2,560 tokens and never retrieved: no number
     assert serve.lmcache_log_info(SERVED) == {"lookups": 2, "hit_tokens": 5120 + 3584, "loaded_tokens": 2560,
+                                              "retrieved_tokens": 0, "unretrieved": ["chatcmpl-b62b817357db654b-abf3611f"],
                                               "degraded": False}  # the request looked up twice counts once
+    why = serve.lmcache_failure(serve.lmcache_log_info(SERVED))
+    assert "promised tokens to 1 request(s) and logged no retrieve" in why and "chatcmpl-b62b817357db654b-abf3611f" in why
     assert serve.lmcache_log_info(VLLM_LINES + DEGRADED)["degraded"] is True
     assert "degraded mode" in serve.lmcache_failure({**info, "degraded": True})
     assert "no lookup" in serve.lmcache_failure(serve.lmcache_log_info(VLLM_LINES))
@@ -165,6 +177,7 @@ def test_lmcache_pass_reads_only_what_the_log_gained(tmp_path):
         f.write(hit_line("c-1", 2000, 0, 1792, 1792) + "\n")
     info, off2 = serve.lmcache_pass(log, off)
     assert (info["lookups"], info["hit_tokens"], info["loaded_tokens"], info["degraded"]) == (1, 1792, 1792, False)
+    assert info["unretrieved"] == ["c-1"] and info["retrieved_tokens"] == 0  # its retrieve is not in the log yet
     info, _ = serve.lmcache_pass(log, off2)  # a pass that added nothing: no LMCache number
     assert info["lookups"] == 0 and serve.lmcache_failure(info)
     with open(log, "a") as f:
@@ -212,7 +225,8 @@ def test_run_serve_lmcache_passes_hits_and_failures(tmp_path, monkeypatch):
         if label.startswith("lmcache"):  # pass 0: hits; pass 1: lmcache silent (as if it had stopped looking up)
             with open(logs[label], "a") as f:
                 if seed == 0:
-                    f.write(hit_line(f"{label}-{seed}", 2000, 256, 1792, 1536) + "\n")
+                    f.write(hit_line(f"{label}-{seed}", 2000, 256, 1792, 1536) + "\n"
+                            + retrieved_line(f"{label}-{seed}", 1536, 2000) + "\n")
         return out
 
     monkeypatch.setattr(serve, "run_one", spy)
@@ -228,7 +242,8 @@ def test_run_serve_lmcache_passes_hits_and_failures(tmp_path, monkeypatch):
     assert disk_seen == [[], ["chunk0.pt"]]  # fresh at the start, not emptied under LMCache between passes
     runs = {(r["label"], r["pass_"]): r for r in res["runs"]}
     assert runs[("lmcache", 0)]["lmcache"] == {"lookups": 1, "hit_tokens": 1792, "loaded_tokens": 1536,
-                                               "degraded": False} and "failed" not in runs[("lmcache", 0)]
+                                               "retrieved_tokens": 1536, "unretrieved": [], "degraded": False}
+    assert "failed" not in runs[("lmcache", 0)]
     assert "no lookup" in runs[("lmcache", 1)]["failed"] and "no lookup" in runs[("lmcache-disk", 1)]["failed"]
     assert not any("lmcache" in r or "failed" in r for r in res["runs"] if not r["label"].startswith("lmcache"))
     assert res["server_logs"]["lmcache"]["lmcache"]["lookups"] == 1  # the logs as they were after the passes
@@ -238,7 +253,7 @@ def test_run_serve_lmcache_passes_hits_and_failures(tmp_path, monkeypatch):
                               if ln.startswith("| "))}
     assert rows["lmcache"][1] == "1" and rows["lmcache"][-1].startswith("FAILED in 1 pass(es): LMCache's log reports")
     assert rows["ours"][1] == "2" and rows["ours"][-1] == ""
-    assert "LMCache lmcache-disk (max_local_cpu_size" in text and "pass 0: hit 1,792 / loaded 1,536 tokens" in text
+    assert "LMCache lmcache-disk (max_local_cpu_size" in text and "pass 0: hit 1,792 / to load 1,536 / retrieved 1,536 tokens" in text
     assert "pass 1: FAILED (LMCache's log reports no lookup" in text
     assert "lmcache vs off" in text  # paired over the passes that count only
     # the device part's verdict: a failed LMCache pass fails the part
@@ -424,9 +439,12 @@ def test_correctness_with_lmcache_equal_to_off_and_failed_without_hits():
         return {"rows": [{"tokens": t, "cached": cached} for t in tokens]}
 
     A, B = [[1, 2], [3, 4]], [[9, 9], [3, 4]]
-    runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A)}, "uniform/lmcache-fp32": {"r1": gen(A), "r2": gen(A, 768)}}
+    runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A), "w1": gen(A)},
+            "uniform/lmcache-fp32": {"r1": gen(A), "r2": gen(A, 768), "w2": gen(A, 1023), "scrub": [{"ok": True}]}}
     lmc = [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if "lmcache" in c["engine"]]
-    assert [c["engine"] for c in lmc] == ["uniform/lmcache-fp32 (first run)", "uniform/lmcache-fp32 (after reset)"]
+    assert [c["engine"] for c in lmc] == ["uniform/lmcache-fp32 (first run)", "uniform/lmcache-fp32 (after reset)",
+                                          "uniform/lmcache-fp32 (the 1,024-token prompt alone, after reset, device KV "
+                                          "scrubbed)"]
     assert all(c["pass"] for c in lmc) and lmc[1]["host_tokens"] == 1536
     runs["uniform/lmcache-fp32"]["r2"] = gen(A, 0)  # same tokens, recomputed: LMCache served nothing
     bad = [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if "lmcache" in c["engine"]
@@ -499,6 +517,81 @@ def test_pool_and_ttft_with_lmcache(monkeypatch, tmp_path):
     assert rows["8,192"][1] == "FAILED" and rows["8,192"][-1] == "LMCache served no hit in 3 of 3 reloads"
     assert "lmcache - native" in text
     assert device.lmcache_ttft_failure([], "EngineError: boom\nmore") == "error: EngineError: boom"
+
+
+def test_ttft_fails_lmcache_reloads_it_never_retrieved(monkeypatch):
+    """As on the H200 (2026-11-29): LMCache held the 8k prompt whole, reported a hit of 8,191 tokens, and
+    logged no retrieve; the reload took 13.9 ms, under the 19.4 ms the link needs for its 1 GiB."""
+    from test_gpu_e2e import _TtftEngine
+
+    from benchmarks.gpu_e2e import device
+
+    class Dry(_TtftEngine):  # hits at 8k, retrieves nothing there
+        def call(self, op, **kw):
+            out = super().call(op, **kw)
+            if op == "generate":
+                out["lmcache_retrieved"] = 0 if len(kw["prompts"][0]) > 4000 else 2048
+            return out
+
+    a = device.build_parser().parse_args(["ttft", "--lmcache", "--ttft-lengths", "2048,8192", "--reps", "3",
+                                          "--off-reps", "1"])
+    procs = {"off": _TtftEngine("off", 0.01), "native": _TtftEngine("native", 0.03), "ours": _TtftEngine("ours", 0.025),
+             "lmcache": Dry("lmcache", 0.005)}
+    r2k, r8k = device.part_ttft(procs, a)["rows"]
+    assert r2k["lmcache_retrieved"] == [2048] * 3 and r2k["lmcache_failed"] is None
+    assert r8k["lmcache_retrieved"] == [0] * 3
+    assert r8k["lmcache_failed"] == "LMCache reported a hit of 2,000 tokens and logged no retrieve in 3 of 3 reloads: " \
+                                    "nothing was loaded"
+    # not counted (tensor parallel, or a record from before the counter): no verdict from it
+    assert device.lmcache_ttft_failure([8191, 8191], None, [None, None]) is None
+    assert device.lmcache_ttft_failure([8191, 8191], None, [8192, 0]).endswith("in 1 of 2 reloads: nothing was loaded")
+
+
+def test_retrieve_counter_counts_what_lmcache_logs_as_retrieved():
+    import logging
+
+    from benchmarks.gpu_e2e import lmcache_log
+
+    log = logging.getLogger(lmcache_log.CACHE_ENGINE_LOGGER)
+    old_level, old_handlers, old_prop = log.level, list(log.handlers), log.propagate
+    try:
+        log.setLevel(logging.WARNING)  # as LMCACHE_LOG_LEVEL=WARNING would leave it
+        log.propagate = False  # LMCache's loggers do not propagate: the handler must sit on this one
+        counter = lmcache_log.RetrieveCounter.attach()
+        assert log.level == logging.INFO
+        log.info("[req_id=%s] Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb",
+                 "cmpl-1", 512, 512, 512, 0.0625)
+        log.info("[req_id=%s] Stored %d out of total %d tokens", "cmpl-1", 768, 768)  # a store: not counted
+        log.info("Retrieved %d out of %d required tokens", "oops")  # a record that does not format: ignored
+        log.info("[req_id=cmpl-2] Retrieved 1280 out of 1280 required tokens (from 1300 total tokens)")
+        assert (counter.tokens, counter.retrieves) == (512 + 1280, 2)
+    finally:
+        log.handlers[:] = old_handlers
+        log.setLevel(old_level)
+        log.propagate = old_prop
+
+
+def test_whole_prompt_check_fails_lmcache_without_a_retrieve():
+    from benchmarks.gpu_e2e import device
+
+    def gen(tokens, cached=0, **kw):
+        return {"rows": [{"tokens": t, "cached": cached} for t in tokens], **kw}
+
+    A, W = [[1, 2], [3, 4]], [[5, 6]]
+    ok = [{"ok": True, "rank": 0}]
+    runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A), "w1": gen(W)},
+            "uniform/lmcache-fp32": {"r1": gen(A), "r2": gen(A, 768), "w2": gen(W, 1023, lmcache_retrieved=1024),
+                                     "scrub": ok}}
+    assert device.whole_hits("uniform", runs) == ("uniform/off-fp32", "uniform/lmcache-fp32")
+    assert device.whole_hits("perlayer", runs) == ()
+    lmc = [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if "lmcache" in c["engine"]]
+    assert [c["pass"] for c in lmc] == [True, True, True] and "scrubbed" in lmc[2]["engine"]
+    # the same tokens without a retrieve: the scrub should have changed them, the log says nothing was loaded
+    runs["uniform/lmcache-fp32"]["w2"] = gen(W, 1023, lmcache_retrieved=0)
+    bad = [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if not c["pass"] and "lmcache" in c["engine"]]
+    assert len(bad) == 1 and bad[0]["error"] == "LMCache reported 1023 hit tokens and logged no retrieve"
+    runs["uniform/lmcache-fp32"]["w2"] = gen([[9, 9]], 1023)  # not counted, other tokens than off's
+    assert not [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if "scrubbed" in c["engine"]][0]["pass"]
 
 
 def test_device_refuses_lmcache_when_not_installed(monkeypatch, capsys):

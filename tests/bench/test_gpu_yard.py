@@ -685,9 +685,12 @@ def test_correctness_plan_and_checks():
     bad = [c for c in device.correctness_checks("mla", runs, ["mla"]) if not c["pass"]]
     assert bad and all("ours-staged" in c["engine"] and "not every transfer staged" in c["error"] for c in bad)
     assert "FAIL" in tables.correctness_table({"checks": bad}) and "NOT RUN" not in tables.correctness_table({"checks": bad})
-    runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A)},
-            **{f"uniform/{k}-fp32": {"r1": gen(A), "r2": gen(A, 900)} for k in ("native", "simple", "vsimple")},
-            "uniform/ours-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900)},
+    scrubbed = [{"ok": True, "rank": 0}]
+    runs = {"uniform/off-fp32": {"r1": gen(A), "r2": gen(A), "w1": gen(B)},
+            **{f"uniform/{k}-fp32": {"r1": gen(A), "r2": gen(A, 900)} for k in ("simple", "vsimple")},
+            "uniform/native-fp32": {"r1": gen(A), "r2": gen(A, 900), "w2": gen(B, 1023), "scrub": scrubbed},
+            "uniform/ours-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900), "w2": gen(B, 1023),
+                                  "scrub": scrubbed},
             "uniform/ours-staged-fp32": {"r1": gen(A), "r2": gen(A, 900), "worker": staged},
             "uniform/layerwise-fp32": {"r1": gen(A), "r2": gen(A, 900), "r3": gen(B, 900), "worker": layerwise},
             "uniform/native-bf16": {"r1": gen(A), "r2": gen(B, 900)},
@@ -695,7 +698,22 @@ def test_correctness_plan_and_checks():
             "uniform/layerwise-bf16": {"r1": gen(A), "r2": gen(B, 900), "worker": layerwise},
             "perlayer/native-fp32": {"error": "boom"}}
     checks = device.correctness_checks("uniform", runs, ["uniform", "perlayer"])
-    assert all(c["pass"] for c in checks) and len(checks) == 1 + 12 + 2 + 1 + 2 + 1
+    assert all(c["pass"] for c in checks) and len(checks) == 1 + 12 + 2 + 1 + 2 + 2 + 1
+    assert [c["engine"] for c in checks if "scrubbed" in c["engine"]] == [
+        f"uniform/{k}-fp32 (the 1,024-token prompt alone, after reset, device KV scrubbed)" for k in ("native", "ours")]
+    # the whole-prompt reload: other tokens than off's, a scrub that did not run, or no hit, each fail
+    for key, bad_value in (("w2", gen(A, 1023)), ("scrub", [{"ok": False, "why": "no KV-cache tensors"}]),
+                           ("scrub", None), ("w2", gen(B, 0))):
+        good = runs["uniform/ours-fp32"][key]
+        runs["uniform/ours-fp32"][key] = bad_value
+        bad = [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if not c["pass"]]
+        assert [c["engine"] for c in bad] == ["uniform/ours-fp32 (the 1,024-token prompt alone, after reset, "
+                                              "device KV scrubbed)"], key
+        runs["uniform/ours-fp32"][key] = good
+    del runs["uniform/native-fp32"]["w2"]  # an engine that should have run it and did not: not run
+    assert [c.get("error") for c in device.correctness_checks("uniform", runs, ["uniform"]) if not c["pass"]] == [
+        "not run"]
+    runs["uniform/native-fp32"]["w2"] = gen(B, 1023)
     runs["uniform/layerwise-bf16"]["r2"] = gen(A, 900)  # bf16 layer-wise must equal the asynchronous path
     assert [c["engine"] for c in device.correctness_checks("uniform", runs, ["uniform"]) if not c["pass"]] == [
         "uniform/layerwise-bf16 (after reset)"]
@@ -726,6 +744,8 @@ class _FakeEngine:
         if op == "corrupt_page":
             self.corrupted = True
             return {"ok": True}
+        if op == "scrub_device_kv":
+            return [{"ok": True, "rank": r, "tensors": 1, "bytes": 1 << 20} for r in range(self.spec.tp)]
         if op == "kv_info":
             return {"cudagraph_mode": "FULL_AND_PIECEWISE", "cross_layer_blocks": self.spec.connector is None}
         if op == "worker_info":
@@ -770,6 +790,14 @@ def test_part_correctness_and_smoke_with_fake_engines(monkeypatch, tmp_path):
     eng = seen["engines"]  # bf16: one prompt per generate (4 prompts x r1, r2, r3), fp32: the batch of 4
     assert eng["mla/ours-bf16"].batches == [1] * 12 and eng["uniform/native-bf16"].batches == [1] * 8
     assert [b for b in eng["uniform/ours-fp32"].batches if b > 1] == [4, 4, 4]
+    # the whole-prompt check: off runs it once, native and ours store it, reset, scrub, reload it alone,
+    # all before the negative control corrupts ours' host page
+    uruns = res["layouts"]["uniform"]["runs"]
+    assert "w1" in uruns["uniform/off-fp32"] and "w2" not in uruns["uniform/off-fp32"]
+    calls = eng["uniform/ours-fp32"].calls
+    assert calls.index("scrub_device_kv") < calls.index("corrupt_page") and uruns["uniform/ours-fp32"]["scrub"][0]["ok"]
+    assert "scrub_device_kv" in eng["uniform/native-fp32"].calls and "scrub_device_kv" not in eng["uniform/simple-fp32"].calls
+    assert "scrub_device_kv" not in eng["perlayer/ours-fp32"].calls and "w2" not in uruns["uniform/ours-bf16"]
     assert res["layouts"]["mla"]["runs"]["mla/ours-bf16"]["r2"]["load_bytes"] == 4 << 20  # summed over calls
     text = tables.FORMATTERS["correctness"]({**res, "meta": {"device": "x"}})
     assert "### perlayer" in text and "FAIL" not in text
