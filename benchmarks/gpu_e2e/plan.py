@@ -3,11 +3,12 @@
 ``scripts/dev/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
-ran is written to $OUT and comes back). Priorities: 1 = staging with the smoke, and the tiers: the
-disk tier at the capacity load, the Mooncake pair, the reliability part (about 30 minutes on
-the GPU); 2 = the disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout,
-serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts; 3 = the
-shorter pair and the Simple connectors.
+ran is written to $OUT and comes back). Priorities: 1 = staging with the smoke, LMCache beside ours
+(the whole-prompt check over scrubbed device KV, serving at 8 clients) and the disk tier at the
+capacity load (about 28 minutes on the GPU); 2 = LMCache + disk at the capacity load, the Mooncake
+pair, the reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness
+of every layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA
+layouts; 3 = the shorter pair and the Simple connectors.
 """
 
 from __future__ import annotations
@@ -32,15 +33,23 @@ RUNS = (
     # --budget-s: this one runs after install in the same call
     Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
          240, 1),
+    # LMCache beside ours (docs/benchmarks.md section 10): its whole-prompt hits logged no retrieve in the
+    # reload TTFT part (2026-11-29); the correctness part now reloads such a prompt over scrubbed device KV
+    Call("LMCache: correctness with the whole-prompt check (native, ours, LMCache over scrubbed device KV)",
+         "correctness --layouts uniform --lmcache --budget-s 420", 180, 1),
+    Call("LMCache: serving, 8 clients, 3 passes beside ours and native",
+         "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 480, 1),
     # the tiers (docs/benchmarks.md sections 7-9): a disk-heavy call starts on an emptied disk folder
     Call("the disk tier at the capacity load: ours host-only, ours + disk, vLLM's fs tier, 2 passes each",
          "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 1),
+    Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
+         "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 500, 2),
     Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
-         "master killed mid-pass", "pair --pair-load cap --passes 2 --budget-s 500", 420, 1),
+         "master killed mid-pass", "pair --pair-load cap --passes 2 --budget-s 500", 420, 2),
     Call("reliability: faults on, a soak, kill -9 under load and a restart on a 10 GiB disk budget",
-         "reliability --layouts uniform --budget-s 540", 460, 1, env=f"GPU_E2E_DISK_BYTES={10 << 30}"),
-    Call("the disk tier's cost when nothing is reused: off, ours, ours + disk (miss rounds)",
-         "miss --layouts uniform --disk --no-native --miss-reps 10 --budget-s 540", 420, 2),
+         "reliability --layouts uniform --budget-s 540", 460, 2, env=f"GPU_E2E_DISK_BYTES={10 << 30}"),
+    Call("the disk tier's and LMCache's cost when nothing is reused: off, ours, ours + disk, LMCache (miss rounds)",
+         "miss --layouts uniform --disk --no-native --lmcache --miss-reps 10 --miss-batch 32 --budget-s 500", 260, 2),
     Call("smoke-serve (vLLM's client, 1 tiny pass, 8 server configs) + correctness of all layouts",
          "smoke-serve correctness --layouts all", 480, 2),
     Call("serving, 8 clients: uniform and per-layer native/ours, off, upper bound",
@@ -73,6 +82,10 @@ RUNS = (
 TP_RUNS = (
     Call("TP 2: correctness (fp32 = off, bf16 ours = native, negative control on every rank) + per-rank host "
          "bytes and NUMA of host KV vs GPU", "correctness --layouts uniform --tp 2 --budget-s 420", 180, 1),
+    # issue #51's TP 2 run: each rank writes its own records (the serve table lists them by rank)
+    Call("TP 2: the disk tier at the capacity load, ours host-only and ours + disk, each rank's records",
+         "serve --layouts uniform --loads cap --tp 2 --servers ours,ours-disk --passes 2 --grow-host-gib 128 "
+         "--budget-s 540", 500, 1),
     Call("TP 2: reload TTFT at 8k/32k, native vs ours", "ttft --layouts uniform --tp 2 --ttft-lengths 8192,32768 "
          "--grow-host-gib 64", 200, 1),
     Call("TP 2: serving, 8 clients, both connectors beside native", "serve --layouts uniform --loads 8 --tp 2 "

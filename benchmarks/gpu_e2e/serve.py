@@ -671,6 +671,8 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                               seed=r, timeout=max(30.0, budget.left() - 40))
                 run.update(label=label, pass_=r, wall_s=time.perf_counter() - t1,
                            disk_bytes_now=_du(plan_by[label].disk_dir))
+                if plan_by[label].kind == "ours-disk":  # each rank's records (TP: every rank its own share)
+                    run["disk_ranks_now"] = disk_ranks(plan_by[label].disk_dir)
                 if lmc:  # LMCache's own word on this pass: a degraded or hitless pass is failed, not a number
                     run["lmcache"], _ = lmcache_pass(log_of(plan_by[label]), offset)
                     why = lmcache_failure(run["lmcache"])
@@ -687,6 +689,9 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                       + (f", LMCache hit/to load/retrieved tok {run['lmcache']['hit_tokens']}/{run['lmcache']['loaded_tokens']}"
                          f"/{run['lmcache'].get('retrieved_tokens', 0)}"
                          if "lmcache" in run else "")
+                      + ("".join(f", disk r{k} {v['files']} files {v['bytes'] / 1e9:.1f} GB"
+                                 for k, v in run["disk_ranks_now"].items()) if len(run.get("disk_ranks_now") or {}) > 1
+                         else "")
                       + (f" FAILED: {run['failed']}" if run.get("failed") else ""), flush=True)
                 if write:
                     write(res)
@@ -771,6 +776,29 @@ def _server_pids(url: str) -> list[int]:
         return tree_pids(listening_pid(url))
     except (RuntimeError, OSError, ValueError):
         return []
+
+
+_RANK_SUFFIX = re.compile(r"\.r(\d+)$")
+
+
+def disk_ranks(d: Path | None) -> dict[int, dict[str, int]]:
+    """Our disk tier's records in ``d`` by rank (``<key>.r<rank>``, disk_io.py): files and bytes each,
+    the tensor-parallel check that every rank writes its own share."""
+    out: dict[int, dict[str, int]] = {}
+    if d is None or not d.is_dir():
+        return out
+    for f in d.rglob("*.r*"):
+        m = _RANK_SUFFIX.search(f.name)
+        if m is None:
+            continue
+        try:
+            size = f.stat().st_size
+        except OSError:  # evicted while we looked
+            continue
+        acc = out.setdefault(int(m.group(1)), {"files": 0, "bytes": 0})
+        acc["files"] += 1
+        acc["bytes"] += size
+    return dict(sorted(out.items()))
 
 
 def _du(d: Path | None) -> int:

@@ -780,6 +780,9 @@ def serve_one_table(res: dict) -> str:
     lmc = lmcache_serve_lines(res)
     if lmc:
         text += "\n" + lmc
+    ranks = disk_rank_lines(res)
+    if ranks:
+        text += "\n" + ranks
     logs = res.get("server_logs") or {}
     cl = ", ".join(f"{k} {'yes' if v.get('cross_layer_blocks') else 'no'}" for k, v in logs.items())
     times = ", ".join(f"{k} {v['compile_s']:.0f}+{v.get('graph_capture_s', 0):.0f}s" for k, v in logs.items()
@@ -819,6 +822,18 @@ def lmcache_serve_lines(res: dict) -> str:
                        f"{info.get('lookups', 0)} lookups"))
         lines.append(f"LMCache {s['label']} ({cfg}; GiB per rank, chunks of 256 tokens), from its log: "
                      + ("; ".join(per) or "no pass"))
+    return "\n".join(lines)
+
+
+def disk_rank_lines(res: dict) -> str:
+    """Per ours-disk server with more than one rank, its records by rank after each pass (files, GB)."""
+    lines = []
+    for label in sorted({r["label"] for r in res.get("runs", []) if len(r.get("disk_ranks_now") or {}) > 1}):
+        per = [f"pass {r.get('pass_', 0)}: " + ", ".join(f"r{k} {v['files']:,} files {v['bytes'] / 1e9:.1f} GB"
+                                                         for k, v in r["disk_ranks_now"].items())
+               for r in sorted(res["runs"], key=lambda r: r.get("pass_", 0)) if r["label"] == label
+               and r.get("disk_ranks_now")]
+        lines.append(f"{label} disk records by rank, after each pass: " + "; ".join(per))
     return "\n".join(lines)
 
 

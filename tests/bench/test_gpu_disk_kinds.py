@@ -79,3 +79,26 @@ def test_the_pool_adds_ours_with_its_disk_tier_for_the_no_reuse_cost(monkeypatch
     assert not stale.exists()  # an earlier call's records say nothing about this one's prompts
     with pytest.raises(serve.PlanError, match=r"4 engines \(off, native, ours, ours-disk\)"):
         device.check_pool_fits("uniform", device.build_parser().parse_args(["miss", "--disk"]), ["miss"], H200)
+
+
+def test_disk_records_counted_by_rank_for_the_tensor_parallel_run(tmp_path):
+    """At TP 2 every rank writes its own record of a key (``<key>.r<rank>``): the serve part reports
+    each rank's files and bytes after each pass, and the table lists them for servers with two ranks."""
+    from benchmarks.gpu_e2e import serve, tables
+
+    fp = tmp_path / "ab12fingerprint"
+    for key, sizes in {"aa01": (4096 + 100, 4096 + 100), "ab02": (4096 + 300, 4096 + 300),
+                       "ac03": (4096 + 50,)}.items():
+        (fp / key[:2]).mkdir(parents=True, exist_ok=True)
+        for rank, size in enumerate(sizes):
+            (fp / key[:2] / f"{key}.r{rank}").write_bytes(b"x" * size)
+    (fp / "aa" / "aa09.r1.tmp.123").write_bytes(b"x" * 7)  # a write in flight: not a record
+    (tmp_path / "README").write_text("not ours")
+    assert serve.disk_ranks(tmp_path) == {0: {"files": 3, "bytes": 3 * 4096 + 450},
+                                          1: {"files": 2, "bytes": 2 * 4096 + 400}}
+    assert serve.disk_ranks(tmp_path / "gone") == {} and serve.disk_ranks(None) == {}
+    runs = [{"label": "ours-disk", "pass_": p, "disk_ranks_now": serve.disk_ranks(tmp_path)} for p in (1, 0)]
+    runs.append({"label": "ours-disk-tp1", "pass_": 0, "disk_ranks_now": {0: {"files": 1, "bytes": 10}}})
+    line = tables.disk_rank_lines({"runs": runs})
+    assert line == ("ours-disk disk records by rank, after each pass: pass 0: r0 3 files 0.0 GB, r1 2 files 0.0 GB; "
+                    "pass 1: r0 3 files 0.0 GB, r1 2 files 0.0 GB")

@@ -1090,8 +1090,8 @@ def test_tensor_parallel_device_calls_parse_and_fit_two_h200():
                     ps = serve.plan_servers(layout, a.servers.split(","), load, H200, 159 * GiB, tp=2)  # 31 + 128 grown
                     assert sum(p.gpu_bytes for p in ps) <= 0.94 * H200  # per GPU
     assert "--tp 4" in plan.calls(3, ".gpu", tp=4)[3]["command"]
-    assert [c["priority"] for c in cs] == [1, 1, 1, 1, 1, 2, 2]  # the per-layer layout after the first table
-    assert len(plan.calls(3, ".gpu", max_priority=1, tp=2)) == 5
+    assert [c["priority"] for c in cs] == [1, 1, 1, 1, 1, 1, 2, 2]  # the per-layer layout after the first table
+    assert len(plan.calls(3, ".gpu", max_priority=1, tp=2)) == 6
 
 
 def test_grow_host_touches_and_reports():
