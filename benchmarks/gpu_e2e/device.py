@@ -366,7 +366,8 @@ def generate_prompts(p, prompts: list[list[int]], max_tokens: int, one_by_one: b
 def part_correctness(work: Path, a, budget: Budget) -> dict:
     """Per layout, tiny random-weight models of its architecture: a first run, then (stores flushed,
     device prefix cache reset) a run served from host; float32 tokens must equal offload off, bfloat16
-    ours must equal native; one host page of ours corrupted must change the tokens."""
+    ours must equal native; a prompt held whole, reloaded over scrubbed device KV, must equal off's
+    (``whole_hits``); one host page of ours corrupted must change the tokens."""
     prompts = [unique_prompts(1, 1000 + 100 * i, seed=11 + i)[0] for i in range(4)]  # 1000..1300 tokens
     whole = unique_prompts(1, WHOLE_TOKENS, seed=31)
     plan = correctness_plan(a.layouts, getattr(a, "lmcache", False))
