@@ -28,10 +28,11 @@ from pathlib import Path
 
 import httpx
 
+from .multiturn import NPU_CONNECTOR
 from .multiturn.cli import TINY_GPU_BLOCKS, TINY_MAX_MODEL_LEN
 from .multiturn.driver import DriverConfig, run_load
 from .multiturn.generate import Conversation, generate
-from .multiturn.launcher import NPU_CONNECTOR, tiny_server_setup, vllm_server
+from .multiturn.launcher import tiny_server_setup, vllm_server
 from .multiturn.procs import listening_pid, tree_pids
 from .multiturn.resources import disk_within_budget, flat, sample
 

@@ -17,13 +17,14 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.multiturn import NPU_CONNECTOR  # the connector whose prefetch the tiers use
+
 from . import forward_profile, lmcache_log, ranks, timeline
 from .stage import LMCACHE_SITE
 
 SPEC_MODULE = "vllm_npu_offload.integration.spec"
 SIMPLE_MODULE = "vllm_npu_offload.integration.simple_connector"
 NULL_MODULE = "benchmarks.gpu_e2e.null_spec"
-NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
 # layerwise: ours loading host hits layer group by layer group inside the step (docs/layerwise.md)
 LAYERWISE_EXTRA = {"layerwise_load": True, "layerwise_min_tokens": 256, "layerwise_groups": 4}
 # device.py --layerwise-load auto sets it (children inherit it): the layerwise kind in "auto" mode, with

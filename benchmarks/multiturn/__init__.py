@@ -10,3 +10,8 @@ always as a subprocess. Entry point: ``scripts/bench_multiturn.py`` (see docs/mu
 
 class BenchError(Exception):
     """A user-facing error: bad input, unreachable server, server failed to start."""
+
+
+# our connector for vLLM's KV-connector config (name, module): the spec plus its prefetch on a request's
+# arrival, which the tiers use; shared by the launcher and the GPU yardstick's engines (no imports here)
+NPU_CONNECTOR = ("NPUOffloadingConnector", "vllm_npu_offload.integration.connector")
