@@ -1011,7 +1011,7 @@ def part_serve(work: Path, a, out: Path, budget: Budget, meta: dict) -> dict:
             write = lambda r, done=list(res["runs"]): write_part(out, "serve", {**res, "runs": done + [r]})  # noqa: E731
             res["runs"].append(run_serve(name, load, names, a, work, out, budget, meta.get("gpu_bytes", 0),
                                          meta.get("host_bytes", 0), write=write))
-    # an LMCache pass that ran degraded or without hits is failed (serve.lmcache_failure)
+    # an LMCache pass that ran degraded or without hits is failed (lmcache_log.failure)
     res["ok"] = bool(res["runs"]) and all(not r["errors"] and r["runs"] and not any(x.get("failed") for x in r["runs"])
                                           for r in res["runs"])
     return res

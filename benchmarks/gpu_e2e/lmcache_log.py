@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 HIT = re.compile(r"LMCache hit tokens:\s*(\d+)")
 LOAD = re.compile(r"need to load:\s*(\d+)")
@@ -71,6 +72,19 @@ def failure(info: dict) -> str | None:
         return (f"LMCache promised tokens to {len(missing)} request(s) and logged no retrieve for them "
                 f"(e.g. {missing[0]}): vLLM skipped computing KV that was never loaded")
     return None
+
+
+def read_pass(log: Path, offset: int) -> tuple[dict, int]:
+    """One pass of an LMCache server from its log: ``log_info`` of what the log gained since ``offset``
+    (degraded: anywhere in the log) and the new offset."""
+    try:
+        with open(log, "rb") as f:
+            whole = f.read()
+    except OSError:
+        whole = b""
+    info = log_info(whole[offset:].decode(errors="replace"))
+    info["degraded"] = DEGRADED.search(whole.decode(errors="replace")) is not None
+    return info, len(whole)
 
 
 class RetrieveCounter(logging.Handler):

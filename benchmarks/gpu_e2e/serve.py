@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn.procs import io_bytes
+from benchmarks.multiturn.resources import record_files
+from vllm_npu_offload.tiers.disk_io import TMP_MARK  # in a record's name until its rename
 
 from . import lmcache_log
 from .engine import CACHE_ENV, ENV, LMCACHE_KINDS, NPU_CONNECTOR, kv_transfer_config, lmcache_env, lmcache_path
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
-
-# LMCache's log, read for each pass (lmcache_log.py); these names are what the tables and tests use
-lmcache_log_info, lmcache_failure = lmcache_log.log_info, lmcache_log.failure
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_FILES = ("benchmark_serving_multi_turn.py", "bench_dataset.py", "bench_utils.py")
@@ -331,19 +330,6 @@ def server_env(p: ServerPlan, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def lmcache_pass(log: Path, offset: int) -> tuple[dict, int]:
-    """One pass of an LMCache server from its log: ``lmcache_log_info`` of what the log gained since
-    ``offset`` (degraded: anywhere in the log) and the new offset."""
-    try:
-        with open(log, "rb") as f:
-            whole = f.read()
-    except OSError:
-        whole = b""
-    info = lmcache_log_info(whole[offset:].decode(errors="replace"))
-    info["degraded"] = lmcache_log.DEGRADED.search(whole.decode(errors="replace")) is not None
-    return info, len(whole)
-
-
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -367,7 +353,7 @@ def server_log_info(text: str) -> dict:
         if tier:
             out[f"{name}_tier"] = tier[-1].strip()  # the counters over every pass, as last logged
     if "LMCache" in text:
-        out["lmcache"] = lmcache_log_info(text)  # every lookup so far (warm-up included); degraded
+        out["lmcache"] = lmcache_log.log_info(text)  # every lookup so far (warm-up included); degraded
     return out
 
 
@@ -674,8 +660,8 @@ def run_serve(layout: str, load: Load, names: list[str], a, work: Path, out: Pat
                 if plan_by[label].kind == "ours-disk":  # each rank's records (TP: every rank its own share)
                     run["disk_ranks_now"] = disk_ranks(plan_by[label].disk_dir)
                 if lmc:  # LMCache's own word on this pass: a degraded or hitless pass is failed, not a number
-                    run["lmcache"], _ = lmcache_pass(log_of(plan_by[label]), offset)
-                    why = lmcache_failure(run["lmcache"])
+                    run["lmcache"], _ = lmcache_log.read_pass(log_of(plan_by[label]), offset)
+                    why = lmcache_log.failure(run["lmcache"])
                     if why:
                         run["failed"] = why
                 res["runs"].append(run)
@@ -782,22 +768,16 @@ _RANK_SUFFIX = re.compile(r"\.r(\d+)$")
 
 
 def disk_ranks(d: Path | None) -> dict[int, dict[str, int]]:
-    """Our disk tier's records in ``d`` by rank (``<key>.r<rank>``, disk_io.py): files and bytes each,
-    the tensor-parallel check that every rank writes its own share."""
+    """Our disk tier's records in ``d`` by rank (``<key>.r<rank>``, disk_io.py; temporaries left out):
+    files and bytes each, the tensor-parallel check that every rank writes its own share."""
     out: dict[int, dict[str, int]] = {}
-    if d is None or not d.is_dir():
-        return out
-    for f in d.rglob("*.r*"):
+    for f, st in record_files(d) if d is not None else ():
         m = _RANK_SUFFIX.search(f.name)
-        if m is None:
-            continue
-        try:
-            size = f.stat().st_size
-        except OSError:  # evicted while we looked
+        if m is None or TMP_MARK in f.name:
             continue
         acc = out.setdefault(int(m.group(1)), {"files": 0, "bytes": 0})
         acc["files"] += 1
-        acc["bytes"] += size
+        acc["bytes"] += st.st_size
     return dict(sorted(out.items()))
 
 

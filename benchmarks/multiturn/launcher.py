@@ -31,7 +31,6 @@ SPEC_MODULE = "vllm_npu_offload.integration.spec"
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-
 def offload_kv_config(cpu_bytes: int, block_size: int, extra: dict | None = None,
                       connector: tuple[str, str] | None = None) -> str:
     """--kv-transfer-config that enables vLLM's OffloadingConnector with our NPUOffloadingSpec

@@ -34,7 +34,7 @@ def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
     s["shm_entries"] = len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
     if disk is not None:
         n, tmp, size = 0, 0, 0
-        for p, st in _record_files(disk):
+        for p, st in record_files(disk):
             if TMP_MARK in p.name:
                 tmp += 1
             else:
@@ -46,9 +46,9 @@ def sample(pids: list[int], disk: Path | None) -> dict[str, float]:
     return s
 
 
-def _record_files(disk: Path):
-    """(path, stat) of the disk tier's record files under ``disk``, temporaries included; a file the
-    janitor deletes meanwhile is left out."""
+def record_files(disk: Path):
+    """(path, stat) of the disk tier's record files under ``disk`` (none if it is not a folder),
+    temporaries included; a file the janitor deletes meanwhile is left out."""
     for p in disk.rglob("*.r*") if disk.is_dir() else ():
         try:
             yield p, p.stat()
@@ -83,7 +83,7 @@ def alive(pid: int) -> bool:
 def records_since(disk: Path, since: float) -> dict[str, int]:
     """The disk tier's whole records under ``disk`` last written at or after ``since`` (wall clock, as a
     file's mtime): path relative to ``disk`` -> bytes."""
-    return {str(p.relative_to(disk)): st.st_size for p, st in _record_files(disk)
+    return {str(p.relative_to(disk)): st.st_size for p, st in record_files(disk)
             if TMP_MARK not in p.name and st.st_mtime >= since}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_e2e import engine, serve, stage, tables
+from benchmarks.gpu_e2e import engine, lmcache_log, serve, stage, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 H200, HOST = 143771 * (1 << 20), 126 << 30
@@ -148,23 +148,23 @@ def test_lmcache_log_lines_parsed():
                       hit_line("chatcmpl-2-0", 2900, 1024, 2816, 1792, 5),  # looked up again while waiting: once
                       retrieved_line("chatcmpl-1-0", 1536, 1536), retrieved_line("chatcmpl-2-0", 2048, 2816),
                       BELOW_MIN, UNANSWERED, "LMCache hit tokens:   512"])
-    info = serve.lmcache_log_info(text)
+    info = lmcache_log.log_info(text)
     assert info == {"lookups": 4, "hit_tokens": 1536 + 2816 + 768 + 512, "loaded_tokens": 1536 + 1792,
                     "retrieved_tokens": 1536 + 2048, "unretrieved": [], "degraded": False}
-    assert serve.lmcache_failure(info) is None
+    assert lmcache_log.failure(info) is None
     # a request the server's log promised 2,560 tokens and never retrieved: no number
-    assert serve.lmcache_log_info(SERVED) == {"lookups": 2, "hit_tokens": 5120 + 3584, "loaded_tokens": 2560,
+    assert lmcache_log.log_info(SERVED) == {"lookups": 2, "hit_tokens": 5120 + 3584, "loaded_tokens": 2560,
                                               "retrieved_tokens": 0, "unretrieved": ["chatcmpl-b62b817357db654b-abf3611f"],
                                               "degraded": False}  # the request looked up twice counts once
-    why = serve.lmcache_failure(serve.lmcache_log_info(SERVED))
+    why = lmcache_log.failure(lmcache_log.log_info(SERVED))
     assert "promised tokens to 1 request(s) and logged no retrieve" in why and "chatcmpl-b62b817357db654b-abf3611f" in why
-    assert serve.lmcache_log_info(VLLM_LINES + DEGRADED)["degraded"] is True
-    assert "degraded mode" in serve.lmcache_failure({**info, "degraded": True})
-    assert "no lookup" in serve.lmcache_failure(serve.lmcache_log_info(VLLM_LINES))
-    zero = serve.lmcache_log_info(hit_line("a", 900, 0, 0, 0) + "\n" + hit_line("b", 900, 0, 0, 0))
-    assert zero["lookups"] == 2 and "no hit tokens" in serve.lmcache_failure(zero)
-    on_device = serve.lmcache_log_info(hit_line("a", 900, 768, 768, 0))  # hits the device still held: a number
-    assert on_device["loaded_tokens"] == 0 and serve.lmcache_failure(on_device) is None
+    assert lmcache_log.log_info(VLLM_LINES + DEGRADED)["degraded"] is True
+    assert "degraded mode" in lmcache_log.failure({**info, "degraded": True})
+    assert "no lookup" in lmcache_log.failure(lmcache_log.log_info(VLLM_LINES))
+    zero = lmcache_log.log_info(hit_line("a", 900, 0, 0, 0) + "\n" + hit_line("b", 900, 0, 0, 0))
+    assert zero["lookups"] == 2 and "no hit tokens" in lmcache_log.failure(zero)
+    on_device = lmcache_log.log_info(hit_line("a", 900, 768, 768, 0))  # hits the device still held: a number
+    assert on_device["loaded_tokens"] == 0 and lmcache_log.failure(on_device) is None
     assert serve.server_log_info(VLLM_LINES + DEGRADED)["lmcache"]["degraded"] is True
     assert "lmcache" not in serve.server_log_info("GPU KV cache size: 1,024 tokens")
 
@@ -175,16 +175,16 @@ def test_lmcache_pass_reads_only_what_the_log_gained(tmp_path):
     off = log.stat().st_size
     with open(log, "a") as f:
         f.write(hit_line("c-1", 2000, 0, 1792, 1792) + "\n")
-    info, off2 = serve.lmcache_pass(log, off)
+    info, off2 = lmcache_log.read_pass(log, off)
     assert (info["lookups"], info["hit_tokens"], info["loaded_tokens"], info["degraded"]) == (1, 1792, 1792, False)
     assert info["unretrieved"] == ["c-1"] and info["retrieved_tokens"] == 0  # its retrieve is not in the log yet
-    info, _ = serve.lmcache_pass(log, off2)  # a pass that added nothing: no LMCache number
-    assert info["lookups"] == 0 and serve.lmcache_failure(info)
+    info, _ = lmcache_log.read_pass(log, off2)  # a pass that added nothing: no LMCache number
+    assert info["lookups"] == 0 and lmcache_log.failure(info)
     with open(log, "a") as f:
         f.write(hit_line("c-2", 2000, 0, 1792, 1792) + "\n")
     log.write_text(DEGRADED + "\n" + log.read_text())  # degraded anywhere in the log fails every pass
-    assert serve.lmcache_pass(log, off2)[0]["degraded"]
-    assert serve.lmcache_pass(tmp_path / "none.log", 0)[0]["lookups"] == 0
+    assert lmcache_log.read_pass(log, off2)[0]["degraded"]
+    assert lmcache_log.read_pass(tmp_path / "none.log", 0)[0]["lookups"] == 0
 
 
 # ---------------------------------------------------------------------------- run_serve with fake servers
