@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_npu_offload.tiers import rank_links
 from vllm_npu_offload.tiers.channel import socket_path
 from vllm_npu_offload.tiers.contract import Failure, Op, RecordIdentity
 from vllm_npu_offload.tiers.disk_index import DiskIndex
@@ -386,58 +385,6 @@ def test_cost_rule_reads_while_the_queue_drains_in_time(root):
         assert not rig.tier.worth_reading() and rig.tier.stats.misses_cost == 2  # the disk needs 100 ms
         rig.tier.cfg = dataclasses.replace(rig.tier.cfg, prefill_tokens_per_s=16 / 0.2)
         assert rig.tier.worth_reading()
-    finally:
-        rig.close()
-
-
-def test_early_reads_queue_longer_and_never_count_against_a_lookups_read(root):
-    """The prefetch window's reads (``early``) may fill the queue up to ``early_queue_s`` (twice a
-    lookup's, at most half the deadline); a lookup's read counts only the lookups' reads ahead of it,
-    since each rank serves those first."""
-    rig = Rig(root, world=1, read_queue_s=0.375)
-    try:
-        for i in range(9):
-            _written(rig, f"k{i}".encode(), chunk=i % CHUNKS)
-        assert rig.tier.early_queue_s == 0.75
-        rig.tier.rate.value = rig.tier.index.key_bytes * 8.0  # 8 keys a second: 0.125 s each
-        early = 0
-        while rig.tier.worth_reading(count=False, early=True):
-            assert rig.tier.start_read(f"k{early}".encode(), early % CHUNKS, early=True)
-            early += 1
-        assert early == 5 and rig.tier.stats.misses_cost == 0  # a 6th would wait 0.75 s; a prefetch is no miss
-        for i in range(2):  # 0.625 s of early reads queued, none of them ahead of a lookup's read
-            assert rig.tier.worth_reading() and rig.tier.start_read(f"k{5 + i}".encode(), (5 + i) % CHUNKS)
-        assert not rig.tier.worth_reading() and rig.tier.stats.misses_cost == 1  # a 3rd lookup's: 0.375 s
-        assert not rig.tier.worth_reading(count=False, early=True)  # early reads see every queued read
-        assert len(rig.wait()) == 7
-        assert rig.tier._read_backlog == rig.tier._early_backlog == 0
-    finally:
-        rig.close()
-    assert rank_links.early_read_queue_s(1.0, 5.0) == 2.0 and rank_links.early_read_queue_s(2.4, 5.0) == 2.5
-
-
-def test_a_lookups_read_goes_before_the_prefetch_windows_reads_on_the_rank(root, monkeypatch):
-    rig = Rig(root, world=1)
-    try:
-        for i in range(10):
-            _written(rig, f"e{i}".encode(), chunk=i % CHUNKS)
-        _written(rig, b"wanted")
-        real = RecordFiles.read_into
-
-        def slow(self, *a, **k):
-            time.sleep(0.03)
-            return real(self, *a, **k)
-
-        monkeypatch.setattr(RecordFiles, "read_into", slow)
-        for i in range(10):
-            assert rig.tier.start_read(f"e{i}".encode(), i % (CHUNKS - 1), early=True)
-        time.sleep(0.01)  # the early reads are queued on the rank first
-        assert rig.tier.start_read(b"wanted", CHUNKS - 1)
-        done = rig.wait()
-        keys = [c.key for c in done]
-        assert all(c.ok for c in done) and len(done) == 11
-        # 4 I/O threads: behind the window's reads it would end 9th or later, ahead of the queued ones 5th-8th
-        assert keys.index(b"wanted") < 8, f"the lookup's read waited for the window's reads: {keys}"
     finally:
         rig.close()
 

@@ -375,25 +375,6 @@ def test_execute_batch_is_one_store_call(master):
         rig.close()
 
 
-def test_a_batch_takes_the_lookups_reads_before_the_prefetch_windows():
-    """The rank's read thread batches what is queued: vLLM's lookups' reads first, then the prefetch
-    window's (``Order.early``), at most ``max_batch``; writes keep their own queue."""
-    from collections import deque
-
-    srv = object.__new__(MooncakeRankServer)  # the queues alone: no master, no socket
-    srv._cv, srv._closed, srv.max_batch = threading.Condition(), False, 3
-    srv._queues, srv._early = {Op.READ: deque(), Op.WRITE: deque()}, deque()
-    for i in range(3):
-        srv._enqueue("conn", Order(i, Op.READ, f"e{i}".encode(), i, early=True))
-    srv._enqueue("conn", Order(9, Op.READ, b"wanted", 9))
-    srv._enqueue("conn", Order(7, Op.WRITE, b"w", 1, early=True))  # a write's flag means nothing
-    assert [o.seq for _, o in srv._take(Op.READ)] == [9, 0, 1]
-    assert [o.seq for _, o in srv._take(Op.READ)] == [2]
-    assert [o.seq for _, o in srv._take(Op.WRITE)] == [7]
-    srv._closed = True
-    assert srv._take(Op.READ) == []
-
-
 def _sched_ns() -> tuple[int, int] | None:
     """(ns on a CPU, ns waiting in the run queue) of this thread, where Linux tells (schedstat)."""
     try:

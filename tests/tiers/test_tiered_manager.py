@@ -41,15 +41,11 @@ class MemTier:
         self.orders: list[tuple[Op, bytes, int]] = []
         self.ended: list[Completion] = []
         self.log: list[tuple[Op, bytes, int]] = []
-        self.early: set[bytes] = set()  # keys whose read the prefetch window ordered
-        self.cost_asked: list[bool] = []  # ``early`` of each cost-rule question
 
     def has(self, key): return key in self.keys and key not in self.unknown
     def looking_up(self, key): return key in self.unknown
     def reading(self, key): return any(o == Op.READ and k == key for o, k, _ in self.orders)
-    def worth_reading(self, count=True, early=False):
-        self.cost_asked.append(early)
-        return not self.full
+    def worth_reading(self, count=True): return not self.full
     full = False  # the cost rule refuses every read
     def may_write(self): return sum(o is Op.WRITE for o, _, _ in self.orders) < self.room
     def needs_write(self, key): return key not in self.keys and not any(k == key for _, k, _ in self.orders)
@@ -57,9 +53,7 @@ class MemTier:
     def describe_rate(self): return "-"
     def close(self): pass
 
-    def start_read(self, key, chunk, early=False):
-        if early:
-            self.early.add(key)
+    def start_read(self, key, chunk):
         self.orders.append((Op.READ, key, chunk))
         self.log.append((Op.READ, key, chunk))
         return True
@@ -270,16 +264,12 @@ def test_a_new_requests_keys_found_on_a_tier_are_read_into_host_before_the_sched
     m.prefetch([b"a", b"b", b"c", b"d", b"e"], _ctx("r1"))
     assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # d is nowhere: e unreachable
     assert disk.stats.prefetches == 0 and disk.stats.misses_cost == 0  # counted once read
-    # the window's reads are early (the tier serves the lookups' reads first) under the early cost rule
-    assert disk.early == {b"b", b"c"} and disk.cost_asked == [True, True]
     assert not hit(m.lookup(b"b", _ctx("r1")))  # still reading: the request waits (not a miss either)
     assert m.lookup(b"b", _ctx("r1")) != compat.LOOKUP_MISS
     disk.finish()
     assert all(hit(m.lookup(k, _ctx("r1"))) for k in (b"a", b"b", b"c"))
     assert disk.stats.prefetches == 2 and disk.stats.hits == 2
     assert [(op, k) for op, k, _ in disk.log] == [(Op.READ, b"b"), (Op.READ, b"c")]  # no second read
-    assert m.lookup(b"e", _ctx("r2")) == compat.LOOKUP_DEFER  # a lookup's own read: not early, the lookup rule
-    assert disk.early == {b"b", b"c"} and disk.cost_asked[-1] is False and disk.log[-1][:2] == (Op.READ, b"e")
 
 
 def test_prefetch_waits_for_room_in_the_tier_and_under_its_cap_and_resumes_in_arrival_order():

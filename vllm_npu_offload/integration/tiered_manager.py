@@ -296,14 +296,13 @@ class TieredManager:
             return miss  # no host chunk free of pins right now: recompute
         return self._defer if started else miss
 
-    def _start_read(self, tier: LowerTier, key, early: bool = False) -> bool | None:
+    def _start_read(self, tier: LowerTier, key) -> bool | None:
         """Order the read of ``key`` from ``tier`` into a fresh host chunk (completed or dropped when the
-        read ends, ``_apply``); None if no host chunk is free of pins, False if the order was not sent.
-        ``early``: the prefetch window's read (the tier serves vLLM's lookups' reads first)."""
+        read ends, ``_apply``); None if no host chunk is free of pins, False if the order was not sent."""
         out = self.host.prepare_store([key], self._ctx)
         if out is None or list(out.keys_to_store) != [key]:
             return None
-        if not tier.start_read(key, int(out.store_spec.block_ids[0]), early=early):
+        if not tier.start_read(key, int(out.store_spec.block_ids[0])):
             self.host.complete_store([key], self._ctx, False)
             return False
         return True
@@ -399,9 +398,9 @@ class TieredManager:
                             t.has(later)
                     return False  # a tier answers soon
                 break  # the prefix ends here: nothing after it can be a hit
-            if self._window_full(key) or not tier.worth_reading(count=False, early=True):
+            if self._window_full(key) or not tier.worth_reading(count=False):
                 return False
-            if not self._start_read(tier, key, early=True):
+            if not self._start_read(tier, key):
                 break  # no host chunk free of pins, or the order not sent: the scheduler's lookup decides later
             self._prefetch_reads.add(key)
             self._hold(p, key)

@@ -80,7 +80,6 @@ class Order:
     op: Op
     key: bytes
     chunk: int  # host chunk id (the manager's block id) on every rank
-    early: bool = False  # a read the prefetch window ordered before vLLM looked the key up: served after the others
 
 
 @dataclass(frozen=True)
@@ -170,8 +169,8 @@ class LowerTier(Protocol):
     def has(self, key: bytes) -> bool: ...
     def looking_up(self, key: bytes) -> bool: ...  # whether it has ``key`` is not known yet
     def reading(self, key: bytes) -> bool: ...
-    def worth_reading(self, count: bool = True, early: bool = False) -> bool: ...  # the cost rule for one more read now
-    def start_read(self, key: bytes, chunk: int, early: bool = False) -> bool: ...
+    def worth_reading(self, count: bool = True) -> bool: ...  # the cost rule for one more read now
+    def start_read(self, key: bytes, chunk: int) -> bool: ...
     def may_write(self) -> bool: ...  # a write may start now (up, writable, room in its queue)
     def needs_write(self, key: bytes) -> bool: ...  # not on the tier and not moving
     def start_write(self, key: bytes, chunk: int) -> bool: ...

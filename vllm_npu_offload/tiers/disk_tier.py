@@ -269,8 +269,8 @@ class DiskTier(OrderedTier):
     def key_bytes(self) -> int:
         return self.index.key_bytes if self.index is not None else 0
 
-    def start_read(self, key: bytes, chunk: int, early: bool = False) -> bool:
-        if not super().start_read(key, chunk, early):
+    def start_read(self, key: bytes, chunk: int) -> bool:
+        if not super().start_read(key, chunk):
             return False
         self.index.touch(key)
         return True

@@ -8,9 +8,7 @@ for any of it.
 
 Reads go first: a read has a request waiting (deferred) for it, a write is only an investment in a
 later hit. Queued reads are taken before queued writes, and writes hold at most half the threads,
-so a read that arrives behind a burst of stores finds a thread free. Among reads, those of vLLM's
-lookups go before the prefetch window's (``Order.early``): a request waits on the first, the second
-are for requests further back in vLLM's queue.
+so a read that arrives behind a burst of stores finds a thread free.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ class DiskTierServer:
         self.chunk_bytes = identity.chunk_bytes
         self.num_chunks = host.nbytes // self.chunk_bytes
         self._cv = threading.Condition()
-        self._reads: deque = deque()  # (conn, order): the lookups' reads
-        self._early: deque = deque()  # the prefetch window's reads
+        self._reads: deque = deque()  # (conn, order)
         self._writes: deque = deque()
         self._writing = 0
         self._max_writers = max(1, io_threads // 2)
@@ -94,21 +91,17 @@ class DiskTierServer:
 
     def _enqueue(self, conn, order: Order) -> None:
         with self._cv:
-            q = self._writes if order.op is not Op.READ else self._early if order.early else self._reads
-            q.append((conn, order))
+            (self._reads if order.op is Op.READ else self._writes).append((conn, order))
             self._cv.notify()
 
     def _next(self):
-        """The next order for an I/O thread: a lookup's read if any, else an early one, else a write
-        if a write slot is free."""
+        """The next order for an I/O thread: a read if any, else a write if a write slot is free."""
         with self._cv:
             while True:
                 if self._closed:
                     return None
                 if self._reads:
                     return self._reads.popleft()
-                if self._early:
-                    return self._early.popleft()
                 if self._writes and self._writing < self._max_writers:
                     self._writing += 1
                     return self._writes.popleft()

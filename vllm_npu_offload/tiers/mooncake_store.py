@@ -289,7 +289,6 @@ class MooncakeRankServer:
         self._down_until = 0.0
         self._cv = threading.Condition()
         self._queues: dict[Op, deque] = {Op.READ: deque(), Op.WRITE: deque()}
-        self._early: deque = deque()  # the prefetch window's reads: batched after the lookups' reads
         self._send_lock = threading.Lock()
         self._closed = False
         self._listener = listen(address)
@@ -313,23 +312,16 @@ class MooncakeRankServer:
 
     def _enqueue(self, conn, order: Order) -> None:
         with self._cv:
-            (self._early if order.op is Op.READ and order.early else self._queues[order.op]).append((conn, order))
+            self._queues[order.op].append((conn, order))
             self._cv.notify_all()
 
     def _take(self, op: Op) -> list:
-        """The orders queued for ``op`` (at most ``max_batch``; for reads the lookups' first, then the
-        prefetch window's), waiting for one; [] when closed."""
-        qs = [self._queues[op]] + ([self._early] if op is Op.READ else [])
+        """Every order queued for ``op`` (at most ``max_batch``), waiting for one; [] when closed."""
+        q = self._queues[op]
         with self._cv:
-            while not any(qs) and not self._closed:
+            while not q and not self._closed:
                 self._cv.wait()
-            if self._closed:
-                return []
-            out: list = []
-            for q in qs:
-                while q and len(out) < self.max_batch:
-                    out.append(q.popleft())
-            return out
+            return [q.popleft() for _ in range(min(len(q), self.max_batch))] if not self._closed else []
 
     def _io_loop(self, op: Op) -> None:
         if op is Op.READ:
@@ -784,8 +776,8 @@ class MooncakeTier(OrderedTier):
         with self._lock:
             return key not in self._present
 
-    def _send(self, op: Op, key: bytes, chunk: int, early: bool = False) -> bool:
-        return self.up and super()._send(op, key, chunk, early)
+    def _send(self, op: Op, key: bytes, chunk: int) -> bool:
+        return self.up and super()._send(op, key, chunk)
 
     def close(self) -> None:
         self._closed.set()

@@ -32,7 +32,6 @@ class PendingOrder:
     chunk: int
     ranks_left: set[int]
     started: float
-    early: bool = False
     ok: bool = True
     nbytes: int = 0
     seconds: float = 0.0
@@ -126,8 +125,7 @@ class OrderedTier:
         self._reads: dict[bytes, int] = {}  # key -> seq
         self._writes: dict[bytes, int] = {}
         self._seq = 0
-        self._read_backlog = 0  # every queued read, in bytes
-        self._early_backlog = 0  # of it, the prefetch window's (each rank serves them after the lookups' reads)
+        self._read_backlog = 0
         self._write_backlog = 0
         self._warned: set[str] = set()
         self._next_deadline_check = 0.0
@@ -190,7 +188,6 @@ class OrderedTier:
         if p.op is Op.READ:
             self._reads.pop(p.key, None)
             self._read_backlog -= self.key_bytes
-            self._early_backlog -= self.key_bytes if p.early else 0
             self.rate.ended(self.key_bytes, self._read_backlog, time.monotonic())
             self.abandoned.discard(p.key)
             self._finish_read(p)
@@ -204,23 +201,13 @@ class OrderedTier:
         """Whether the tier can take reads at all now (subclasses say)."""
         return True
 
-    @property
-    def early_queue_s(self) -> float:
-        """How long the queue of reads may be for one more early read (``early_read_queue_s``)."""
-        return early_read_queue_s(self.cfg.read_queue_s, self.cfg.read_timeout_s)
-
-    def worth_reading(self, count: bool = True, early: bool = False) -> bool:
-        """The cost rule for one more key now. A lookup's read: the reads ahead of it (the other
-        lookups' reads: each rank serves those of the prefetch window after them), this key included,
-        drain within ``read_queue_s`` at the measured rate and, with a prefill rate, beat recomputing
-        the key. An ``early`` read (the prefetch window's, before vLLM looks the key up, no request
-        waiting on it yet): every queued read drains within ``early_queue_s``. ``count``: a refusal is
-        a recomputed key (a prefetch that waits for room is not)."""
+    def worth_reading(self, count: bool = True) -> bool:
+        """The cost rule for one more key now: the queued reads, this key included, drain within
+        ``read_queue_s`` at the measured rate and, with a prefill rate, beat recomputing the key.
+        ``count``: a refusal is a recomputed key (a prefetch that waits for room is not)."""
         if not self._readable() or self.rate.value <= 0:
             return False
-        if early:
-            return (self._read_backlog + self.key_bytes) / self.rate.value < self.early_queue_s
-        seconds = (self._read_backlog - self._early_backlog + self.key_bytes) / self.rate.value
+        seconds = (self._read_backlog + self.key_bytes) / self.rate.value
         ok = seconds < self.cfg.read_queue_s
         if ok and self.cfg.prefill_tokens_per_s > 0:
             ok = seconds < self.cfg.tokens_per_key / self.cfg.prefill_tokens_per_s
@@ -259,26 +246,22 @@ class OrderedTier:
         self.stats.dropped_stores += 1
         self.stats.count_failure(failure)
 
-    def _send(self, op: Op, key: bytes, chunk: int, early: bool = False) -> bool:
+    def _send(self, op: Op, key: bytes, chunk: int) -> bool:
         self._seq += 1
-        order = Order(self._seq, op, key, chunk, early)
-        self._pending[self._seq] = PendingOrder(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic(),
-                                                early)
+        order = Order(self._seq, op, key, chunk)
+        self._pending[self._seq] = PendingOrder(key, op, chunk, set(range(self.cfg.world_size)), time.monotonic())
         if self._links.send(order) == 0:
             del self._pending[self._seq]
             return False
         # a rank that did not get the order answers nothing; the order then never ends (its deadline)
         return True
 
-    def start_read(self, key: bytes, chunk: int, early: bool = False) -> bool:
-        """Order the read of ``key`` into host chunk ``chunk`` on every rank; ``early``: for the
-        prefetch window (each rank serves it after the lookups' reads queued with it)."""
-        if not self._send(Op.READ, key, chunk, early):
+    def start_read(self, key: bytes, chunk: int) -> bool:
+        if not self._send(Op.READ, key, chunk):
             return False
         self._reads[key] = self._seq
         self.rate.started(self._read_backlog, time.monotonic())
         self._read_backlog += self.key_bytes
-        self._early_backlog += self.key_bytes if early else 0
         return True
 
     def start_write(self, key: bytes, chunk: int) -> bool:
@@ -287,13 +270,6 @@ class OrderedTier:
         self._writes[key] = self._seq
         self._write_backlog += self.key_bytes
         return True
-
-
-def early_read_queue_s(read_queue_s: float, read_timeout_s: float) -> float:
-    """The cost rule's queue for the prefetch window's reads: twice a lookup's, so the disk keeps
-    reading ahead while the lookups' reads stay short, and at most half the read deadline (a lookup's
-    reads, at most ``read_queue_s`` <= half of it, may still go first)."""
-    return min(2 * read_queue_s, read_timeout_s / 2)
 
 
 def drain(tier, timeout_s: float) -> list:
@@ -306,4 +282,4 @@ def drain(tier, timeout_s: float) -> list:
     return out
 
 
-__all__ = ["OrderedTier", "PendingOrder", "RankLinks", "drain", "early_read_queue_s"]
+__all__ = ["OrderedTier", "PendingOrder", "RankLinks", "drain"]
