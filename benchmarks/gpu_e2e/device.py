@@ -198,7 +198,8 @@ def correctness_plan(layouts: list[str], lmcache: bool = False) -> list[tuple[st
     the staged gather/scatter and group-major host records never meet real vLLM here. ``layerwise``
     (ours loading layer by layer inside the step) runs where the layout has one KV-cache group.
     ``lmcache`` (``--lmcache``): LMCache's connector on the uniform model in float32, checked against
-    off like the others (its own connector: the layouts' connectors do not apply)."""
+    off like the others (its own connector: the layouts' connectors do not apply), and in bfloat16
+    against native."""
     out = []
     for name in layouts:
         lay = LAYOUTS[name]
@@ -211,7 +212,8 @@ def correctness_plan(layouts: list[str], lmcache: bool = False) -> list[tuple[st
         out += [(f"{name}/{k}-bf16", name, k, "bfloat16") for k in (["native", "ours"] + lw if lay.fp32 else
                                                                      ["off", "native", "ours", "ours-staged"] + lw)]
         if lmcache and name == "uniform":
-            out.append(("uniform/lmcache-fp32", name, "lmcache", "float32"))
+            out += [("uniform/lmcache-fp32", name, "lmcache", "float32"), ("uniform/lmcache-bf16", name, "lmcache",
+                                                                           "bfloat16")]
     return out
 
 
@@ -248,7 +250,8 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
     toks = lambda r: [row["tokens"] for row in r["rows"]]  # noqa: E731
     host = lambda r: sum(row["cached"] for row in r["rows"])  # noqa: E731
 
-    def check(dtype, engine, key, ref_label, ref_key, expect_equal=True, need_host=True):
+    def check(dtype, engine, key, ref_label, ref_key, expect_equal: bool | None = True, need_host=True):
+        """expect_equal None: the equality is recorded, not judged (the check still needs its hits)."""
         run, ref = runs.get(engine, {}), runs.get(ref_label, {})
         c = {"dtype": dtype, "engine": f"{engine} ({WHEN[key]})", "against": f"{ref_label} ({WHEN[ref_key]})",
              "expect_equal": expect_equal}
@@ -258,7 +261,8 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
             return checks.append(c)
         eq = toks(run[key]) == toks(ref[ref_key])
         c["host_tokens"] = host(run[key])
-        c.update(equal=eq, **{"pass": eq == expect_equal and (not need_host or c["host_tokens"] > 0)})
+        c.update(equal=eq, **{"pass": eq in ((True, False) if expect_equal is None else (expect_equal,))
+                                         and (not need_host or c["host_tokens"] > 0)})
         if "ours-staged" in engine:  # the engine must really have staged every transfer
             cores = run.get("worker", {}).get("cores", [])
             c["staged"] = bool(cores) and all(w["staged_from_blocks"] == {"H2D": "1", "D2H": "1"} for w in cores)
@@ -306,6 +310,11 @@ def correctness_checks(name: str, runs: dict, layouts: list[str]) -> list[dict]:
         check("float32", engine, "w2", off32, "w1")
     check("bfloat16", f"{name}/ours-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
     check("bfloat16", f"{name}/ours-bf16", "r2", f"{name}/native-bf16", "r2")
+    if f"{name}/lmcache-bf16" in runs:  # no hit: native's computation; after the reset LMCache loads whole
+        # chunks of 256 tokens and native 64-token blocks, so each computes a different remainder of the
+        # prompt, which in bfloat16 may round differently: recorded, not judged (float32 judges it)
+        check("bfloat16", f"{name}/lmcache-bf16", "r1", f"{name}/native-bf16", "r1", need_host=False)
+        check("bfloat16", f"{name}/lmcache-bf16", "r2", f"{name}/native-bf16", "r2", expect_equal=None)
     if lw:  # bf16 layer-wise: the asynchronous path's tokens (the same KV, the same remainder computed)
         check("bfloat16", f"{name}/layerwise-bf16", "r2", f"{name}/ours-bf16", "r2")
     return checks

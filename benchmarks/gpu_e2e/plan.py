@@ -3,12 +3,13 @@
 ``scripts/dev/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
-ran is written to $OUT and comes back). Priorities: 1 = staging with the smoke, LMCache beside ours
-(the whole-prompt check over scrubbed device KV, serving at 8 clients) and the disk tier at the
-capacity load (about 28 minutes on the GPU); 2 = LMCache + disk at the capacity load, the Mooncake
-pair, the reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness
-of every layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA
-layouts; 3 = the shorter pair and the Simple connectors.
+ran is written to $OUT and comes back). Priorities: 1 = staging with LMCache's correctness (its
+bfloat16 engine has not run on a GPU) and LMCache + disk at the capacity load with all three passes
+(about 16 minutes on the GPU); 2 = the smoke, the disk tier beside vLLM's fs tier, LMCache at 8
+clients, the Mooncake pair, the reliability part, the disk tier's no-reuse cost and the host tier's
+yardstick: correctness of every layout, serving at 8 and 32 clients, reload TTFT and the no-reuse
+cost, the Gemma-2 and MLA layouts; 3 = the shorter pair and the Simple connectors. On two GPUs
+(``--tp 2``) the TP 2 disk run is second after the stage calls.
 """
 
 from __future__ import annotations
@@ -30,20 +31,20 @@ class Call:
 # two short calls. est_s: engine/server starts in default mode ~60-120 s per wave (torch.compile +
 # CUDA-graph capture; the second wave loads the first's compiled graphs), passes ~15-20 s per server.
 RUNS = (
-    # --budget-s: this one runs after install in the same call
+    # --budget-s: this one runs after install in the same call. LMCache beside ours (docs/benchmarks.md
+    # section 10): float32 and the whole-prompt check ran 2026-11-29; the bfloat16 engine has not
+    Call("LMCache: correctness (float32 against off, the whole-prompt check over scrubbed device KV, "
+         "bfloat16 against native)", "correctness --layouts uniform --lmcache --budget-s 420", 200, 1),
+    # run L (2026-11-29) ran this with the install in its call: the budget cut LMCache's third pass
+    Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
+         "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 530, 1),
     Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
-         240, 1),
-    # LMCache beside ours (docs/benchmarks.md section 10): its whole-prompt hits logged no retrieve in the
-    # reload TTFT part (2026-11-29); the correctness part now reloads such a prompt over scrubbed device KV
-    Call("LMCache: correctness with the whole-prompt check (native, ours, LMCache over scrubbed device KV)",
-         "correctness --layouts uniform --lmcache --budget-s 420", 180, 1),
-    Call("LMCache: serving, 8 clients, 3 passes beside ours and native",
-         "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 480, 1),
+         240, 2),
     # the tiers (docs/benchmarks.md sections 7-9): a disk-heavy call starts on an emptied disk folder
     Call("the disk tier at the capacity load: ours host-only, ours + disk, vLLM's fs tier, 2 passes each",
-         "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 1),
-    Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
-         "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 500, 2),
+         "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 2),
+    Call("LMCache: serving, 8 clients, 3 passes beside ours and native",
+         "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 370, 2),
     Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
          "master killed mid-pass", "pair --pair-load cap --passes 2 --budget-s 500", 420, 2),
     Call("reliability: faults on, a soak, kill -9 under load and a restart on a 10 GiB disk budget",

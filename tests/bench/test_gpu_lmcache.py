@@ -431,8 +431,9 @@ def test_correctness_with_lmcache_equal_to_off_and_failed_without_hits():
 
     plain = device.correctness_plan(["uniform", "perlayer"])
     with_lmc = device.correctness_plan(["uniform", "perlayer"], lmcache=True)
-    assert [x for x in with_lmc if x not in plain] == [("uniform/lmcache-fp32", "uniform", "lmcache", "float32")]
-    assert len(with_lmc) == len(plain) + 1  # uniform only
+    assert [x for x in with_lmc if x not in plain] == [("uniform/lmcache-fp32", "uniform", "lmcache", "float32"),
+                                                       ("uniform/lmcache-bf16", "uniform", "lmcache", "bfloat16")]
+    assert len(with_lmc) == len(plain) + 2  # uniform only
     assert device.engine_kind("lmcache") == ("lmcache", {}) and device._kind_connector("perlayer", "lmcache") is None
 
     def gen(tokens, cached=0):
@@ -626,3 +627,29 @@ def test_disk_tiers_checked_against_the_free_disk(tmp_path, monkeypatch):
     res = serve.run_serve("uniform", load, ["ours-disk", "lmcache-disk"], a, tmp_path / "w", tmp_path / "o",
                           serve.Budget(600), H200, HOST)
     assert res["errors"][0]["label"] == "-" and "disk tiers need up to 48.0 GiB" in res["errors"][0]["error"]
+
+
+def test_lmcache_bfloat16_equals_native_without_hits_and_records_its_reload():
+    """bf16: no hit must equal native's computation; after the reset LMCache's chunk-aligned load leaves
+    another remainder to compute than native's, so its equality is recorded (not judged), but it must
+    have had hits."""
+    from benchmarks.gpu_e2e import device
+
+    def gen(tokens, cached=0):
+        return {"rows": [{"tokens": t, "cached": cached} for t in tokens]}
+
+    A, B = [[1, 2], [3, 4]], [[9, 9], [3, 4]]
+    runs = {"uniform/native-bf16": {"r1": gen(A), "r2": gen(A, 960)},
+            "uniform/lmcache-bf16": {"r1": gen(A), "r2": gen(B, 768)}}
+
+    def bf16():
+        return [c for c in device.correctness_checks("uniform", runs, ["uniform"]) if "lmcache-bf16" in c["engine"]]
+
+    first, reload = bf16()
+    assert first["pass"] and first["expect_equal"] is True
+    assert reload["pass"] and reload["expect_equal"] is None and reload["equal"] is False
+    assert "| recorded |" in tables.correctness_table({"checks": [reload]}).replace("  ", "")
+    runs["uniform/lmcache-bf16"]["r2"] = gen(A, 0)  # recomputed: no hit is a failure even when recorded
+    assert not bf16()[1]["pass"] and "served no hit" in bf16()[1]["error"]
+    runs["uniform/lmcache-bf16"]["r1"] = gen(B)  # without a hit it must compute what native computes
+    assert not bf16()[0]["pass"]

@@ -854,7 +854,7 @@ def test_device_call_plan():
     cs = plan.calls(3, ".gpu")
     assert [c["carry"] for c in cs[:3]] == [[".gpu/part1", ".gpu/e2e_src"], [".gpu/part2", ".gpu/e2e_src"],
                                             [".gpu/part3", ".gpu/e2e_src"]]
-    assert "install" in cs[2]["command"] and "install" not in cs[1]["command"] and "run smoke" in cs[2]["command"]
+    assert "install" in cs[2]["command"] and "install" not in cs[1]["command"] and "run correctness" in cs[2]["command"]
     assert all(c["carry"] == [".gpu/e2e_src"] for c in cs[3:])
     assert all(c["est_s"] <= 540 for c in cs)  # each call well under the 10-minute limit
     assert sum(c["est_s"] for c in cs if c["priority"] == 1) <= 31 * 60  # 30 minutes of GPU time run priority 1
