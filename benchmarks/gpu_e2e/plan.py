@@ -4,8 +4,8 @@
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
 ran is written to $OUT and comes back). Priorities: 1 = staging with LMCache's correctness (its
-bfloat16 engine has not run on a GPU) and LMCache + disk at the capacity load with all three passes
-(about 16 minutes on the GPU); 2 = the smoke, the disk tier beside vLLM's fs tier, LMCache at 8
+bfloat16 engine has not run on a GPU), LMCache + disk at the capacity load with all three passes
+and LMCache's reload TTFT on a later turn's shape (about 21 minutes on the GPU); 2 = the smoke, the disk tier beside vLLM's fs tier, LMCache at 8
 clients, the Mooncake pair, the reliability part, the disk tier's no-reuse cost and the host tier's
 yardstick: correctness of every layout, serving at 8 and 32 clients, reload TTFT and the no-reuse
 cost, the Gemma-2 and MLA layouts; 3 = the shorter pair and the Simple connectors. On two GPUs
@@ -38,6 +38,10 @@ RUNS = (
     # run L (2026-11-29) ran this with the install in its call: the budget cut LMCache's third pass
     Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
          "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 530, 1),
+    # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
+    # prompt plus 256 new tokens, is what it does load, so its reload TTFT is a number there
+    Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",
+         "ttft --layouts uniform --lmcache --ttft-lengths 8192,32768 --ttft-suffix 256 --budget-s 420", 300, 1),
     Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
          240, 2),
     # the tiers (docs/benchmarks.md sections 7-9): a disk-heavy call starts on an emptied disk folder
