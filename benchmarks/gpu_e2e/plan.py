@@ -5,11 +5,12 @@ docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the e
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
 ran is written to $OUT and comes back). Priorities: 1 = staging with LMCache's correctness (its
 bfloat16 engine has not run on a GPU), LMCache + disk at the capacity load with all three passes
-and LMCache's reload TTFT on a later turn's shape (about 21 minutes on the GPU); 2 = the smoke, the disk tier beside vLLM's fs tier, LMCache at 8
-clients, the Mooncake pair, the reliability part, the disk tier's no-reuse cost and the host tier's
-yardstick: correctness of every layout, serving at 8 and 32 clients, reload TTFT and the no-reuse
-cost, the Gemma-2 and MLA layouts; 3 = the shorter pair and the Simple connectors. On two GPUs
-(``--tp 2``) the TP 2 disk run is second after the stage calls.
+and LMCache's reload TTFT on a later turn's shape (about 21 minutes on the GPU); 2 = the smoke, the
+disk tier beside vLLM's fs tier, LMCache at 8 clients, the Mooncake pair, the reliability part, the
+disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout, serving at 8
+and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts; 3 = the shorter pair
+and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is second after the stage
+calls.
 """
 
 from __future__ import annotations
