@@ -3,13 +3,13 @@
 ``scripts/dev/gpu_e2e.sh prepare`` prints them (``python -m benchmarks.gpu_e2e.plan --parts N``);
 docs/gpu_e2e.md explains them. Every call stays under the 10-minute limit: the estimates are for
 an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would end later (what
-ran is written to $OUT and comes back). Priorities: 1 = staging with LMCache's correctness (its
-bfloat16 engine has not run on a GPU), LMCache + disk at the capacity load with all three passes
-and LMCache's reload TTFT on a later turn's shape (about 21 minutes on the GPU); 2 = the smoke, the
-disk tier beside vLLM's fs tier, LMCache at 8 clients, the Mooncake pair, the reliability part, the
-disk tier's no-reuse cost and the host tier's yardstick: correctness of every layout, serving at 8
-and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts; 3 = the shorter pair
-and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is second after the stage
+ran is written to $OUT and comes back). Priorities: 1 = staging with the uniform layout's
+correctness beside LMCache's, the smoke of every layout and the disk tier at the capacity load beside
+host-only and vLLM's fs tier (about 18 minutes on the GPU); 2 = LMCache + disk at the capacity load,
+LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake pair, the
+reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
+layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts;
+3 = the shorter pair and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is second after the stage
 calls.
 """
 
@@ -33,21 +33,21 @@ class Call:
 # CUDA-graph capture; the second wave loads the first's compiled graphs), passes ~15-20 s per server.
 RUNS = (
     # --budget-s: this one runs after install in the same call. LMCache beside ours (docs/benchmarks.md
-    # section 10): float32 and the whole-prompt check ran 2026-11-29; the bfloat16 engine has not
+    # section 10): float32, the whole-prompt check (LMCache fails it) and bfloat16 against native
     Call("LMCache: correctness (float32 against off, the whole-prompt check over scrubbed device KV, "
          "bfloat16 against native)", "correctness --layouts uniform --lmcache --budget-s 420", 200, 1),
-    # run L (2026-11-29) ran this with the install in its call: the budget cut LMCache's third pass
-    Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
-         "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 530, 1),
-    # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
-    # prompt plus 256 new tokens, is what it does load, so its reload TTFT is a number there
-    Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",
-         "ttft --layouts uniform --lmcache --ttft-lengths 8192,32768 --ttft-suffix 256 --budget-s 420", 300, 1),
     Call("smoke: every layout's engines start (4 layers), store, reset, reload", "smoke --layouts all --budget-s 420",
-         240, 2),
+         240, 1),
     # the tiers (docs/benchmarks.md sections 7-9): a disk-heavy call starts on an emptied disk folder
     Call("the disk tier at the capacity load: ours host-only, ours + disk, vLLM's fs tier, 2 passes each",
-         "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 2),
+         "serve --layouts uniform --loads cap --servers ours,ours-disk,native-fs --passes 2 --budget-s 555", 470, 1),
+    # runs M (one H100, 2026-12-06, 461 s) and L (one H200; the install in its call cut LMCache's third pass)
+    Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
+         "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 530, 2),
+    # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
+    # prompt plus 256 new tokens, is what it does load. --no-off: four engines do not fit an H100
+    Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",
+         "ttft --layouts uniform --lmcache --no-off --ttft-lengths 8192,32768 --ttft-suffix 256 --budget-s 420", 230, 2),
     Call("LMCache: serving, 8 clients, 3 passes beside ours and native",
          "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 370, 2),
     Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
