@@ -9,8 +9,8 @@ host-only and vLLM's fs tier (about 18 minutes on the GPU); 2 = LMCache + disk a
 LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake pair, the
 reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
 layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts;
-3 = the shorter pair and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is second after the stage
-calls.
+3 = the shorter pair and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is
+second after the stage calls.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ RUNS = (
     # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
     # prompt plus 256 new tokens, is what it does load. --no-off: four engines do not fit an H100
     Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",
-         "ttft --layouts uniform --lmcache --no-off --ttft-lengths 8192,32768 --ttft-suffix 256 --budget-s 420", 230, 2),
+         "ttft --layouts uniform --lmcache --no-off --ttft-lengths 8192,32768 --ttft-suffix 256 --budget-s 420",
+         230, 2),
     Call("LMCache: serving, 8 clients, 3 passes beside ours and native",
          "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 370, 2),
     Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
