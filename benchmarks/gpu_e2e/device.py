@@ -979,6 +979,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair-kill-at-s", type=float, default=8.0,
                     help="pair: seconds into the outage pass when mooncake_master is killed")
     ap.add_argument("--pair-down-s", type=float, default=12.0, help="pair: seconds the master stays down")
+    ap.add_argument("--pairs", default="host,mooncake",
+                    help="pair: the two pairs, the second measured against the first: two of host, mooncake, disk "
+                         "(both servers on one disk folder)")
     ap.add_argument("--pair-load", choices=("turns", "cap"), default="turns",
                     help="pair: 24 conversations of 6 turns (turns) or the disk tier's capacity load (cap)")
     ap.add_argument("--no-pair-outage", dest="pair_outage", action="store_false",

@@ -1,21 +1,28 @@
-"""Two vLLM instances behind a round-robin router, with and without the Mooncake tier (issue #52).
+"""Two vLLM instances behind a round-robin router, with and without a shared lower tier.
 
 Each conversation's turns alternate between the two servers of a pair (``rr_proxy.py``), as behind a
-router that does not keep a conversation on one instance. Two pairs start together on one GPU:
-``host`` (ours, host tier only: a turn finds its own server's earlier turns, never the other's) and
-``mooncake`` (ours + the Mooncake tier, one ``mooncake_master`` on loopback, TCP: a turn finds the
-other server's turn in the pool). Every pass gives both pairs the same new texts, the pair going first
-alternating; then, when the budget allows, a pass of the mooncake pair with the master killed (SIGKILL)
-a few seconds in and started again ``--pair-down-s`` later, and one more pass of it afterwards (the
-pool comes back empty: hits return as the pass writes again). Per run: vLLM's multi-turn client's
-stats, both servers' /metrics summed, the router's split, the tiers' counters as last logged.
+router that does not keep a conversation on one instance. Two pairs (``--pairs``, the second measured
+against the first) start together on one GPU, from these kinds:
+- ``host``: ours, host tier only: a turn finds its own server's earlier turns, never the other's;
+- ``mooncake``: ours + the Mooncake tier, one ``mooncake_master`` on loopback, TCP: a turn finds the
+  other server's turn in the pool;
+- ``disk``: ours + the disk tier, both servers on one folder of the machine's disk (``DISK_ROOT``):
+  a turn finds the other server's turns once a rescan (every 10 s) has listed them.
+Every pass gives both pairs the same new texts, the pair going first alternating; then, with a
+mooncake pair and when the budget allows, a pass of it with the master killed (SIGKILL) a few seconds
+in and started again ``--pair-down-s`` later, and one more pass of it afterwards (the pool comes back
+empty: hits return as the pass writes again). Per run: vLLM's multi-turn client's stats, both
+servers' /metrics summed, the router's split, the tiers' counters as last logged.
 
     python -m benchmarks.gpu_e2e.device pair --passes 3 --budget-s 560
+    python -m benchmarks.gpu_e2e.device pair --pairs host,disk --pair-load cap --no-pair-outage
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,9 +38,9 @@ from . import mooncake_stage
 from .engine import CACHE_ENV, ENV
 from .kv_layouts import LAYOUTS
 from .models import SERVE_VOCAB
-from .serve import (CAPACITY, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load, PlanError, ServerPlan, _warm,
-                    client_sources, hash_seed, pass_workload, plan_servers, run_line, run_one, server_args,
-                    server_env, server_log_info, start_servers, stop_servers)
+from .serve import (CAPACITY, DISK_BYTES, DISK_ROOT, GPU_HEADROOM, HOST_PER_SERVER, HOST_SHARE, Budget, Load,
+                    PlanError, ServerPlan, _warm, check_disk, client_sources, hash_seed, pass_workload, plan_servers,
+                    run_line, run_one, server_args, server_env, server_log_info, start_servers, stop_servers)
 
 GiB = 1 << 30
 LAYOUT = "uniform"
@@ -46,30 +53,57 @@ PAIR_LOAD = Load(clients=16, active=24, conversations=24, user_turns=6, device_t
 PAIR_LOADS = ("turns", "cap")
 SEGMENT_BYTES = 12 * GiB  # each mooncake server lends this to the pool: 24 GiB, the whole working set
 TENANT = "pair"
-PAIRS = ("host", "mooncake")
+PAIRS = ("host", "mooncake")  # the default --pairs
+PAIR_KINDS = ("host", "mooncake", "disk")
 # vLLM 0.22-0.28 seed block hashes per process unless PYTHONHASHSEED is set: both servers of a pair
 # must hash a prefix alike to find each other's records (docs/mooncake_tier.md)
 HASH_ENV = {"PYTHONHASHSEED": "0"}
 
 
+def parse_pairs(text: str) -> tuple[str, str]:
+    """``--pairs``: two different kinds of PAIR_KINDS, the second measured against the first."""
+    pairs = tuple(x.strip() for x in text.split(",") if x.strip())
+    if len(pairs) != 2 or len(set(pairs)) != 2 or any(p not in PAIR_KINDS for p in pairs):
+        raise PlanError(f"--pairs {text!r}: two different kinds of {PAIR_KINDS}, e.g. host,disk")
+    return pairs  # type: ignore[return-value]
+
+
+def pair_disk_dir(pair: str, root: Path | None = None) -> Path:
+    """The one folder both servers of a disk pair share (under DISK_ROOT)."""
+    return (root or DISK_ROOT) / f"pair-{pair}"
+
+
 def pair_plans(gpu_bytes: int, host_bytes: int, master: dict | None, load: Load = PAIR_LOAD,
-               segment_bytes: int = SEGMENT_BYTES, site: Path = mooncake_stage.MOONCAKE_SITE) -> list[ServerPlan]:
-    """The four servers: host-a, host-b (ours) and mooncake-a, mooncake-b (ours + the tier of
-    ``master``, ``Master.extra()``); PlanError when they do not fit the GPU or the host together."""
+               segment_bytes: int = SEGMENT_BYTES, site: Path = mooncake_stage.MOONCAKE_SITE,
+               pairs: tuple[str, str] = PAIRS, disk_root: Path | None = None,
+               one_at_a_time: bool = False) -> list[ServerPlan]:
+    """The four servers: ``<pair>-a`` and ``<pair>-b`` of each pair (ours; mooncake: + the tier of
+    ``master``, ``Master.extra()``; disk: + the disk tier, one folder a pair); PlanError when they
+    do not fit the GPU or the host together."""
     (one,) = plan_servers(LAYOUT, ["ours"], load, 0, 0)
     run_env = mooncake_stage.runtime_env(site)
     mc_env = {**HASH_ENV, "PYTHONPATH": run_env["PYTHONPATH"], "LD_LIBRARY_PATH": run_env["LD_LIBRARY_PATH"]}
     mc_extra = {**(master or {}), "mooncake_segment_bytes": segment_bytes, "mooncake_tenant": TENANT,
                 "mooncake_local_hostname": "127.0.0.1"}
     mc_extra = {k if k.startswith("mooncake_") else f"mooncake_{k}": v for k, v in mc_extra.items()}
-    plans = [replace(one, label=f"{pair}-{side}", env=tuple((HASH_ENV if pair == "host" else mc_env).items()),
-                     extra=() if pair == "host" else tuple(mc_extra.items()))
-             for pair in PAIRS for side in "ab"]
-    gpu = sum(p.gpu_bytes for p in plans)
+
+    def extra(pair: str) -> dict:
+        if pair == "mooncake":
+            return mc_extra
+        if pair == "disk":
+            return {"disk_path": str(pair_disk_dir(pair, disk_root)), "disk_bytes_to_use": DISK_BYTES}
+        return {}
+
+    plans = [replace(one, label=f"{pair}-{side}", env=tuple((mc_env if pair == "mooncake" else HASH_ENV).items()),
+                     extra=tuple(extra(pair).items()))
+             for pair in pairs for side in "ab"]
+    at_once = plans[:2] if one_at_a_time else plans  # (both servers of a pair are alike)
+    gpu = sum(p.gpu_bytes for p in at_once)
     if gpu_bytes and gpu > GPU_HEADROOM * gpu_bytes:
-        raise PlanError(f"pair: 4 servers need {gpu / GiB:.1f} GiB of GPU memory, over {GPU_HEADROOM:.0%} of "
-                        f"{gpu_bytes / GiB:.1f} GiB")
-    host = sum(p.cpu_bytes for p in plans) + 2 * segment_bytes + HOST_PER_SERVER * len(plans)
+        raise PlanError(f"pair: {len(at_once)} servers need {gpu / GiB:.1f} GiB of GPU memory, over "
+                        f"{GPU_HEADROOM:.0%} of {gpu_bytes / GiB:.1f} GiB")
+    segments = 2 * segment_bytes if "mooncake" in pairs else 0
+    host = sum(p.cpu_bytes for p in at_once) + segments + HOST_PER_SERVER * len(at_once)
     if host_bytes and host > HOST_SHARE * host_bytes:
         raise PlanError(f"pair: host KV, pool segments and processes need {host / GiB:.1f} GiB, over "
                         f"{HOST_SHARE:.0%} of {host_bytes / GiB:.1f} GiB")
@@ -145,22 +179,47 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
 
     load, lay = (CAPACITY if getattr(a, "pair_load", "turns") == "cap" else PAIR_LOAD), LAYOUTS[LAYOUT]
     res: dict = {"layout": LAYOUT, "model": lay.model.what, "load": asdict(load), "segment_bytes": SEGMENT_BYTES,
-                 "passes": a.passes, "runs": [], "errors": [], "mooncake": mooncake_stage.ready()}
-    if res["mooncake"] is None:
-        res["errors"].append({"label": "-", "error": mooncake_stage.status()})
+                 "passes": a.passes, "runs": [], "errors": [], "pairs": []}
+    try:
+        pairs = parse_pairs(getattr(a, "pairs", ",".join(PAIRS)))
+    except PlanError as e:
+        res["errors"].append({"label": "-", "error": str(e)})
         res["ok"] = False
         return res
+    res["pairs"] = list(pairs)
+    if "mooncake" in pairs:
+        res["mooncake"] = mooncake_stage.ready()
+        if res["mooncake"] is None:
+            res["errors"].append({"label": "-", "error": mooncake_stage.status()})
+            res["ok"] = False
+            return res
     work.mkdir(parents=True, exist_ok=True)
     master = Master(str(mooncake_stage.master_binary()), work / "mooncake_master.log", *EVICTION_FLAGS,
-                    env=mooncake_stage.runtime_env())
+                    env=mooncake_stage.runtime_env()) if "mooncake" in pairs else None
     cms: dict = {}
     urls: dict[str, str] = {}
     routers: dict[str, Router] = {}
     try:
         src = client_sources(Path(a.client_dir))
         res["client"] = {"sdist": src.get("sdist"), "files": src["files"]}
-        master.start()
-        plans = pair_plans(meta.get("gpu_bytes", 0), meta.get("host_bytes", 0), master.extra(), load)
+        disks = [pair_disk_dir(p) for p in pairs if p == "disk"]
+        for d in disks:  # a fresh tier: records of an earlier call's texts say nothing
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True, exist_ok=True)
+        if disks:
+            check_disk({d.name: DISK_BYTES for d in disks}, shutil.disk_usage(DISK_ROOT).free, DISK_ROOT)
+        if master is not None:
+            master.start()
+        plan = functools.partial(pair_plans, meta.get("gpu_bytes", 0), meta.get("host_bytes", 0),
+                                 master.extra() if master is not None else None, load, pairs=pairs)
+        try:
+            plans = plan()
+        except PlanError as e:
+            if "GPU memory" not in str(e):
+                raise
+            plans = plan(one_at_a_time=True)  # raises again if one pair alone does not fit
+            res["one_pair_at_a_time"] = True
+            print(f"[pair] {e}: one pair after the other", flush=True)
         res["servers"] = [asdict(p) for p in plans]
         model = build_shape_model(work / f"{lay.shape}-serve", lay.shape, SERVE_VOCAB)
         tmpl = work / "plain_chat_template.jinja"
@@ -175,19 +234,6 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
                                env=server_env(p, env), startup_timeout_s=timeout_s, log_path=logs / f"{p.label}.log",
                                label=p.label)
 
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 150))
-        urls, errors = start_servers(make_cm, plans, getattr(a, "start_waves", True), deadline, cms)
-        res["start_wall_s"] = time.perf_counter() - t0
-        res["errors"] += [{"label": k, "error": v} for k, v in errors.items()]
-        if errors:
-            return res
-        for p in plans:
-            res.setdefault("warm_s", {})[p.label] = _warm(urls[p.label], lay.shape, load.device_tokens)
-        for pair in PAIRS:
-            routers[pair] = Router([urls[f"{pair}-a"], urls[f"{pair}-b"]], logs / f"router-{pair}.log")
-        print(f"[pair] 4 servers up in {res['start_wall_s']:.0f}s; routers {[r.url for r in routers.values()]}",
-              flush=True)
         walls: list[float] = []
 
         def one(pair: str, r: int, kind: str = "pass") -> dict | None:
@@ -223,25 +269,52 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
                 write(res)
             return run
 
-        for r in range(a.passes):
-            for pair in (PAIRS if r % 2 == 0 else PAIRS[::-1]):
-                one(pair, r)
-        if a.pair_outage:
-            one("mooncake", a.passes, "outage")
-            one("mooncake", a.passes + 1, "after")
-        for p in plans:
-            log = logs / f"{p.label}.log"
-            if log.exists():
-                res.setdefault("server_logs", {})[p.label] = server_log_info(log.read_text(errors="replace"))
-        res["alive_after"] = {label: _healthy(u) for label, u in urls.items()}
+        # both pairs at once, the pair going first alternating; where four servers do not fit the GPU,
+        # one pair after the other (the same texts pass by pass)
+        groups = [pairs] if not res.get("one_pair_at_a_time") else [(pairs[0],), (pairs[1],)]
+        for group in groups:
+            mine = [p for p in plans if p.label.rsplit("-", 1)[0] in group]
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + max(60.0, min(600.0, budget.left() - 150))
+            up, errors = start_servers(make_cm, mine, getattr(a, "start_waves", True), deadline, cms)
+            urls.update(up)
+            res.setdefault("start_wall_s_by_group", []).append(time.perf_counter() - t0)
+            res["start_wall_s"] = sum(res["start_wall_s_by_group"])
+            res["errors"] += [{"label": k, "error": v} for k, v in errors.items()]
+            if errors:
+                return res
+            for p in mine:
+                res.setdefault("warm_s", {})[p.label] = _warm(urls[p.label], lay.shape, load.device_tokens)
+            for pair in group:
+                routers[pair] = Router([urls[f"{pair}-a"], urls[f"{pair}-b"]], logs / f"router-{pair}.log")
+            print(f"[pair] {len(mine)} servers up in {res['start_wall_s_by_group'][-1]:.0f}s; routers "
+                  f"{[routers[g].url for g in group]}", flush=True)
+            for r in range(a.passes):
+                for pair in (group if r % 2 == 0 else group[::-1]):
+                    one(pair, r)
+            if a.pair_outage and master is not None and "mooncake" in group:
+                one("mooncake", a.passes, "outage")
+                one("mooncake", a.passes + 1, "after")
+            for p in mine:
+                log = logs / f"{p.label}.log"
+                if log.exists():
+                    res.setdefault("server_logs", {})[p.label] = server_log_info(log.read_text(errors="replace"))
+            res.setdefault("alive_after", {}).update({p.label: _healthy(urls[p.label]) for p in mine})
+            if len(groups) > 1:  # the next pair needs the GPU memory
+                for pair in group:
+                    routers.pop(pair).stop()
+                stop_servers(cms, [p.label for p in mine])
+                for p in mine:
+                    urls.pop(p.label)
     except (PlanError, OSError, RuntimeError, ValueError) as e:
         res["errors"].append({"label": "-", "error": f"{type(e).__name__}: {e}"})
     finally:
         for r in routers.values():
             r.stop()
         stop_servers(cms, list(urls))
-        master.kill()
-        res["master_log_tail"] = _tail(work / "mooncake_master.log")
+        if master is not None:
+            master.kill()
+            res["master_log_tail"] = _tail(work / "mooncake_master.log")
     res["checks"] = pair_checks(res)
     res["ok"] = not res["errors"] and bool(res["runs"]) and all(res["checks"].values())
     return res
@@ -297,13 +370,15 @@ def pair_rows(res: dict) -> list[dict]:
 
 
 def pair_ratios(res: dict) -> dict[str, list[float]]:
-    """Per pass where both pairs ran: mooncake against host, req/s and later-turn TTFT p50/p99."""
+    """Per pass where both pairs ran: the second pair against the first (mooncake against host by
+    default), req/s and later-turn TTFT p50/p99."""
+    base, other = res.get("pairs") or PAIRS
     by = {(r.get("pass_"), r.get("pair")): r.get("summary") or {} for r in res.get("runs") or []
           if r.get("kind") == "pass" and not r.get("error")}
     out: dict[str, list[float]] = {"req/s": [], "later TTFT p50": [], "later TTFT p99": []}
     for (p, pair), s in by.items():
-        h = by.get((p, "host"))
-        if pair != "mooncake" or not h:
+        h = by.get((p, base))
+        if pair != other or not h:
             continue
         if h.get("requests_per_s"):
             out["req/s"].append(s.get("requests_per_s", 0) / h["requests_per_s"])
@@ -321,10 +396,12 @@ def pair_table(res: dict) -> str:
     text = _table(cols, [[_fmt(r[c]) if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]) \
         if rows else "(no runs)"
     ratios = pair_ratios(res)
-    lines = [text, "", "mooncake / host, per pass: " + "; ".join(
+    base, other = res.get("pairs") or PAIRS
+    order = " (one pair after the other: four servers did not fit the GPU)" if res.get("one_pair_at_a_time") else ""
+    lines = [text, "", f"{other} / {base}{order}, per pass: " + "; ".join(
         f"{k} {', '.join(f'{x:.2f}' for x in v) or '-'}" for k, v in ratios.items())]
     for label, info in (res.get("server_logs") or {}).items():
-        for tier in ("mooncake_tier",):
+        for tier in ("mooncake_tier", "disk_tier"):
             if info.get(tier):
                 lines.append(f"{label} {tier.replace('_', ' ')}: {info[tier]}")
     for r in res.get("runs") or []:
@@ -335,4 +412,4 @@ def pair_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAIR_LOAD", "Router", "pair_checks", "pair_plans", "pair_ratios", "pair_table", "part_pair"]
+__all__ = ["PAIR_KINDS", "PAIR_LOAD", "Router", "parse_pairs", "pair_disk_dir", "pair_checks", "pair_plans", "pair_ratios", "pair_table", "part_pair"]

@@ -6,8 +6,8 @@ an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would 
 ran is written to $OUT and comes back). Priorities: 1 = staging with the uniform layout's
 correctness beside LMCache's, the smoke of every layout and the disk tier at the capacity load beside
 host-only and vLLM's fs tier (about 18 minutes on the GPU); 2 = LMCache + disk at the capacity load,
-LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake pair, the
-reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
+LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake and disk pairs,
+the reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
 layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts;
 3 = the shorter pair and the Simple connectors. On two GPUs (``--tp 2``) the TP 2 disk run is
 second after the stage calls.
@@ -53,6 +53,12 @@ RUNS = (
          "serve --layouts uniform --loads 8 --servers lmcache,ours,native --passes 3 --budget-s 540", 370, 2),
     Call("two instances behind a round-robin router at the capacity load: host-only vs the Mooncake tier, its "
          "master killed mid-pass", "pair --pair-load cap --passes 2 --budget-s 500", 420, 2),
+    # both servers of the disk pair on one folder: a turn finds the other server's earlier turns there.
+    # On an H100 four servers do not fit: one pair after the other (2026-12-06: 187 + 66 s of starts, 4
+    # passes of 44-57 s, over two calls)
+    Call("two instances behind a round-robin router at the capacity load: host-only vs the disk tier on one "
+         "shared folder", "pair --pairs host,disk --pair-load cap --passes 2 --no-pair-outage --budget-s 540",
+         480, 2),
     Call("reliability: faults on, a soak, kill -9 under load and a restart on a 10 GiB disk budget",
          "reliability --layouts uniform --budget-s 540", 460, 2, env=f"GPU_E2E_DISK_BYTES={10 << 30}"),
     Call("the disk tier's and LMCache's cost when nothing is reused: off, ours, ours + disk, LMCache (miss rounds)",

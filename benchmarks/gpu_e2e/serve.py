@@ -198,7 +198,8 @@ class ServerPlan:
                                  str(disk) if disk else None, DISK_BYTES)
         if self.extra:
             out["kv_connector_extra_config"].update(dict(self.extra))
-        if "mooncake_master" in out.get("kv_connector_extra_config", {}) and out["kv_connector"] == "OffloadingConnector":
+        tiered = {"mooncake_master", "disk_path"} & set(out.get("kv_connector_extra_config", {}))
+        if tiered and out["kv_connector"] == "OffloadingConnector":
             # lower tiers prefetch a request's records on its arrival through our connector only
             out["kv_connector"], out["kv_connector_module_path"] = NPU_CONNECTOR
         return out

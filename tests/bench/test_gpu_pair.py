@@ -87,6 +87,29 @@ def test_pair_plans_fit_one_h200_with_the_tier_on_two_servers():
         pair.pair_plans(H200, 64 * GiB, extra)
 
 
+def test_a_disk_pair_shares_one_folder_through_our_connector(tmp_path):
+    from vllm_npu_offload.integration.tier_options import disk_options
+
+    plans = pair.pair_plans(H200, HOST, {"master": "127.0.0.1:5"}, serve.CAPACITY, pairs=("mooncake", "disk"),
+                            disk_root=tmp_path)
+    assert [p.label for p in plans] == ["mooncake-a", "mooncake-b", "disk-a", "disk-b"]
+    kvs = [p.kv_config() for p in plans]
+    assert all(k["kv_connector"] == "NPUOffloadingConnector" for k in kvs)  # the prefetch on arrival
+    extra = [k["kv_connector_extra_config"] for k in kvs[2:]]
+    assert extra[0]["disk_path"] == extra[1]["disk_path"] == str(tmp_path / "pair-disk")
+    assert all(disk_options(e).budget_bytes == serve.DISK_BYTES for e in extra)  # valid keys, as the spec reads them
+    assert all(dict(p.env)["PYTHONHASHSEED"] == "0" and not any(k.startswith("mooncake") for k in e)
+               for e, p in zip(extra, plans[2:]))
+    host = pair.pair_plans(H200, HOST, None, serve.CAPACITY, pairs=("host", "disk"), disk_root=tmp_path)
+    assert not any(k.startswith("disk_") for k in host[0].kv_config()["kv_connector_extra_config"])
+    pair.pair_plans(H200, 80 * GiB, None, pairs=("host", "disk"))  # no pool segments to fit beside them
+    with pytest.raises(serve.PlanError, match="host KV"):
+        pair.pair_plans(H200, 80 * GiB, {"master": "127.0.0.1:5"}, pairs=("host", "mooncake"))
+    for bad in ("host", "host,host", "host,nvme", "host,disk,mooncake"):
+        with pytest.raises(serve.PlanError, match="--pairs"):
+            pair.parse_pairs(bad)
+
+
 def _run(p, kind, pair_, rps, p50, p99, routed=(3, 3), n=6, planned=6, events=()):
     return {"pass_": p, "kind": kind, "pair": pair_, "planned": planned, "routed": list(routed), "events": list(events),
             "summary": {"requests": n, "requests_per_s": rps, "ttft_later_ms": {"p50": p50, "p99": p99},
@@ -153,6 +176,57 @@ def test_part_pair_with_stand_in_servers_and_a_real_master(tmp_path, monkeypatch
     assert all(sum(r["routed"]) == 6 for r in res["runs"])
     text = tables.write_part(tmp_path / "o", "pair", res)
     assert "outage" in text and (tmp_path / "o" / "pair.json").exists()
+
+
+def test_part_pair_of_disk_pairs_needs_no_master(tmp_path, monkeypatch):
+    """``--pairs host,disk``: no mooncake_master, the disk pair's one folder made fresh, passes
+    alternating, no outage pass, ratios of disk against host."""
+    from fake_openai import FakeVLLM
+
+    from benchmarks.multiturn import launcher
+
+    started = []
+
+    @contextlib.contextmanager
+    def fake_server(model, args, *, label, env=None, **kw):
+        kv = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        started.append((label, kv.get("disk_path"), kv.get("mooncake_master")))
+        with FakeVLLM(args[args.index("--served-model-name") + 1]) as url:
+            yield url
+
+    monkeypatch.setattr(launcher, "vllm_server", fake_server)
+    monkeypatch.setattr(mooncake_stage, "ready", lambda site=None: pytest.fail("a disk pair needs no Mooncake"))
+    monkeypatch.setattr(pair, "DISK_ROOT", tmp_path / "disk")
+    monkeypatch.setattr(pair, "PAIR_LOAD", serve.Load(clients=2, active=3, conversations=3, user_turns=2,
+                                                      device_tokens=4096, host_tokens=8192, capacity=True))
+    monkeypatch.setattr(pair, "DISK_BYTES", 1 << 20)
+    stale = tmp_path / "disk" / "pair-disk" / "old-record"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    a = _args(_fake_client(tmp_path), passes=2, pairs="host,disk")
+    res = pair.part_pair(tmp_path / "w", a, tmp_path / "o", serve.Budget(600), {"gpu_bytes": H200, "host_bytes": HOST})
+    assert not res["errors"], res["errors"]
+    assert sorted(started) == [("disk-a", str(tmp_path / "disk" / "pair-disk"), None),
+                               ("disk-b", str(tmp_path / "disk" / "pair-disk"), None),
+                               ("host-a", None, None), ("host-b", None, None)]
+    assert not stale.exists()
+    assert [(r["pass_"], r["pair"]) for r in res["runs"]] == [(0, "host"), (0, "disk"), (1, "disk"), (1, "host")]
+    assert res["ok"] and "disk / host, per pass: req/s" in pair.pair_table(res)
+
+    # a GPU that holds two servers, not four (an H100 at the capacity load): one pair after the other
+    started.clear()
+    res = pair.part_pair(tmp_path / "w2", a, tmp_path / "o2", serve.Budget(600), {"gpu_bytes": 60 * GiB,
+                                                                                 "host_bytes": HOST})
+    assert not res["errors"], res["errors"]
+    assert res["one_pair_at_a_time"] and [x[0] for x in started] in (["host-a", "host-b", "disk-a", "disk-b"],
+                                                                     ["host-b", "host-a", "disk-b", "disk-a"],
+                                                                     ["host-a", "host-b", "disk-b", "disk-a"],
+                                                                     ["host-b", "host-a", "disk-a", "disk-b"])
+    assert [(r["pass_"], r["pair"]) for r in res["runs"]] == [(0, "host"), (1, "host"), (0, "disk"), (1, "disk")]
+    assert res["ok"] and all(res["alive_after"].values()) and len(res["alive_after"]) == 4
+    assert "one pair after the other" in pair.pair_table(res) and pair.pair_ratios(res)["req/s"]
+    with pytest.raises(serve.PlanError, match="2 servers need"):
+        pair.pair_plans(30 * GiB, HOST, None, serve.CAPACITY, pairs=("host", "disk"), one_at_a_time=True)
 
 
 def test_part_pair_without_mooncake_says_so(tmp_path, monkeypatch):

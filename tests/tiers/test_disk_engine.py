@@ -148,6 +148,52 @@ def test_a_restart_under_npu_offloading_connector_prefetches_its_records_on_arri
         eng.close()
 
 
+def test_an_engine_serves_records_another_server_wrote_while_it_ran(tiny_model, reference, tmp_path):
+    """Two servers on one path: the records the other one writes appear while this engine runs, after
+    its start-up scan (copied in here as a writer does: a temporary, then a rename). A rescan takes
+    them into the index and the first turn is served from them, with offload off's tokens."""
+    import os
+    import shutil
+
+    from vllm_npu_offload.demo.run import run_turns
+
+    writer = tmp_path / "writer"
+    eng = Engine(tiny_model, _disk_config(writer))
+    try:
+        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
+        eng.manager.settle(30)
+        assert eng.manager.tier.stats.stores > 0
+    finally:
+        eng.close()
+    path = tmp_path / "shared"
+    cfg = _disk_config(path)
+    cfg["kv_connector_extra_config"] |= {"disk_rescan_s": 0.2}
+    eng = Engine(tiny_model, cfg)
+    try:
+        t = eng.manager.tier
+        end = time.monotonic() + 15
+        while not (t.up and t.index is not None):
+            assert time.monotonic() < end, "the disk tier never came up"
+            eng.manager.settle(0)
+            time.sleep(0.05)
+        assert len(t.index) == 0
+        records = [p for p in writer.rglob("*.r*") if ".tmp." not in p.name]
+        for f in records:
+            dst = path / f.relative_to(writer)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst.with_name(dst.name + ".tmp.copy"))
+            os.replace(dst.with_name(dst.name + ".tmp.copy"), dst)
+        while len(t.index) < len(records):
+            assert time.monotonic() < end + 10, f"rescans took in {len(t.index)} of {len(records)} records"
+            eng.manager.settle(0)
+            time.sleep(0.05)
+        r = run_turns(eng.llm, _parts(), 12, reset_before_turn=True, reference=reference)
+        assert [x["tokens"] for x in r] == [x["tokens"] for x in reference]
+        assert r[0]["cached"] > 0 and t.stats.hits > 0, "the first turn was not served from the other server's records"
+    finally:
+        eng.close()
+
+
 def test_metric_definitions_name_the_disk_counters():
     from vllm_npu_offload.integration.spec import NPUOffloadingSpec
 
