@@ -49,6 +49,21 @@ def _records(path: Path) -> list[Path]:
     return [p for p in path.rglob("*.r0") if ".tmp." not in p.name]
 
 
+def _conversation_on_disk(tiny_model, reference, path: Path):
+    """One engine serves the conversation on ``path`` and writes it there; its tier's counters."""
+    from vllm_npu_offload.demo.run import run_turns
+
+    eng = Engine(tiny_model, _disk_config(path))
+    try:
+        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
+        eng.manager.settle(30)
+        stats = eng.manager.tier.stats
+        assert stats.stores > 0
+        return stats
+    finally:
+        eng.close()
+
+
 def test_disk_round_trip_restart_and_corruption(tiny_model, reference, tmp_path):
     from vllm_npu_offload.demo.run import run_turns
 
@@ -121,14 +136,8 @@ def test_a_restart_under_npu_offloading_connector_prefetches_its_records_on_arri
     from vllm_npu_offload.demo.run import run_turns
 
     disk = tmp_path / "kv"
-    eng = Engine(tiny_model, _disk_config(disk))
-    try:
-        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
-        eng.manager.settle(30)
-        assert eng.manager.tier.stats.stores > 0
-        assert eng.manager.tier.stats.prefetches == 0  # vLLM's own connector hands over no keys
-    finally:
-        eng.close()
+    stats = _conversation_on_disk(tiny_model, reference, disk)
+    assert stats.prefetches == 0  # vLLM's own connector hands over no keys
     cfg = _disk_config(disk) | {"kv_connector": "NPUOffloadingConnector",
                                 "kv_connector_module_path": "vllm_npu_offload.integration.connector"}
     eng = Engine(tiny_model, cfg)
@@ -158,13 +167,7 @@ def test_an_engine_serves_records_another_server_wrote_while_it_ran(tiny_model, 
     from vllm_npu_offload.demo.run import run_turns
 
     writer = tmp_path / "writer"
-    eng = Engine(tiny_model, _disk_config(writer))
-    try:
-        run_turns(eng.llm, _parts(), 12, reset_before_turn=False, reference=reference)
-        eng.manager.settle(30)
-        assert eng.manager.tier.stats.stores > 0
-    finally:
-        eng.close()
+    _conversation_on_disk(tiny_model, reference, writer)
     path = tmp_path / "shared"
     cfg = _disk_config(path)
     cfg["kv_connector_extra_config"] |= {"disk_rescan_s": 0.2}
