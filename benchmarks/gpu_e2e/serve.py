@@ -63,6 +63,7 @@ SERVER_KINDS = ("off", "upper") + OFFLOADERS
 DISK_VARIANTS: dict[str, dict] = {
     "q0.5": {"disk_read_queue_s": 0.5}, "q2.5": {"disk_read_queue_s": 2.5},  # the cost rule's queue
     "reuse": {"disk_admit": "reuse"},
+    "hold": {"disk_write_hold": 0.25},  # a quarter of host may keep queued writes' keys pinned
 }
 # "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call);
 # only variables the package reads (vllm_npu_offload/env.py)
