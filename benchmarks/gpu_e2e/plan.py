@@ -6,7 +6,7 @@ an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would 
 ran is written to $OUT and comes back). Priorities: 1 = staging with the uniform layout's
 correctness beside LMCache's, the smoke of every layout and the disk tier at the capacity load beside
 host-only and vLLM's fs tier (about 18 minutes on the GPU); 2 = LMCache + disk at the capacity load,
-the disk tier's write holds against none,
+the disk tier's write holds against none, the capacity bound (host KV for everything),
 LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake and disk pairs,
 the reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
 layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts;
@@ -49,6 +49,9 @@ RUNS = (
     # on one H100 (run R, docs/benchmarks.md section 7): write holds (disk_write_hold 0.25) against none
     Call("the disk tier with write holds against without, at the capacity load, 3 paired passes",
          "serve --layouts uniform --loads cap --servers ours-disk,ours-disk/hold --passes 3 --budget-s 555", 530, 2),
+    # the capacity bound of issue #51's load: ours with host KV for every conversation of a pass
+    Call("the capacity bound: ours with host KV for every conversation, beside ours host-only and ours + disk",
+         "serve --layouts uniform --loads cap --servers ours,ours-disk,ours/allhost --passes 2 --budget-s 555", 470, 2),
     # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
     # prompt plus 256 new tokens, is what it does load. --no-off: four engines do not fit an H100
     Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",

@@ -65,6 +65,9 @@ DISK_VARIANTS: dict[str, dict] = {
     "reuse": {"disk_admit": "reuse"},
     "hold": {"disk_write_hold": 0.25},  # a quarter of host may keep queued writes' keys pinned
 }
+# "ours/allhost": ours with host KV for every conversation of a pass (upper_tokens): the capacity bound
+# of the disk tier's load (what a tier below host could at best give back)
+HOST_VARIANTS = ("allhost",)
 # "ours/VARIANT": ours with run-time variables set (an A/B of one setting beside the default, same call);
 # only variables the package reads (vllm_npu_offload/env.py)
 VARIANTS: dict[str, dict[str, str]] = {
@@ -212,8 +215,9 @@ def parse_server(name: str, layout: str) -> tuple[str, str, str]:
     lay, _, kind = name.rpartition(":")
     lay = lay or layout
     kind, _, variant = kind.partition("/")
-    if variant and not ((kind == "ours" and variant in VARIANTS) or (kind == "ours-disk" and variant in DISK_VARIANTS)):
-        raise PlanError(f"server {name!r}: variants are ours/{{{','.join(VARIANTS)}}} and "
+    if variant and not ((kind == "ours" and (variant in VARIANTS or variant in HOST_VARIANTS))
+                        or (kind == "ours-disk" and variant in DISK_VARIANTS)):
+        raise PlanError(f"server {name!r}: variants are ours/{{{','.join([*VARIANTS, *HOST_VARIANTS])}}} and "
                         f"ours-disk/{{{','.join(DISK_VARIANTS)}}}")
     if kind not in SERVER_KINDS:
         raise PlanError(f"server {name!r}: kind must be one of {SERVER_KINDS} (optionally LAYOUT:KIND)")
@@ -251,7 +255,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         seen.add(label)
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
-        cpu = load.host_tokens * per_tok if kind in OFFLOADERS else 0
+        cpu = (load.upper_tokens if variant in HOST_VARIANTS else load.host_tokens) * per_tok if kind in OFFLOADERS else 0
         env = VARIANTS.get(variant, {}) if kind == "ours" else {}
         extra = DISK_VARIANTS.get(variant, {}) if kind == "ours-disk" else {}
         plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
@@ -260,7 +264,8 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
     if host_bytes and offloaders:
         # host KV is capped at an equal share of what the machine can pin (LRU evicts beyond it, as it
         # would for a user); a share below half the active conversations' KV would say little
-        share = min(HOST_SHARE * host_bytes - HOST_PER_SERVER * len(plans), PIN_SHARE * host_bytes) / len(offloaders)
+        budget = min(HOST_SHARE * host_bytes - HOST_PER_SERVER * len(plans), PIN_SHARE * host_bytes)
+        share = budget / len(offloaders)
         floor = load.active_tokens * per_tok / 2
         if share < floor:
             raise PlanError(
@@ -268,7 +273,13 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
                 f"GiB of host KV each, under half the active conversations' {2 * floor / GiB:.1f} GiB: fewer offload "
                 f"servers per call")
         cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
-        plans = [replace(p, cpu_bytes=min(p.cpu_bytes, cap)) if p.cpu_bytes else p for p in plans]
+        if sum(p.cpu_bytes for p in offloaders) > budget:  # equal shares, each capped
+            bound = [p for p in offloaders if p.label.endswith("/allhost") and p.cpu_bytes > cap]
+            if bound:  # a bound with less than every conversation in host would not be one
+                raise PlanError(f"{bound[0].label} needs {bound[0].cpu_bytes / GiB:.1f} GiB of host KV, over the "
+                                f"{cap / GiB:.1f} GiB each of {len(offloaders)} offload servers may pin: fewer "
+                                "offload servers in its call")
+            plans = [replace(p, cpu_bytes=min(p.cpu_bytes, cap)) if p.cpu_bytes else p for p in plans]
     # LMCache reads its sizes from its environment: the host bytes as capped, the disk budget of ours-disk
     plans = [replace(p, env=tuple(lmcache_env(p.cpu_bytes, p.tp, str(p.disk_dir) if p.disk_dir else None,
                                               DISK_BYTES).items())) if p.kind in LMCACHE_KINDS else p for p in plans]

@@ -6,6 +6,7 @@ from benchmarks.gpu_e2e import serve
 from benchmarks.gpu_e2e.engine import kv_transfer_config
 
 H200, HOST = 143771 * (1 << 20), 126 << 30
+GiB = 1 << 30
 
 
 def test_disk_kinds_configs():
@@ -106,3 +107,21 @@ def test_disk_records_counted_by_rank_for_the_tensor_parallel_run(tmp_path):
     line = tables.disk_rank_lines({"runs": runs})
     assert line == ("ours-disk disk records by rank, after each pass: pass 0: r0 3 files 0.0 GB, r1 2 files 0.0 GB; "
                     "pass 1: r0 3 files 0.0 GB, r1 2 files 0.0 GB")
+
+
+def test_the_capacity_bound_holds_every_conversation_in_host():
+    """``ours/allhost``: ours with host KV for every conversation of a pass (the issue's capacity bound),
+    beside 8 GiB for the others; refused rather than cut when the call's servers cannot pin it all."""
+    from benchmarks.gpu_e2e.kv_layouts import LAYOUTS
+
+    (load,) = serve.parse_loads("cap")
+    per_tok = LAYOUTS["uniform"].model.kv_bytes_per_token()
+    plans = serve.plan_servers("uniform", ["ours", "ours-disk", "ours/allhost"], load, 80 * GiB, HOST)
+    cpu = {p.label: p.cpu_bytes for p in plans}
+    assert cpu["ours/allhost"] == load.upper_tokens * per_tok > 3 * cpu["ours"] and cpu["ours"] == 8 * GiB
+    kv = plans[2].kv_config()["kv_connector_extra_config"]
+    assert kv["cpu_bytes_to_use"] == cpu["ours/allhost"] and "disk_path" not in kv and plans[2].env == ()
+    with pytest.raises(serve.PlanError, match="ours/allhost needs"):
+        serve.plan_servers("uniform", ["ours", "ours-disk", "native", "ours/allhost"], load, 0, 90 * GiB)
+    with pytest.raises(serve.PlanError, match="variants"):
+        serve.plan_servers("uniform", ["native/allhost"], load, 0, HOST)
