@@ -68,9 +68,13 @@ def parse_pairs(text: str) -> tuple[str, str]:
     return pairs  # type: ignore[return-value]
 
 
-def pair_disk_dir(pair: str, root: Path | None = None) -> Path:
-    """The one folder both servers of a disk pair share (under DISK_ROOT)."""
-    return (root or DISK_ROOT) / f"pair-{pair}"
+class GPUFitError(PlanError):
+    """The servers planned to run at once do not fit the GPU's memory."""
+
+
+def pair_disk_dir(root: Path | None = None) -> Path:
+    """The one folder both servers of the disk pair share (under DISK_ROOT)."""
+    return (root or DISK_ROOT) / "pair-disk"
 
 
 def pair_plans(gpu_bytes: int, host_bytes: int, master: dict | None, load: Load = PAIR_LOAD,
@@ -91,7 +95,7 @@ def pair_plans(gpu_bytes: int, host_bytes: int, master: dict | None, load: Load 
         if pair == "mooncake":
             return mc_extra
         if pair == "disk":
-            return {"disk_path": str(pair_disk_dir(pair, disk_root)), "disk_bytes_to_use": DISK_BYTES}
+            return {"disk_path": str(pair_disk_dir(disk_root)), "disk_bytes_to_use": DISK_BYTES}
         return {}
 
     plans = [replace(one, label=f"{pair}-{side}", env=tuple((mc_env if pair == "mooncake" else HASH_ENV).items()),
@@ -100,7 +104,7 @@ def pair_plans(gpu_bytes: int, host_bytes: int, master: dict | None, load: Load 
     at_once = plans[:2] if one_at_a_time else plans  # (both servers of a pair are alike)
     gpu = sum(p.gpu_bytes for p in at_once)
     if gpu_bytes and gpu > GPU_HEADROOM * gpu_bytes:
-        raise PlanError(f"pair: {len(at_once)} servers need {gpu / GiB:.1f} GiB of GPU memory, over "
+        raise GPUFitError(f"pair: {len(at_once)} servers need {gpu / GiB:.1f} GiB of GPU memory, over "
                         f"{GPU_HEADROOM:.0%} of {gpu_bytes / GiB:.1f} GiB")
     segments = 2 * segment_bytes if "mooncake" in pairs else 0
     host = sum(p.cpu_bytes for p in at_once) + segments + HOST_PER_SERVER * len(at_once)
@@ -202,21 +206,18 @@ def part_pair(work: Path, a, out: Path, budget: Budget, meta: dict, write=None) 
     try:
         src = client_sources(Path(a.client_dir))
         res["client"] = {"sdist": src.get("sdist"), "files": src["files"]}
-        disks = [pair_disk_dir(p) for p in pairs if p == "disk"]
-        for d in disks:  # a fresh tier: records of an earlier call's texts say nothing
+        if "disk" in pairs:  # a fresh tier: records of an earlier call's texts say nothing
+            d = pair_disk_dir()
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True, exist_ok=True)
-        if disks:
-            check_disk({d.name: DISK_BYTES for d in disks}, shutil.disk_usage(DISK_ROOT).free, DISK_ROOT)
+            check_disk({d.name: DISK_BYTES}, shutil.disk_usage(DISK_ROOT).free, DISK_ROOT)
         if master is not None:
             master.start()
         plan = functools.partial(pair_plans, meta.get("gpu_bytes", 0), meta.get("host_bytes", 0),
                                  master.extra() if master is not None else None, load, pairs=pairs)
         try:
             plans = plan()
-        except PlanError as e:
-            if "GPU memory" not in str(e):
-                raise
+        except GPUFitError as e:
             plans = plan(one_at_a_time=True)  # raises again if one pair alone does not fit
             res["one_pair_at_a_time"] = True
             print(f"[pair] {e}: one pair after the other", flush=True)
@@ -412,4 +413,5 @@ def pair_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PAIR_KINDS", "PAIR_LOAD", "Router", "parse_pairs", "pair_disk_dir", "pair_checks", "pair_plans", "pair_ratios", "pair_table", "part_pair"]
+__all__ = ["GPUFitError", "PAIR_KINDS", "PAIR_LOAD", "Router", "pair_checks", "pair_disk_dir", "pair_plans",
+           "pair_ratios", "pair_table", "parse_pairs", "part_pair"]

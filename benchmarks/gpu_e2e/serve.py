@@ -255,7 +255,8 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
         seen.add(label)
         tokens = load.upper_tokens if kind == "upper" else load.device_tokens
         kv = tokens * per_tok
-        cpu = (load.upper_tokens if variant in HOST_VARIANTS else load.host_tokens) * per_tok if kind in OFFLOADERS else 0
+        host_tokens = load.upper_tokens if variant in HOST_VARIANTS else load.host_tokens
+        cpu = host_tokens * per_tok if kind in OFFLOADERS else 0
         env = VARIANTS.get(variant, {}) if kind == "ours" else {}
         extra = DISK_VARIANTS.get(variant, {}) if kind == "ours-disk" else {}
         plans.append(ServerPlan(label, kind, lay, kv // tp, cpu, engine_gpu_bytes(weights, kv, tp),
@@ -274,7 +275,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
                 f"servers per call")
         cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
         if sum(p.cpu_bytes for p in offloaders) > budget:  # equal shares, each capped
-            bound = [p for p in offloaders if p.label.endswith("/allhost") and p.cpu_bytes > cap]
+            bound = [p for p in offloaders if p.label.rpartition("/")[2] in HOST_VARIANTS and p.cpu_bytes > cap]
             if bound:  # a bound with less than every conversation in host would not be one
                 raise PlanError(f"{bound[0].label} needs {bound[0].cpu_bytes / GiB:.1f} GiB of host KV, over the "
                                 f"{cap / GiB:.1f} GiB each of {len(offloaders)} offload servers may pin: fewer "

@@ -81,7 +81,7 @@ def test_pair_plans_fit_one_h200_with_the_tier_on_two_servers():
     MooncakeConfig.from_extra_config({k: v for k, v in kv.items() if k.startswith("mooncake_")})  # valid keys
     cap = pair.pair_plans(H200, HOST, extra, serve.CAPACITY)  # --pair-load cap: the disk tier's sizes
     assert all(p.device_kv_bytes == 4 * GiB and p.cpu_bytes == 8 * GiB for p in cap)
-    with pytest.raises(serve.PlanError, match="GPU memory"):
+    with pytest.raises(pair.GPUFitError, match="GPU memory"):
         pair.pair_plans(80 * GiB, HOST, extra)
     with pytest.raises(serve.PlanError, match="host KV, pool segments"):
         pair.pair_plans(H200, 64 * GiB, extra)
