@@ -6,7 +6,7 @@ an H200 in vLLM's default mode, and ``--budget-s`` (540 s) skips whatever would 
 ran is written to $OUT and comes back). Priorities: 1 = staging with the uniform layout's
 correctness beside LMCache's, the smoke of every layout and the disk tier at the capacity load beside
 host-only and vLLM's fs tier (about 18 minutes on the GPU); 2 = LMCache + disk at the capacity load,
-the disk tier's write holds against none, the capacity bound (host KV for everything),
+the capacity bound (host KV for everything) beside ours + disk and vLLM's fs tier,
 LMCache's reload TTFT on a later turn's shape, LMCache at 8 clients, the Mooncake and disk pairs,
 the reliability part, the disk tier's no-reuse cost and the host tier's yardstick: correctness of every
 layout, serving at 8 and 32 clients, reload TTFT and the no-reuse cost, the Gemma-2 and MLA layouts;
@@ -45,13 +45,12 @@ RUNS = (
     # runs M (one H100, 2026-12-06, 461 s) and L (one H200; the install in its call cut LMCache's third pass)
     Call("LMCache + disk against ours + disk at the capacity load, 3 passes",
          "serve --layouts uniform --loads cap --servers ours-disk,lmcache-disk --passes 3 --budget-s 555", 530, 2),
-    # keys that left host while queued for their write cut more later turns' prefixes than the cost rule
-    # on one H100 (run R, docs/benchmarks.md section 7): write holds (disk_write_hold 0.25) against none
-    Call("the disk tier with write holds against without, at the capacity load, 3 paired passes",
-         "serve --layouts uniform --loads cap --servers ours-disk,ours-disk/hold --passes 3 --budget-s 555", 530, 2),
-    # the capacity bound of issue #51's load: ours with host KV for every conversation of a pass
-    Call("the capacity bound: ours with host KV for every conversation, beside ours host-only and ours + disk",
-         "serve --layouts uniform --loads cap --servers ours,ours-disk,ours/allhost --passes 2 --budget-s 555", 470, 2),
+    # the capacity bound of issue #51's load, ours with host KV for every conversation of a pass, beside
+    # ours + disk and vLLM's fs tier (run U, one H100, 2026-12-06: 380 s; four servers do not fit an H100)
+    Call("the capacity bound (ours with host KV for every conversation) beside ours + disk and vLLM's fs tier, "
+         "3 paired passes",
+         "serve --layouts uniform --loads cap --servers ours-disk,native-fs,ours/allhost --passes 3 --budget-s 580",
+         420, 2),
     # LMCache loads nothing for a prompt it holds whole (section 10): a later turn's shape, the stored
     # prompt plus 256 new tokens, is what it does load. --no-off: four engines do not fit an H100
     Call("LMCache: reload TTFT at 8k / 32k stored + 256 new tokens, beside native and ours",

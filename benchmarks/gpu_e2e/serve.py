@@ -63,7 +63,6 @@ SERVER_KINDS = ("off", "upper") + OFFLOADERS
 DISK_VARIANTS: dict[str, dict] = {
     "q0.5": {"disk_read_queue_s": 0.5}, "q2.5": {"disk_read_queue_s": 2.5},  # the cost rule's queue
     "reuse": {"disk_admit": "reuse"},
-    "hold": {"disk_write_hold": 0.25},  # a quarter of host may keep queued writes' keys pinned
 }
 # "ours/allhost": ours with host KV for every conversation of a pass (upper_tokens): the capacity bound
 # of the disk tier's load (what a tier below host could at best give back)

@@ -39,14 +39,10 @@ def test_capacity_load_plans_five_servers_on_one_h200():
 
 def test_disk_variants_change_only_their_keys():
     (load,) = serve.parse_loads("cap")
-    plans = serve.plan_servers("uniform", ["ours-disk", "ours-disk/q2.5", "ours-disk/reuse", "ours-disk/hold"], load,
-                               H200, HOST)
+    plans = serve.plan_servers("uniform", ["ours-disk", "ours-disk/q2.5", "ours-disk/reuse"], load, H200, HOST)
     x = {p.label: p.kv_config()["kv_connector_extra_config"] for p in plans}
     assert "disk_read_queue_s" not in x["ours-disk"] and x["ours-disk/q2.5"]["disk_read_queue_s"] == 2.5
     assert x["ours-disk/reuse"]["disk_admit"] == "reuse"
-    from vllm_npu_offload.integration.tier_options import disk_options
-
-    assert disk_options(x["ours-disk/hold"]).write_hold == 0.25 and disk_options(x["ours-disk"]).write_hold == 0
     assert x["ours-disk/q2.5"]["disk_path"].endswith("ours-disk-q2.5")  # each its own folder
     for bad in ("ours-disk/q9", "native-fs/q2.5", "ours/q2.5"):
         try:

@@ -179,60 +179,6 @@ def test_stores_wait_for_room_oldest_first_and_one_that_left_host_drops_the_rest
     assert len(m._waiting["disk"]) == 0
 
 
-def _fill(m, keys):
-    m.complete_store(list(m.prepare_store(keys, CTX).keys_to_store), CTX)
-
-
-@pytest.mark.parametrize("hold", [0, 3])
-def test_write_holds_keep_the_oldest_queued_keys_in_host_until_their_write(hold):
-    """A tier with no room for writes while more is stored than host holds: without holds the queued
-    keys leave host (LRU) and are dropped; with holds the oldest ``hold`` of them stay pinned in host,
-    other chunks are evicted instead, and they are written once the tier has room, the pin passing
-    to the write and ending with it."""
-    host = CPUOffloadingManager(num_chunks=6)
-    disk = MemTier("disk", room=0)
-    m = TieredManager(host, [disk], write_hold_chunks=hold)
-    for i in range(4):
-        _fill(m, [f"q{i}".encode()])
-    assert disk.log == [] and len(m._waiting["disk"]) == 4
-    assert len(m._write_holds["disk"]) == hold and list(m._write_holds["disk"]) == [b"q0", b"q1", b"q2"][:hold]
-    disk.needs_write = lambda k: not k.startswith(b"n") and MemTier.needs_write(disk, k)  # n*: on the tier already
-    for i in range(6):  # a host's worth of newer keys, all on the tier already
-        _fill(m, [f"n{i}".encode()])
-    in_host = [k for k in (b"q0", b"q1", b"q2", b"q3") if hit(host.lookup(k, CTX))]
-    assert in_host == [b"q0", b"q1", b"q2"][:hold], in_host  # held keys stayed, the others went (LRU)
-    disk.room = 8
-    m.settle()
-    written = [k for _, k, _ in disk.log]
-    assert written == [b"q0", b"q1", b"q2"][:hold], written
-    assert disk.stats.dropped_stores == 4 - hold and m._write_holds["disk"] == {}
-    assert m.write_holds == hold
-    # the written keys' pins ended with their writes: every chunk can be stored over again
-    disk.finish()
-    m.settle()
-    _fill(m, [f"z{i}".encode() for i in range(6)])
-    assert all(hit(host.lookup(f"z{i}".encode(), CTX)) for i in range(6))
-
-
-def test_a_held_key_that_needs_no_write_any_more_is_unpinned_and_a_reset_releases_the_rest():
-    host = CPUOffloadingManager(num_chunks=4)
-    disk = MemTier("disk", room=0)
-    m = TieredManager(host, [disk], write_hold_chunks=2)
-    _fill(m, [b"a", b"b", b"c"])
-    assert list(m._write_holds["disk"]) == [b"a", b"b"]
-    disk.keys.add(b"a")  # another writer put it on the tier: no write needed, no pin either
-    disk.room = 1
-    m.settle()
-    assert [k for _, k, _ in disk.log] == [b"b"]  # a was passed over, b's pin went to its write
-    assert list(m._write_holds["disk"]) == [b"c"]  # room for one more hold: c
-    m.reset_cache()
-    assert m._write_holds["disk"] == {} and len(m._waiting["disk"]) == 0
-    _fill(m, [b"w", b"x", b"y", b"z"])  # nothing left pinned: the whole host takes new keys
-    assert all(hit(host.lookup(k, CTX)) for k in (b"w", b"x", b"y", b"z"))
-    with pytest.raises(ValueError, match="write_hold_chunks"):
-        TieredManager(host, [disk], write_hold_chunks=-1)
-
-
 def test_each_tier_has_its_own_metric_names():
     counters, gauges = tier_metrics("mooncake")
     names = [n for n, _, _ in counters + gauges]

@@ -94,8 +94,6 @@ def test_prompt_served_from_disk_byte_exact(tiny_model, tmp_path, ours):
     ({"disk_path": "/tmp/x", "disk_bytes_to_use": 1 << 30, "disk_read_timeout_s": 0}, r"disk_read_timeout_s"),
     ({"disk_path": "/tmp/x", "disk_bytes_to_use": 1 << 30, "disk_read_queue_s": 6}, r"disk_read_queue_s.*below"),
     ({"disk_path": "/tmp/x", "disk_bytes_to_use": 1 << 30, "disk_read_queue_s": "1"}, r"disk_read_queue_s.*number"),
-    ({"disk_path": "/tmp/x", "disk_bytes_to_use": 1 << 30, "disk_write_hold": 0.75}, r"disk_write_hold.*at most 0.5"),
-    ({"disk_path": "/tmp/x", "disk_bytes_to_use": 1 << 30, "disk_write_hold": -0.1}, r"disk_write_hold.*>= 0"),
     ({"disk_path": "/proc/npu-offload-kv", "disk_bytes_to_use": 1 << 30}, r"\['disk_path'\].*cannot be used"),
     ({"disk_path": "/tmp/x", "disk_byte_to_use": 1}, r"did you mean 'disk_bytes_to_use'"),
 ])

@@ -211,10 +211,8 @@ class NPUOffloadingSpec(compat.ExtraConfigOverride, compat.CPUOffloadingSpec):
                 made["mooncake"] = MooncakeTier(MooncakeTierConfig(
                     store=self._mooncake, world_size=world, engine_id=engine, tokens_per_key=tokens_per_key))
             # the prefetch window for waiting requests (NPUOffloadingConnector): a quarter of host at most
-            hold = int(self.geometry[1] * self._disk.write_hold) if self._disk is not None else 0
             self._tier_manager = TieredManager(host, [made[n] for n in self._tier_order],
-                                               prefetch_chunks=self.geometry[1] // PREFETCH_HOST_SHARE,
-                                               write_hold_chunks=hold)
+                                               prefetch_chunks=self.geometry[1] // PREFETCH_HOST_SHARE)
         return self._tier_manager
 
     def get_worker(self, kv_caches):

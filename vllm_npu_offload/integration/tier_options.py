@@ -14,8 +14,6 @@
   if the disk delivers the key sooner than this rate recomputes its tokens (0, default: off).
 - ``disk_rescan_s``: how often records other servers wrote are picked up (default 10; 0: at
   start-up only).
-- ``disk_write_hold``: the share of host chunks that keys waiting for their disk write may keep
-  pinned in host until the write starts (0, default: none; at most 0.5).
 
 The Mooncake Store tier's keys (``mooncake_*``, ``tiers/mooncake_store.py``) and ``tier_order``: the
 order in which lower tiers are asked for a key the host does not hold (default disk, then
@@ -36,8 +34,7 @@ from .options import _positive_int
 logger = logging.getLogger(__name__)
 
 DISK_KEYS = ("disk_path", "disk_bytes_to_use", "disk_admit", "disk_read_timeout_s", "disk_read_queue_s",
-             "disk_prefill_tokens_per_s", "disk_rescan_s", "disk_write_hold")
-MAX_WRITE_HOLD = 0.5  # of host chunks: the rest must stay free for stores and the prefetch window
+             "disk_prefill_tokens_per_s", "disk_rescan_s")
 ADMIT_POLICIES = ("all", "reuse")
 MOONCAKE_KEYS = tuple(f"mooncake_{f}" for f in MooncakeConfig.__dataclass_fields__)
 TIER_KEYS = DISK_KEYS + MOONCAKE_KEYS + ("tier_order",)
@@ -53,7 +50,6 @@ class DiskOptions:
     read_queue_s: float = 1.0
     prefill_tokens_per_s: float = 0.0
     rescan_s: float = 10.0
-    write_hold: float = 0.0  # share of host chunks
 
 
 def _number(extra: Mapping[str, Any], key: str, default: float, positive: bool) -> float:
@@ -89,10 +85,6 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
         raise OffloadConfigError(f"kv_connector_extra_config['disk_admit']={admit!r} must be one of {ADMIT_POLICIES}")
     timeout = _number(extra, "disk_read_timeout_s", 5.0, positive=True)
     queue_s = _number(extra, "disk_read_queue_s", min(1.0, timeout / 2), positive=True)
-    hold = _number(extra, "disk_write_hold", 0.0, positive=False)
-    if hold > MAX_WRITE_HOLD:
-        raise OffloadConfigError(f"kv_connector_extra_config['disk_write_hold']={extra['disk_write_hold']!r} must be "
-                                 f"at most {MAX_WRITE_HOLD} (a share of the host chunks)")
     if queue_s >= timeout:
         raise OffloadConfigError(
             f"kv_connector_extra_config['disk_read_queue_s']={extra['disk_read_queue_s']!r} must be below "
@@ -105,7 +97,6 @@ def disk_options(extra: Mapping[str, Any]) -> DiskOptions | None:
         read_queue_s=queue_s,
         prefill_tokens_per_s=_number(extra, "disk_prefill_tokens_per_s", 0.0, positive=False),
         rescan_s=_number(extra, "disk_rescan_s", 10.0, positive=False),
-        write_hold=hold,
     )
 
 

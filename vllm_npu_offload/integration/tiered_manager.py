@@ -29,11 +29,6 @@ does not depend on vLLM's own tiering classes, whose contract changed with almos
   prefix many requests share counts once) for each request until its load (``prepare_load``) or its
   end (``on_request_finished``); then the next requests' turn comes.
 
-- Write holds (``write_hold_chunks``, off by default): up to that many of the oldest keys waiting
-  for a tier's write are pinned in host (``prepare_load``) until their write starts, so that vLLM's
-  LRU evicts other chunks first and a queued key is not lost before the disk has room for it. The
-  pin passes to the write; a key that no longer needs writing is unpinned.
-
 - Idle drain: vLLM calls the manager only while its engine steps, so writes queued when the server
   goes quiet (the last turn's stores, a tier's queue or budget full) would wait for the next request:
   a restart or another instance sharing the tier would miss them. A thread of ours takes in finished
@@ -145,16 +140,13 @@ class _Prefetch:
 class TieredManager:
     """Wraps the host tier's ``OffloadingManager``; every call it does not override goes to it."""
 
-    def __init__(self, host, tiers: list[LowerTier], prefetch_chunks: int = 0, write_hold_chunks: int = 0):
+    def __init__(self, host, tiers: list[LowerTier], prefetch_chunks: int = 0):
         """``prefetch_chunks``: host chunks the prefetch window holds for waiting requests, at most (0:
-        no prefetch). ``write_hold_chunks``: host chunks that keys waiting for a write may keep pinned,
-        all tiers together (0: none)."""
+        no prefetch)."""
         if not tiers:
             raise ValueError("TieredManager needs at least one lower tier")
         if prefetch_chunks < 0:
             raise ValueError(f"TieredManager prefetch_chunks={prefetch_chunks!r}: must be >= 0")
-        if write_hold_chunks < 0:
-            raise ValueError(f"TieredManager write_hold_chunks={write_hold_chunks!r}: must be >= 0")
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self.host = host
@@ -174,9 +166,6 @@ class TieredManager:
         self.kept = 0  # host chunks kept in host for a waiting request (touched when its turn in the window came)
         self.idle_drains = 0  # times the drain thread found work while the scheduler was quiet
         self._prefetch_reads: set = set()  # keys whose read the window started, until it ends
-        self.write_hold_chunks = write_hold_chunks
-        self._write_holds: dict[str, dict] = {t.name: {} for t in self.tiers}  # tier -> key -> pinned host chunk
-        self.write_holds = 0  # keys pinned in host while they waited for their write, so far
         _LIVE.add(self)
         self._drain = _IdleDrain(self)
         self._drain.start()
@@ -260,10 +249,8 @@ class TieredManager:
             for t in self.tiers:
                 now = t.stats.line()
                 if now != self._logged[t.name]:
-                    holds = (f"; write holds: {len(self._write_holds[t.name])} now, {self.write_holds} so far"
-                             if self.write_hold_chunks else "")
-                    logger.info("%s tier: %s; %s; %s; prefetch window: %d host chunks kept for waiting requests%s",
-                                t.name, now, t.describe_rate(), self.misses.line(), self.kept, holds)
+                    logger.info("%s tier: %s; %s; %s; prefetch window: %d host chunks kept for waiting requests",
+                                t.name, now, t.describe_rate(), self.misses.line(), self.kept)
                     self._logged[t.name] = now
 
     def _apply(self, tier: LowerTier, completions) -> None:
@@ -460,50 +447,18 @@ class TieredManager:
     def _start_writes(self, t: LowerTier) -> None:
         """Start the writes ``t`` has room for, oldest admitted key first (tiers/write_queue.py)."""
         q = self._waiting[t.name]
-        held = self._write_holds[t.name]
         while len(q) and t.may_write():
-            key = q.pop(lambda k: not t.needs_write(k), lambda k: k in held or self._ready_in_host(k))
+            key = q.pop(lambda k: not t.needs_write(k), self._ready_in_host)
             if key is None:
                 break
-            chunk = held.pop(key, None)  # a held key's pin passes to its write
-            if chunk is None:
-                chunk = int(self.host.prepare_load([key], self._ctx).block_ids[0])
-            if not t.start_write(key, chunk):
+            spec = self.host.prepare_load([key], self._ctx)
+            if not t.start_write(key, int(spec.block_ids[0])):
                 self.host.complete_load([key], self._ctx)
-        if self.write_hold_chunks or held:
-            self._hold_for_writes(t)
         lost = q.take_dropped()
         if lost:
             t.stats.dropped_stores += len(lost)
             t.stats.count_failure(Failure.LEFT_HOST, len(lost))
             self.misses.note(lost, Fate.DROPPED)
-
-    def _hold_for_writes(self, t: LowerTier) -> None:
-        """Unpin held keys that left ``t``'s queue without a write (on the tier already, or dropped),
-        then pin its oldest waiting keys still in host while the holds have room."""
-        q, held = self._waiting[t.name], self._write_holds[t.name]
-        for key in [k for k in held if k not in q]:
-            del held[key]
-            self.host.complete_load([key], self._ctx)
-        room = self.write_hold_chunks - sum(len(h) for h in self._write_holds.values())
-        if room <= 0:
-            return
-        pick, looked = [], 0
-        for key in q.oldest():  # the held keys are the oldest: a bounded look past them
-            if len(pick) >= room or looked >= len(held) + 2 * room + 64:
-                break
-            looked += 1
-            if key not in held and t.needs_write(key) and self._ready_in_host(key):
-                pick.append(key)
-        for key in pick:
-            held[key] = int(self.host.prepare_load([key], self._ctx).block_ids[0])
-        self.write_holds += len(pick)
-
-    def _release_write_holds(self) -> None:
-        for held in self._write_holds.values():
-            for key in held:
-                self.host.complete_load([key], self._ctx)
-            held.clear()
 
     def _ready_in_host(self, key) -> bool:
         r = self.host.lookup(key, self._ctx)
@@ -553,7 +508,6 @@ class TieredManager:
                                RESET_DRAIN_S)
             t.abandoned.clear()
             self._waiting[t.name].clear()
-        self._release_write_holds()
         self._prefetch_reads.clear()
         for rid in list(self._prefetch):
             self._release(rid)

@@ -39,10 +39,6 @@ class WriteQueue:
     def __contains__(self, key) -> bool:
         return key in self._keys
 
-    def oldest(self):
-        """The waiting keys, oldest first (the next to be written, and the nearest to leaving host)."""
-        return iter(self._keys)
-
     def add(self, keys) -> None:
         """One batch: keys stored together, in block order. A key already waiting keeps its place."""
         self._batch += 1
