@@ -29,12 +29,15 @@ LayerKV = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 @dataclass(frozen=True)
 class DeviceKVTensor:
-    """One device KV region seen as blocks: block ``i`` at ``base + i * block_stride``."""
+    """One device KV region seen as blocks: block ``i`` at ``base + i * block_stride``. Made from a
+    tensor, it holds that tensor (``owner``): copies target ``base`` by address, so the memory must
+    live as long as the descriptor does, whoever else lets go of the tensor."""
 
     base: int
     block_stride: int
     num_blocks: int
     page_bytes: int  # padded page; the host mirrors this many bytes per block
+    owner: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_block_view(cls, t: torch.Tensor, page_bytes: int | None = None) -> "DeviceKVTensor":
@@ -46,7 +49,7 @@ class DeviceKVTensor:
         page = page_bytes if page_bytes is not None else t[0].numel() * t.element_size()
         if page > stride:
             raise OffloadConfigError(f"KV page of {page} bytes exceeds the block stride {stride} of {tuple(t.shape)}")
-        return cls(t.data_ptr(), stride, t.shape[0], page)
+        return cls(t.data_ptr(), stride, t.shape[0], page, owner=t)
 
     @property
     def end(self) -> int:
@@ -132,8 +135,8 @@ def describe(name: str, t: torch.Tensor, num_blocks: int) -> DeviceKVTensor:
                 f"KV part of layer {name!r} has {factor} kernel blocks per block but they are not packed "
                 f"(stride {stride} B != payload {page} B)"
             )
-        return DeviceKVTensor(t.data_ptr(), stride * factor, num_blocks, page * factor)
-    return DeviceKVTensor(t.data_ptr(), stride, num_blocks, page)
+        return DeviceKVTensor(t.data_ptr(), stride * factor, num_blocks, page * factor, owner=t)
+    return DeviceKVTensor(t.data_ptr(), stride, num_blocks, page, owner=t)
 
 
 def split_parts(name: str, kv: LayerKV, num_blocks: int) -> list[torch.Tensor]:

@@ -159,3 +159,40 @@ def test_a_permuted_dense_block_payload_is_one_page():
     page = BS * heads * dim * 4
     assert [(t.block_stride, t.page_bytes) for t in lay.tensors] == [(2 * page, page), (2 * page, page)]
     assert lay.tensors[1].base - lay.tensors[0].base == page
+
+
+def test_a_descriptor_keeps_its_memory_alive():
+    """Copies reach KV by address: a worker core built from descriptors of tensors the caller then drops
+    (a test helper did, and the copies wrote into freed heap) must still copy into live memory. The
+    descriptor holds its tensor; a round trip after every other reference is gone is byte-exact."""
+    import gc
+    import weakref
+
+    from vllm_npu_offload.device_kv import DeviceKVTensor, GroupRef
+    from vllm_npu_offload.offload_worker import OffloadWorkerCore
+    from vllm_npu_offload.platform import CpuPlatform
+
+    pages = [512, 256]
+    kv = [torch.randint(0, 256, (8, q), dtype=torch.uint8) for q in pages]
+    want = [t.clone() for t in kv]
+    refs = [weakref.ref(t) for t in kv]
+    desc = [DeviceKVTensor.from_block_view(t) for t in kv]
+    desc += canonicalize({"l": kv[0]}, 8).tensors
+    del kv
+    gc.collect()
+    assert all(r() is not None for r in refs), "a descriptor let its tensor go"
+    assert [d.base for d in desc[:2]] == [r().data_ptr() for r in refs] and desc[2].owner is not None
+    core = OffloadWorkerCore(desc[:2], [[GroupRef(i, q) for i, q in enumerate(pages)]], 1, 8, CpuPlatform())
+    try:
+        blocks = np.arange(8, dtype=np.int64)
+        core.submit(1, Direction.D2H, blocks, [8], [0], blocks)
+        core.wait([1])
+        for r in refs:
+            r().zero_()
+        core.submit(2, Direction.H2D, blocks, [8], [0], blocks)
+        core.wait([2])
+        assert [x.success for x in core.poll()] == [True, True]
+        assert all(torch.equal(r(), w) for r, w in zip(refs, want))
+    finally:
+        core.shutdown()
+    assert DeviceKVTensor(0, 8, 1, 8) == DeviceKVTensor(0, 8, 1, 8, owner=object()), "owner is not part of equality"
