@@ -274,7 +274,7 @@ def plan_servers(layout: str, names: list[str], load: Load, gpu_bytes: int, host
                 f"servers per call")
         cap = int(share) // (64 * per_tok) * (64 * per_tok)  # whole offloaded blocks
         if sum(p.cpu_bytes for p in offloaders) > budget:  # equal shares, each capped
-            bound = [p for p in offloaders if p.label.rpartition("/")[2] in HOST_VARIANTS and p.cpu_bytes > cap]
+            bound = [p for p in offloaders if parse_server(p.label, layout)[2] in HOST_VARIANTS and p.cpu_bytes > cap]
             if bound:  # a bound with less than every conversation in host would not be one
                 raise PlanError(f"{bound[0].label} needs {bound[0].cpu_bytes / GiB:.1f} GiB of host KV, over the "
                                 f"{cap / GiB:.1f} GiB each of {len(offloaders)} offload servers may pin: fewer "
